@@ -1,0 +1,1 @@
+"""The forge: HF checkpoint dir -> bundle. Build-time code (torch, transformers)."""

@@ -1,0 +1,103 @@
+"""Export static-shape torch modules to ONNX, then give graphs that share weights one weight file.
+
+Prefill (AR-N) and decode (AR-1) graphs of a shard are exported separately from the same module
+weights; ``share_weights`` moves every initializer into one external-data file, de-duplicated by
+content, so the two graphs point at the same bytes on disk (half the bundle size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import warnings
+from pathlib import Path
+
+from ..errors import BuildError
+from ..families.base import GraphIO
+from ..manifest import TensorSpec
+
+EXPORTERS = ("torchscript", "dynamo")
+MIN_EXTERNAL_BYTES = 1024  # smaller initializers stay inline
+ALIGN = 64
+
+
+def export_module(module, path: Path, exporter: str = "dynamo") -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Export ``module`` (with .io: GraphIO and .example_inputs()) to ``path``; -> (inputs, outputs)."""
+    import torch
+
+    io: GraphIO = module.io
+    args = module.example_inputs()
+    with torch.no_grad():
+        outs = module(*args)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    in_names = [n for n, _ in io.inputs]
+    out_names = [n for n, _ in io.outputs]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if exporter == "dynamo":
+                logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+                torch.onnx.export(module, args, str(path), input_names=in_names,
+                                  output_names=out_names, dynamo=True, opset_version=21,
+                                  external_data=False, verbose=False)
+            elif exporter == "torchscript":
+                torch.onnx.export(module, args, str(path), input_names=in_names,
+                                  output_names=out_names, dynamo=False, opset_version=18,
+                                  do_constant_folding=True)
+            else:
+                raise BuildError(f"unknown exporter {exporter!r}; choose from {EXPORTERS}")
+    except BuildError:
+        raise
+    except Exception as e:
+        raise BuildError(f"ONNX export of {path.name} failed: {type(e).__name__}: {e}") from e
+    _check_io(path, in_names, out_names)
+    return io.specs(list(args), "inputs"), io.specs(list(outs), "outputs")
+
+
+def _check_io(path: Path, in_names: list[str], out_names: list[str]) -> None:
+    import onnx
+
+    m = onnx.load(str(path), load_external_data=False)
+    got_in = [i.name for i in m.graph.input]
+    got_out = [o.name for o in m.graph.output]
+    if got_in != in_names or got_out != out_names:
+        raise BuildError(f"{path.name}: exported I/O {got_in} -> {got_out} differs from the module "
+                         f"contract {in_names} -> {out_names} (an unused input was dropped?)")
+
+
+def share_weights(graph_files: list[Path], weights_name: str) -> int:
+    """Move initializers of ``graph_files`` into one de-duplicated external file next to them.
+
+    Returns the bytes written. All graph files must be in the same directory.
+    """
+    import onnx
+    from onnx import numpy_helper
+    from onnx.external_data_helper import set_external_data
+
+    folder = graph_files[0].parent
+    wpath = folder / weights_name
+    offsets: dict[str, tuple[int, int]] = {}
+    with open(wpath, "wb") as f:
+        for gf in graph_files:
+            model = onnx.load(str(gf))  # loads any external data the exporter wrote
+            for t in model.graph.initializer:
+                raw = t.raw_data or numpy_helper.to_array(t).tobytes()
+                if len(raw) < MIN_EXTERNAL_BYTES:
+                    continue
+                key = hashlib.sha1(raw).hexdigest() + f":{t.data_type}"
+                if key not in offsets:
+                    pad = (-f.tell()) % ALIGN
+                    f.write(b"\0" * pad)
+                    offsets[key] = (f.tell(), len(raw))
+                    f.write(raw)
+                off, length = offsets[key]
+                for field in ("float_data", "int32_data", "int64_data", "double_data"):
+                    t.ClearField(field)
+                t.raw_data = raw  # set_external_data insists on raw_data being present
+                set_external_data(t, location=weights_name, offset=off, length=length)
+                t.ClearField("raw_data")
+                t.data_location = onnx.TensorProto.EXTERNAL
+            for stale in folder.glob(gf.name + ".data"):  # exporter side files, now merged
+                stale.unlink()
+            onnx.save(model, str(gf))
+        return f.tell()

@@ -1,0 +1,208 @@
+"""``hexforge build``: the stages, in order, into a temp dir renamed into place at the end.
+
+    read checkpoint ─▶ family + HF model ─▶ host tensors, tokenizer
+        ─▶ per target: plan shards ─▶ export prefill/decode per shard + head ─▶ share weights
+        ─▶ manifest ─▶ oracle (report.json, gates) ─▶ rename temp dir -> bundle
+
+A build interrupted anywhere leaves only ``.<name>.partial-*`` next to the output, never a
+bundle that loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import __version__
+from ..errors import BuildError, ParityGateError
+from ..families import family_name, load_family
+from ..manifest import (
+    MANIFEST_NAME,
+    SCHEMA_VERSION,
+    GenerationDefaults,
+    GraphSpec,
+    Manifest,
+    RunPlan,
+    ShardPlan,
+    TargetSpec,
+    TokenizerSpec,
+    save_manifest,
+)
+from ..targets import Target, parse_targets
+from .checkpoint import read_checkpoint
+from .export import export_module, share_weights
+from .plan import plan_shards
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class BuildOptions:
+    targets: str = "cpu"
+    context: int = 2048
+    prefill_len: int = 64
+    max_shard_bytes: int | None = None  # default: the target's per-context ceiling
+    verify: bool = True
+    exporter: str = "torchscript"  # measured: same tiny-model speed, 2.5x faster export
+    verify_tokens: int = 64
+    force: bool = True  # replace an existing bundle at the output path
+    timings: dict = field(default_factory=dict)
+
+
+def _generation_defaults(gen: dict, config: dict) -> GenerationDefaults:
+    def ids(v):
+        return [] if v is None else ([v] if isinstance(v, int) else [int(x) for x in v])
+
+    eos = ids(gen.get("eos_token_id", config.get("eos_token_id")))
+    sample = bool(gen.get("do_sample", False))
+    return GenerationDefaults(
+        eos_token_ids=eos, bos_token_id=gen.get("bos_token_id", config.get("bos_token_id")),
+        pad_token_id=gen.get("pad_token_id", config.get("pad_token_id")),
+        temperature=float(gen.get("temperature", 1.0)) if sample else 0.0,
+        top_k=int(gen.get("top_k", 0) or 0) if sample else 0,
+        top_p=float(gen.get("top_p", 1.0) or 1.0) if sample else 1.0,
+    )
+
+
+def _write_host_tensors(path: Path, tensors: dict) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path))
+
+
+def _build_target(fam, hf, args, target: Target, opts: BuildOptions, out: Path,
+                  log: Log) -> TargetSpec:
+    ceiling = opts.max_shard_bytes or target.max_context_bytes
+    layer_bytes = fam.layer_weight_bytes(hf, 4.0)
+    shards = plan_shards(layer_bytes, ceiling)
+    log(f"[{target.name}] {len(shards)} shard(s) under {ceiling:,} B: "
+        + " ".join(f"[{a},{b})" for a, b in shards))
+    folder = out / target.name
+    folder.mkdir()
+    graphs: list[GraphSpec] = []
+    plan: list[ShardPlan] = []
+
+    def export(name: str, role: str, module, layers=None) -> GraphSpec:
+        path = folder / f"{name}.onnx"
+        t = time.perf_counter()
+        ins, outs = export_module(module, path, opts.exporter)
+        log(f"[{target.name}] exported {name} ({time.perf_counter() - t:.1f}s)")
+        seq = ins[0].shape[1]
+        return GraphSpec(name=name, role=role, file=f"{target.name}/{name}.onnx", seq_len=seq,
+                         layers=layers, inputs=ins, outputs=outs)
+
+    for s, (a, b) in enumerate(shards):
+        pre = export(f"s{s}.prefill", "prefill",
+                     fam.decoder_module(hf, args, (a, b), opts.prefill_len, opts.context), (a, b))
+        dec = export(f"s{s}.decode", "decode",
+                     fam.decoder_module(hf, args, (a, b), 1, opts.context), (a, b))
+        share_weights([folder / f"s{s}.prefill.onnx", folder / f"s{s}.decode.onnx"],
+                      f"s{s}.weights")
+        graphs += [pre, dec]
+        plan.append(ShardPlan(layers=(a, b), prefill=pre.name, decode=dec.name))
+    head = export("head", "head", fam.head_module(hf, args))
+    share_weights([folder / "head.onnx"], "head.weights")
+    graphs.append(head)
+    for g in graphs:  # bytes on disk: graph proto + its weight file, shared files counted once
+        g.bytes = (out / g.file).stat().st_size
+    return TargetSpec(name=target.name, htp_arch=target.htp_arch, graphs=graphs,
+                      plan=RunPlan(prefill_len=opts.prefill_len, shards=plan, head=head.name))
+
+
+def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None = None,
+          log: Log = print) -> Path:
+    opts = opts or BuildOptions()
+    t_start = time.perf_counter()
+    ckpt = read_checkpoint(checkpoint)
+    targets = parse_targets(opts.targets)
+    if opts.prefill_len < 1 or opts.context < 2:
+        raise BuildError("--prefill-len must be >= 1 and --context >= 2")
+    fam = load_family(ckpt.model_type).FAMILY
+    args = fam.Args.from_config(ckpt.config)
+    if hasattr(fam, "check_supported"):
+        fam.check_supported(args)
+
+    out = Path(output).absolute()
+    if out.exists() and not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
+        raise BuildError(f"{out} exists and is not a hexforge bundle; refusing to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        log(f"reading {ckpt.dir} ({ckpt.model_type} -> families/{family_name(ckpt.model_type)}.py)")
+        t = time.perf_counter()
+        hf = fam.load_hf(ckpt.dir)
+        opts.timings["load_hf_s"] = time.perf_counter() - t
+
+        tok_dir = tmp / "tokenizer"
+        tok_dir.mkdir()
+        for f in ckpt.tokenizer_files:
+            shutil.copy2(ckpt.dir / f, tok_dir / f)
+        _write_host_tensors(tmp / "host.safetensors", fam.host_tensors(hf, args))
+
+        t = time.perf_counter()
+        specs = {tg.name: _build_target(fam, hf, args, tg, opts, tmp, log) for tg in targets}
+        opts.timings["export_s"] = time.perf_counter() - t
+        manifest = Manifest(
+            schema_version=SCHEMA_VERSION, hexforge_version=__version__,
+            family=family_name(ckpt.model_type), model_type=ckpt.model_type, hf_config=ckpt.config,
+            context=opts.context, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+            num_layers=args.num_hidden_layers, host=fam.host_recipe(hf, args),
+            mask_groups=fam.mask_groups(args, opts.context),
+            state=fam.state_spec(args, opts.context),
+            tokenizer=TokenizerSpec(files=ckpt.tokenizer_files,
+                                    chat_template=_has_chat_template(ckpt)),
+            generation=_generation_defaults(ckpt.generation, ckpt.config), targets=specs,
+            report="report.json" if opts.verify else None,
+        )
+        save_manifest(tmp, manifest)
+
+        if opts.verify:
+            from .verify import verify_bundle
+
+            t = time.perf_counter()
+            report = verify_bundle(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens)
+            opts.timings["verify_s"] = time.perf_counter() - t
+            (tmp / "report.json").write_text(json.dumps(report, indent=1))
+            for name, r in report.items():
+                tf = r["teacher_forced"]
+                log(f"[{name}] oracle: logits cos {tf['cos_min']:.6f} top-1 {tf['top1']:.3f} "
+                    f"greedy {r['greedy']['matching_prefix']}/{r['greedy']['new_tokens']} "
+                    f"{'PASS' if r['passed'] else 'FAIL'}")
+            failed = {n: r["failures"] for n, r in report.items() if not r["passed"]}
+            if failed:
+                detail = "; ".join(f"{n}: {', '.join(f)}" for n, f in failed.items())
+                raise ParityGateError(f"parity gate failed ({detail}); the bundle was not written "
+                                      "(use --no-verify to skip the oracle)")
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    opts.timings["total_s"] = time.perf_counter() - t_start
+    log(f"wrote {out} in {opts.timings['total_s']:.1f}s")
+    return out
+
+
+def _has_chat_template(ckpt) -> bool:
+    if (ckpt.dir / "chat_template.jinja").is_file() or (ckpt.dir / "chat_template.json").is_file():
+        return True
+    cfg = ckpt.dir / "tokenizer_config.json"
+    return cfg.is_file() and "chat_template" in json.loads(cfg.read_text())
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Swap the finished temp dir into place; an old bundle is removed only after the swap."""
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)

@@ -1,0 +1,172 @@
+"""The oracle: the HF model, on the same inputs, judges every graph of a bundle target.
+
+  per graph       hidden of each shard (prefill and decode) vs HF's decoder-layer output at the
+                  same positions; head logits vs HF logits         -> cos (min over rows), max|Δ|
+  teacher-forced  prompt prefilled, then HF's own greedy tokens fed one by one: logits vs HF's
+                  full forward                                      -> cos min/mean, top-1, max|Δ|
+  greedy          bundle greedy tokens vs HF ``generate`` (greedy, fp32, EOS off)
+
+Gates are data (GATES, per quant recipe); fp32 CPU graphs must be greedy-exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..manifest import GraphSpec, Manifest
+from ..runtime.engine import Engine
+from ..runtime.sampling import greedy
+from ..runtime.text import TextTokenizer
+
+VERIFY_TEXT = ("The capital of France is Paris, and the river that runs through it is the Seine. "
+               "Static shapes, quantized weights and a careful oracle make a model run on an NPU. ")
+
+
+@dataclass(frozen=True)
+class Gate:
+    graph_cos: float  # every graph, every row
+    tf_cos: float  # teacher-forced logits, min over steps
+    top1: float  # teacher-forced top-1 agreement
+    greedy_exact: bool
+
+
+GATES = {
+    "fp32": Gate(graph_cos=0.99999, tf_cos=0.99999, top1=1.0, greedy_exact=True),
+    "fp16": Gate(graph_cos=0.999, tf_cos=0.9995, top1=0.9, greedy_exact=False),
+    "w8a16": Gate(graph_cos=0.99, tf_cos=0.999, top1=0.8, greedy_exact=False),
+    "w4a16": Gate(graph_cos=0.98, tf_cos=0.995, top1=0.7, greedy_exact=False),
+}
+
+
+def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a.reshape(-1, a.shape[-1]).astype(np.float64)
+    b = b.reshape(-1, b.shape[-1]).astype(np.float64)
+    num = (a * b).sum(-1)
+    den = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
+    return num / np.maximum(den, 1e-30)
+
+
+class _Tally:
+    def __init__(self):
+        self.cos: list[float] = []
+        self.max_abs = 0.0
+
+    def add(self, got: np.ndarray, ref: np.ndarray) -> None:
+        self.cos += cosine_rows(got, ref).tolist()
+        self.max_abs = max(self.max_abs, float(np.abs(got.astype(np.float64) - ref).max()))
+
+    def summary(self) -> dict:
+        return {"cos_min": min(self.cos), "cos_mean": float(np.mean(self.cos)),
+                "max_abs": self.max_abs, "rows": len(self.cos)}
+
+
+def verify_prompt(tok: TextTokenizer, length: int) -> list[int]:
+    ids = tok.encode(VERIFY_TEXT)
+    while len(ids) < length:
+        ids += tok.encode(VERIFY_TEXT, add_special_tokens=False)
+    return ids[:length]
+
+
+def hf_reference(family, hf, prompt: list[int], new_tokens: int) -> dict:
+    """HF greedy tokens (EOS off) and, on prompt + those tokens, every layer's output + logits."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    gen_cfg = hf.generation_config
+    saved = gen_cfg.eos_token_id
+    gen_cfg.eos_token_id = None
+    try:
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0)
+    finally:
+        gen_cfg.eos_token_id = saved
+    tokens = out[0, len(prompt):].tolist()
+    layers = family.reference_layers(hf)
+    captured: dict[int, np.ndarray] = {}
+    hooks = [layer.register_forward_hook(
+        lambda _m, _i, o, idx=i: captured.__setitem__(idx, (o[0] if isinstance(o, tuple) else o)
+                                                      .detach().float().numpy()))
+        for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            full = torch.tensor([prompt + tokens])
+            logits = hf(full, attention_mask=torch.ones_like(full)).logits[0].float().numpy()
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"tokens": tokens, "layers": captured, "logits": logits}
+
+
+def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Manifest, target: str,
+                  quant: str, new_tokens: int = 64) -> dict:
+    N = engine.prefill_len
+    length = max(1, min(N + N // 2 + 1, manifest.context - new_tokens))
+    prompt = verify_prompt(tok, length)
+    ref = hf_reference(family, hf, prompt, new_tokens)
+
+    tallies: dict[str, _Tally] = {}
+
+    def observe(graph: GraphSpec, outputs: dict, positions: np.ndarray) -> None:
+        t = tallies.setdefault(graph.name, _Tally())
+        if graph.role == "head":
+            t.add(outputs["logits"][0, -1:], ref["logits"][positions])
+        elif graph.layers is not None:
+            hidden = outputs["hidden"][0, :len(positions)]
+            t.add(hidden, ref["layers"][graph.layers[1] - 1][0, positions])
+
+    # teacher-forced: prefill the prompt, then feed HF's greedy tokens
+    engine.observer = observe
+    tf = _Tally()
+    top1 = []
+    try:
+        engine.reset()
+        logits = engine.prefill(prompt)
+        for i, token in enumerate(ref["tokens"]):
+            want = ref["logits"][len(prompt) - 1 + i]
+            tf.add(logits[None], want[None])
+            top1.append(int(np.argmax(logits)) == int(np.argmax(want)))
+            if i + 1 < len(ref["tokens"]):
+                logits = engine.decode(token)
+    finally:
+        engine.observer = None
+
+    got = [t for t, _ in engine.generate_step(prompt, greedy, new_tokens)]
+    match = next((i for i, (a, b) in enumerate(zip(got, ref["tokens"], strict=False)) if a != b), len(got))
+
+    gate = GATES[quant]
+    graphs = {name: t.summary() for name, t in tallies.items()}
+    tfs = {**tf.summary(), "top1": float(np.mean(top1))}
+    failures = [f"{n}: cos {g['cos_min']:.6f} < {gate.graph_cos}" for n, g in graphs.items()
+                if g["cos_min"] < gate.graph_cos]
+    if tfs["cos_min"] < gate.tf_cos:
+        failures.append(f"teacher-forced logits cos {tfs['cos_min']:.6f} < {gate.tf_cos}")
+    if tfs["top1"] < gate.top1:
+        failures.append(f"teacher-forced top-1 {tfs['top1']:.3f} < {gate.top1}")
+    if gate.greedy_exact and match < len(ref["tokens"]):
+        failures.append(f"greedy tokens differ from HF at step {match} of {len(ref['tokens'])}")
+    return {
+        "target": target, "quant": quant, "gate": asdict(gate),
+        "prompt_tokens": len(prompt), "graphs": graphs, "teacher_forced": tfs,
+        "greedy": {"new_tokens": new_tokens, "matching_prefix": match,
+                   "exact": match == len(ref["tokens"]), "hf": ref["tokens"], "bundle": got},
+        "passed": not failures, "failures": failures,
+    }
+
+
+def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[str] | None = None,
+                  new_tokens: int = 64) -> dict:
+    from ..manifest import confine
+
+    tok = TextTokenizer(confine(bundle, manifest.tokenizer.dir))
+    report = {}
+    for name in targets or list(manifest.targets):
+        spec = manifest.targets[name]
+        backend = "cpu" if spec.htp_arch is None else "qnn-sim"
+        engine = Engine(bundle, manifest, name, backend)
+        report[name] = verify_target(family, hf, engine, tok, manifest, name, spec.quant,
+                                     new_tokens=min(new_tokens, manifest.context - 2))
+    return report

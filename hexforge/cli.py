@@ -1,0 +1,174 @@
+"""The one entry point: ``hexforge build | run | inspect | verify | targets | demo``.
+
+Every HexforgeError becomes one line on stderr and exit code 2; a failed oracle is exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import HexforgeError
+
+
+def _int_bytes(s: str) -> int:
+    """'1800000000', '1.8G', '64M', '512k' -> bytes."""
+    mult = {"k": 10**3, "m": 10**6, "g": 10**9}
+    s = s.strip().lower().rstrip("b")
+    try:
+        return int(float(s[:-1]) * mult[s[-1]]) if s and s[-1] in mult else int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {s!r}") from None
+
+
+def cmd_build(a) -> int:
+    from .build.pipeline import BuildOptions, build
+
+    opts = BuildOptions(targets=a.target, context=a.context, prefill_len=a.prefill_len,
+                        max_shard_bytes=a.max_shard_bytes, verify=not a.no_verify,
+                        exporter=a.exporter)
+    build(a.checkpoint, a.output, opts, log=lambda m: print(m, file=sys.stderr))
+    return 0
+
+
+def cmd_run(a) -> int:
+    from . import load
+
+    model = load(a.bundle, backend=a.backend)
+    kw = dict(max_new_tokens=a.n, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+              seed=a.seed, ignore_eos=a.ignore_eos)
+    if a.json:
+        print(json.dumps(model.generate(a.prompt, **kw).to_dict()))
+        return 0
+    for piece in model.stream(a.prompt, **kw):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_inspect(a) -> int:
+    from .inspect import inspect_bundle, print_inspection
+
+    info = inspect_bundle(Path(a.bundle))
+    print(json.dumps(info, indent=1)) if a.json else print_inspection(info)
+    return 0
+
+
+def cmd_verify(a) -> int:
+    from .build.checkpoint import read_checkpoint
+    from .build.verify import verify_bundle
+    from .families import load_family
+    from .manifest import load_manifest
+
+    manifest = load_manifest(a.bundle)
+    ckpt = read_checkpoint(a.reference)
+    fam = load_family(ckpt.model_type).FAMILY
+    hf = fam.load_hf(ckpt.dir)
+    targets = [a.target] if a.target else None
+    report = verify_bundle(Path(a.bundle), manifest, fam, hf, targets, new_tokens=a.n)
+    if a.json:
+        print(json.dumps(report))
+    else:
+        for name, r in report.items():
+            tf, g = r["teacher_forced"], r["greedy"]
+            print(f"[{name}] {'PASS' if r['passed'] else 'FAIL'}  teacher-forced cos min "
+                  f"{tf['cos_min']:.6f} mean {tf['cos_mean']:.6f} top-1 {tf['top1']:.3f}  greedy "
+                  f"{g['matching_prefix']}/{g['new_tokens']}")
+            for gname, m in r["graphs"].items():
+                print(f"    {gname:<14} cos min {m['cos_min']:.7f}  max|Δ| {m['max_abs']:.3g}")
+            for f in r["failures"]:
+                print(f"    FAIL {f}")
+    return 0 if all(r["passed"] for r in report.values()) else 1
+
+
+def cmd_targets(a) -> int:
+    from .targets import TARGETS
+
+    for t in TARGETS.values():
+        socs = ", ".join(f"{s.name} (soc {s.soc_model}, {s.ddr_gbps:g} GB/s)" for s in t.socs)
+        arch = f"v{t.htp_arch}" if t.htp_arch else "-"
+        print(f"{t.name:<5} arch {arch:<4} ceiling {t.max_context_bytes / 1e9:.1f} GB  "
+              f"{socs or 'onnxruntime CPU EP'}  [{t.source}]")
+    return 0
+
+
+def cmd_demo(a) -> int:
+    from .demo import run_demo
+
+    run_demo(workdir=a.dir, family=a.family, prompt=a.prompt)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="hexforge", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"hexforge {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("build", help="HF checkpoint dir -> bundle")
+    b.add_argument("checkpoint")
+    b.add_argument("-o", "--output", required=True)
+    b.add_argument("--target", default="cpu", help="cpu (always built) plus e.g. v81 or v79,v81")
+    b.add_argument("--context", type=int, default=2048, help="max tokens (prompt + generated)")
+    b.add_argument("--prefill-len", type=int, default=64, help="N of the AR-N prefill graph")
+    b.add_argument("--max-shard-bytes", type=_int_bytes, default=None,
+                   help="per-graph weight ceiling (default: the target's), e.g. 1.8G")
+    b.add_argument("--no-verify", action="store_true", help="skip the HF oracle and its gates")
+    b.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript")
+    b.set_defaults(fn=cmd_build)
+
+    r = sub.add_parser("run", help="generate from a bundle")
+    r.add_argument("bundle")
+    r.add_argument("prompt")
+    r.add_argument("-n", "--max-new-tokens", dest="n", type=int, default=None)
+    r.add_argument("--backend", default="cpu")
+    r.add_argument("--temperature", type=float, default=None)
+    r.add_argument("--top-k", type=int, default=None)
+    r.add_argument("--top-p", type=float, default=None)
+    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--ignore-eos", action="store_true")
+    r.add_argument("--json", action="store_true", help="print one JSON object with the result")
+    r.set_defaults(fn=cmd_run)
+
+    i = sub.add_parser("inspect", help="graphs, shards, state and sizes of a bundle")
+    i.add_argument("bundle")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_inspect)
+
+    v = sub.add_parser("verify", help="re-run the HF oracle on a bundle")
+    v.add_argument("bundle")
+    v.add_argument("--reference", required=True, help="the HF checkpoint dir")
+    v.add_argument("--target", default=None)
+    v.add_argument("-n", type=int, default=64, help="greedy tokens to compare")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(fn=cmd_verify)
+
+    t = sub.add_parser("targets", help="the target table")
+    t.set_defaults(fn=cmd_targets)
+
+    d = sub.add_parser("demo", help="make a tiny model, build it, run it (no download)")
+    d.add_argument("--dir", default=None, help="keep the checkpoint + bundle here")
+    d.add_argument("--family", default="llama")
+    d.add_argument("--prompt", default="The capital of France is")
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except HexforgeError as e:
+        print(f"hexforge: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hexforge: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

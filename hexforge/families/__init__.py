@@ -1,0 +1,34 @@
+"""Family dispatch: ``config.model_type`` -> ``hexforge.families.<module>`` via importlib.
+
+One file per HF model_type; REMAP sends architecture twins to the file that already handles them
+(e.g. qwen2 = llama with q/k/v biases, which the reused HF Linear modules carry by themselves).
+Family modules are build-time code (they import torch); the runtime never imports them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from types import ModuleType
+
+from ..errors import UnsupportedModelError
+
+REMAP = {"qwen2": "llama", "mistral": "llama"}
+
+
+def family_name(model_type: str) -> str:
+    if not re.fullmatch(r"[a-z0-9_]+", model_type or ""):
+        raise UnsupportedModelError(f"config.json has an invalid model_type {model_type!r}")
+    return REMAP.get(model_type, model_type)
+
+
+def load_family(model_type: str) -> ModuleType:
+    name = family_name(model_type)
+    try:
+        return importlib.import_module(f"hexforge.families.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"hexforge.families.{name}":
+            raise
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported yet (no hexforge/families/{name}.py)"
+        ) from None

@@ -1,0 +1,183 @@
+"""Static-shape torch export blocks shared by all families (build time only: imports torch).
+
+They wrap the HF modules' own weights (no copies) and rewrite the forward into a form that exports
+to plain ONNX and that the HTP claims (see shared/HTP_NOTES.md):
+  * every shape is static: T tokens per call (AR-N prefill or AR-1 decode), cache of S rows;
+  * K/V: the graph reads the whole static cache but returns only the T *new* rows; the host writes
+    them into its preallocated buffers (no Scatter in-graph, no whole-cache copy out);
+  * masks and rope cos/sin are graph inputs made by the host in fp32;
+  * norms are computed at rank 3 (the HTP returned wrong rows for some rank-4 RMSNorm shapes).
+
+Attention over [cache | new] keys::
+
+            keys:  slot 0 ... slot S-1 | new 0 ... new T-1
+    query t=0      <-- mask from host --> | 0  -  -  -
+    query t=1      (slot occupancy,       | 0  0  -  -      '-' = mask_value
+    query t=2       window, position)     | 0  0  0  -
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import GraphIO
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [1, H, T, D]; cos/sin [1, 1, T, R] with R <= D (partial rotary: the first R dims rotate)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    xr, xp = x[..., :rot], x[..., rot:]
+    return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed at rank 3; ``unit_offset`` for (1 + w) checkpoints."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, unit_offset: bool = False):
+        super().__init__()
+        self.weight, self.eps, self.unit_offset = weight, eps, unit_offset
+
+    @classmethod
+    def from_hf(cls, hf_norm: nn.Module, unit_offset: bool = False) -> RMSNorm:
+        eps = getattr(hf_norm, "variance_epsilon", None) or getattr(hf_norm, "eps", 1e-6)
+        return cls(hf_norm.weight, eps, unit_offset)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x3 = x.reshape(-1, shape[-2], shape[-1]) if x.dim() > 3 else x  # [B', T', D]
+        x3 = x3 * torch.rsqrt(x3.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight + 1.0 if self.unit_offset else self.weight
+        return (x3 * w).reshape(shape)
+
+
+class StaticAttention(nn.Module):
+    """GQA attention over a static cache; returns (out, k_new, v_new).
+
+    GQA without repeating K/V: q [1, nH, T, D] is viewed as [1, KVH, g*T, D] (head h = kvh*g + j, so
+    row j*T + t), the mask is tiled g times along rows. Rank-4 only.
+    """
+
+    def __init__(self, hf_attn: nn.Module, *, n_heads: int, n_kv: int, head_dim: int,
+                 scaling: float, q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+                 v_norm: nn.Module | None = None):
+        super().__init__()
+        self.q_proj, self.k_proj = hf_attn.q_proj, hf_attn.k_proj
+        self.v_proj, self.o_proj = hf_attn.v_proj, hf_attn.o_proj
+        self.n_heads, self.n_kv, self.head_dim, self.scaling = n_heads, n_kv, head_dim, scaling
+        self.q_norm, self.k_norm, self.v_norm = q_norm, k_norm, v_norm
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        T = x.shape[1]
+        k = self.k_proj(x).view(1, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(1, T, self.n_kv, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [1, KVH, T, D]
+        return k, v.transpose(1, 2)
+
+    def attend(self, x, cos, sin, mask, keys, values):
+        """q from x; keys/values [1, KVH, S+T, D] already concatenated; mask [1, 1, T, S+T]."""
+        T, g = x.shape[1], self.n_heads // self.n_kv
+        q = self.q_proj(x).view(1, T, self.n_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [1, nH, T, D]
+        q = q.reshape(1, self.n_kv, g * T, self.head_dim)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling  # [1, KVH, g*T, S+T]
+        if g > 1:
+            mask = mask.repeat(1, 1, g, 1)
+        probs = torch.softmax(scores + mask, dim=-1)
+        out = torch.matmul(probs, values)  # [1, KVH, g*T, D]
+        out = out.reshape(1, self.n_heads, T, self.head_dim).transpose(1, 2)
+        return self.o_proj(out.reshape(1, T, self.n_heads * self.head_dim))
+
+    def forward(self, x, cos, sin, mask, past_k, past_v):
+        k, v = self.project_kv(x, cos, sin)
+        keys = torch.cat((past_k, k), dim=2)
+        values = torch.cat((past_v, v), dim=2)
+        return self.attend(x, cos, sin, mask, keys, values), k, v
+
+
+class DenseLayer(nn.Module):
+    """Pre-norm llama block: x + attn(norm(x)); x + mlp(norm(x)). HF norm/MLP modules reused."""
+
+    def __init__(self, hf_layer: nn.Module, attn: StaticAttention):
+        super().__init__()
+        self.input_norm = hf_layer.input_layernorm
+        self.post_attn_norm = hf_layer.post_attention_layernorm
+        self.attn, self.mlp = attn, hf_layer.mlp
+
+    def forward(self, x, cos, sin, mask, past_k, past_v):
+        a, k, v = self.attn(self.input_norm(x), cos, sin, mask, past_k, past_v)
+        x = x + a
+        return x + self.mlp(self.post_attn_norm(x)), k, v
+
+
+class DenseShard(nn.Module):
+    """Decoder layers [start, end) of a dense model as one static step graph.
+
+    inputs : hidden [1,T,H], cos/sin [1,T,R], mask_full [1,1,T,C+T], past.L{i}.k/v [1,KVH,C,D] ...
+    outputs: hidden_out [1,T,H], new.L{i}.k/v [1,KVH,T,D] ...
+    """
+
+    def __init__(self, fam, hf, args, layers: tuple[int, int], seq_len: int, context: int):
+        super().__init__()
+        ref = fam.reference_layers(hf)
+        self.layer_ids = list(range(*layers))
+        self.layers = nn.ModuleList([DenseLayer(ref[i], fam.attention(ref[i], args))
+                                     for i in self.layer_ids])
+        self.seq_len, self.context, self.args = seq_len, context, args
+        self.io = GraphIO(
+            inputs=[("hidden", "hidden"), ("cos", "rope_cos:default"), ("sin", "rope_sin:default"),
+                    ("mask_full", "mask:full")]
+            + [(f"past.L{i}.{kv}", f"state:L{i}.{kv}") for i in self.layer_ids for kv in "kv"],
+            outputs=[("hidden_out", "hidden")]
+            + [(f"new.L{i}.{kv}", f"state:L{i}.{kv}") for i in self.layer_ids for kv in "kv"],
+        )
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        a, T, C = self.args, self.seq_len, self.context
+        rot = a.head_dim
+        # distinct tensor objects: the dynamo exporter aliases inputs that are the same object
+        past = [torch.zeros(1, a.num_key_value_heads, C, a.head_dim)
+                for _ in range(2 * len(self.layer_ids))]
+        return (torch.randn(1, T, a.hidden_size), torch.ones(1, T, rot), torch.zeros(1, T, rot),
+                torch.zeros(1, 1, T, C + T), *past)
+
+    def forward(self, hidden, cos, sin, mask, *past):
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, T, R]: broadcast over heads
+        new = []
+        for j, layer in enumerate(self.layers):
+            hidden, k, v = layer(hidden, cos, sin, mask, past[2 * j], past[2 * j + 1])
+            new += [k, v]
+        return (hidden, *new)
+
+
+class Head(nn.Module):
+    """Final norm + lm_head (+ optional logit softcap) on one hidden row: [1,1,H] -> [1,1,V]."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, softcap: float | None,
+                 hidden_size: int | None = None):
+        super().__init__()
+        self.norm, self.lm_head, self.softcap = norm, lm_head, softcap
+        self.hidden_size = hidden_size or lm_head.weight.shape[1]
+        self.io = GraphIO(inputs=[("hidden", "hidden")], outputs=[("logits", "logits")])
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        return (torch.randn(1, 1, self.hidden_size),)
+
+    def forward(self, hidden):
+        logits = self.lm_head(self.norm(hidden)).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

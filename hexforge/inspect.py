@@ -1,0 +1,78 @@
+"""``hexforge inspect``: what is in a bundle (graphs, shards, state, sizes). Runtime-side: no torch."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from .manifest import confine, load_manifest
+from .runtime.state import NP_DTYPES
+
+
+def _dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def inspect_bundle(bundle: Path) -> dict:
+    m = load_manifest(bundle)
+    state_bytes = 0
+    for s in m.state:
+        if s.kind != "kv_shared":
+            n = 1
+            for d in s.shape:
+                n *= d
+            state_bytes += n * NP_DTYPES[s.dtype]().itemsize
+    targets = {}
+    for name, t in m.targets.items():
+        folder = confine(bundle, name)
+        targets[name] = {
+            "htp_arch": t.htp_arch, "soc_model": t.soc_model, "qnn_sdk": t.qnn_sdk,
+            "quant": t.quant, "prefill_len": t.plan.prefill_len, "bytes": _dir_bytes(folder),
+            "shards": [{"layers": list(s.layers), "prefill": s.prefill, "decode": s.decode}
+                       for s in t.plan.shards],
+            "graphs": [{"name": g.name, "role": g.role, "seq_len": g.seq_len,
+                        "layers": list(g.layers) if g.layers else None, "file": g.file,
+                        "bytes": g.bytes, "inputs": len(g.inputs), "outputs": len(g.outputs)}
+                       for g in t.graphs],
+        }
+    report = None
+    if m.report and confine(bundle, m.report).is_file():
+        raw = json.loads(confine(bundle, m.report).read_text())
+        report = {n: {"passed": r["passed"], "teacher_forced": r["teacher_forced"],
+                      "greedy": {k: r["greedy"][k] for k in ("matching_prefix", "new_tokens")}}
+                  for n, r in raw.items()}
+    return {
+        "bundle": str(bundle), "family": m.family, "model_type": m.model_type,
+        "layers": m.num_layers, "hidden_size": m.hidden_size, "vocab_size": m.vocab_size,
+        "context": m.context, "state": dict(Counter(s.kind for s in m.state)),
+        "state_bytes": state_bytes, "host_tensors_bytes": confine(bundle, m.host_tensors).stat().st_size,
+        "targets": targets, "report": report,
+    }
+
+
+def print_inspection(info: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console()
+    c.print(f"[bold]{info['bundle']}[/]  {info['model_type']} (families/{info['family']}.py)  "
+            f"{info['layers']} layers, hidden {info['hidden_size']}, vocab {info['vocab_size']}, "
+            f"context {info['context']}")
+    c.print(f"state: {info['state']}  {info['state_bytes'] / 1e6:.2f} MB   host tensors "
+            f"{info['host_tensors_bytes'] / 1e6:.2f} MB")
+    for name, t in info["targets"].items():
+        arch = f"v{t['htp_arch']} soc {t['soc_model']} QNN {t['qnn_sdk']}" if t["htp_arch"] else "CPU EP"
+        tab = Table(title=f"target {name}: {arch}, {t['quant']}, AR-{t['prefill_len']} prefill, "
+                          f"{len(t['shards'])} shard(s), {t['bytes'] / 1e6:.2f} MB")
+        for col in ("graph", "role", "T", "layers", "bytes", "file"):
+            tab.add_column(col)
+        for g in t["graphs"]:
+            tab.add_row(g["name"], g["role"], str(g["seq_len"]),
+                        str(g["layers"]) if g["layers"] else "-", f"{g['bytes']:,}", g["file"])
+        c.print(tab)
+    for name, r in (info["report"] or {}).items():
+        tf, g = r["teacher_forced"], r["greedy"]
+        c.print(f"oracle [{name}]: {'PASS' if r['passed'] else 'FAIL'}  logits cos min "
+                f"{tf['cos_min']:.6f}, top-1 {tf['top1']:.3f}, greedy {g['matching_prefix']}/"
+                f"{g['new_tokens']}")

@@ -1,0 +1,285 @@
+"""The bundle contract: ``manifest.json`` schema, load/validate/save.
+
+A bundle is a directory::
+
+    bundle/
+      manifest.json          this schema (versioned)
+      report.json            the oracle's parity report (per target)
+      host.safetensors       host tensors: embedding table, rope inv_freq, ... (never pickle)
+      tokenizer/             tokenizer.json, tokenizer_config.json, chat template
+      cpu/                   one folder per target: graphs + their shared external weight files
+        s0.prefill.onnx  s0.decode.onnx  s0.weights  head.onnx  head.weights
+      v81/ ...
+
+Every path in the manifest is relative, has no ``..``, and must resolve (symlinks included) inside
+the bundle directory; that is checked on load, before anything is read.
+
+How the runtime drives the graphs is fully declarative here: each graph input names its *source*
+(``hidden``, ``rope_cos:<rope>``, ``rope_sin:<rope>``, ``mask:<group>``, ``state:<name>``, ``host:<input>``)
+and each output its *sink* (``hidden``, ``logits``, ``state:<name>``) so the engine never needs to know the
+family.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import BundleError
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024  # refuse before parsing anything bigger
+
+
+def _check_rel_path(p: str) -> str:
+    pp = PurePosixPath(p)
+    if not p or p.startswith(("/", "\\")) or pp.is_absolute() or ":" in p or "\\" in p:
+        raise ValueError(f"path {p!r} must be relative to the bundle")
+    if any(part in ("..", "") for part in p.split("/")):
+        raise ValueError(f"path {p!r} must not contain '..' or empty parts")
+    return p
+
+
+RelPath = Annotated[str, AfterValidator(_check_rel_path)]
+DType = Literal["float32", "float16", "int64", "int32", "uint16", "uint8", "int8", "bool"]
+StateKind = Literal["kv_full", "kv_sliding", "kv_shared", "conv_fifo", "ssm"]
+GraphRole = Literal["prefill", "decode", "head", "vision", "audio"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class TensorSpec(_Model):
+    """A graph input or output. ``bind`` says where the runtime gets/puts it (see module doc)."""
+
+    name: str
+    shape: list[int]
+    dtype: DType
+    bind: str
+
+
+class GraphSpec(_Model):
+    name: str  # unique within the target, e.g. "s0.prefill"
+    role: GraphRole
+    file: RelPath
+    seq_len: int = Field(ge=1)  # T: tokens per call (prefill AR-N) or 1 (decode AR-1)
+    layers: tuple[int, int] | None = None  # [start, end) decoder layers, for decoder graphs
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    bytes: int = 0  # graph + external weight bytes on disk (shared weights counted once per file)
+
+
+class StateSpec(_Model):
+    """One state buffer of one layer. Shapes are without the batch dim of the graph I/O ([1, ...]).
+
+    kinds:  kv_full    [kv_heads, context, head_dim]   rows written at their positions
+            kv_sliding [kv_heads, window, head_dim]    ring buffer: slot = position % window
+            kv_shared  (no buffer) — graphs read ``source`` (a donor layer's kv_* state)
+            conv_fifo  [channels, kernel-1]            replaced whole every call
+            ssm        [heads, k_dim, v_dim]           replaced whole every call
+    """
+
+    name: str  # e.g. "L3.k"
+    layer: int
+    kind: StateKind
+    shape: list[int] = Field(default_factory=list)
+    dtype: DType = "float32"
+    group: str | None = None  # kv_*: the mask/slot group that maps positions to cache rows
+    source: str | None = None  # kv_shared: the donor state's name
+
+    @model_validator(mode="after")
+    def _check(self) -> StateSpec:
+        if self.kind == "kv_shared":
+            if not self.source:
+                raise ValueError(f"state {self.name}: kv_shared needs a source")
+        elif not self.shape:
+            raise ValueError(f"state {self.name}: {self.kind} needs a shape")
+        if self.kind in ("kv_full", "kv_sliding") and not self.group:
+            raise ValueError(f"state {self.name}: {self.kind} needs a group")
+        return self
+
+
+class MaskGroup(_Model):
+    """A set of KV caches that share slot occupancy: 'full' (capacity = context) or a sliding ring."""
+
+    name: str
+    capacity: int = Field(ge=1)  # cache rows
+    window: int | None = None  # None = full causal; W = key visible iff q_pos - k_pos < W
+
+
+class RopeSpec(_Model):
+    """cos/sin = cat(f, f) * scaling, f = position x inv_freq  ([T, rot_dim]); host-made in fp32."""
+
+    name: str
+    inv_freq: str  # host tensor name, shape [rot_dim / 2]
+    attention_scaling: float = 1.0
+
+
+class EmbedSpec(_Model):
+    table: str  # host tensor [vocab, hidden]
+    scale: float = 1.0  # Gemma multiplies by sqrt(hidden)
+
+
+class HostRecipe(_Model):
+    embed: EmbedSpec
+    ropes: list[RopeSpec] = Field(default_factory=list)
+    positions: Literal["1d", "mrope"] = "1d"
+
+
+class TokenizerSpec(_Model):
+    dir: RelPath = "tokenizer"
+    files: list[str]
+    chat_template: bool = False
+
+
+class GenerationDefaults(_Model):
+    eos_token_ids: list[int] = Field(default_factory=list)
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+class ShardPlan(_Model):
+    layers: tuple[int, int]
+    prefill: str  # graph names
+    decode: str
+
+
+class RunPlan(_Model):
+    prefill_len: int = Field(ge=1)
+    shards: list[ShardPlan] = Field(min_length=1)
+    head: str
+
+
+class TargetSpec(_Model):
+    """Everything needed to run one target's graphs."""
+
+    name: str
+    htp_arch: int | None = None
+    soc_model: int | None = None
+    qnn_sdk: str | None = None
+    quant: str = "fp32"
+    mask_value: float = -1e9  # additive mask for hidden keys (HTP: bounded, see HTP_NOTES)
+    hidden_dtype: DType = "float32"  # the shard-to-shard hand-off
+    graphs: list[GraphSpec]
+    plan: RunPlan
+
+    @model_validator(mode="after")
+    def _check(self) -> TargetSpec:
+        names = [g.name for g in self.graphs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"target {self.name}: duplicate graph names")
+        refs = [self.plan.head] + [x for s in self.plan.shards for x in (s.prefill, s.decode)]
+        missing = [r for r in refs if r not in names]
+        if missing:
+            raise ValueError(f"target {self.name}: run plan names unknown graphs {missing}")
+        return self
+
+    def graph(self, name: str) -> GraphSpec:
+        return next(g for g in self.graphs if g.name == name)
+
+
+class Manifest(_Model):
+    schema_version: int
+    hexforge_version: str
+    family: str  # the families/<family>.py that built it
+    model_type: str  # HF config.model_type
+    hf_config: dict
+    context: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    num_layers: int = Field(ge=1)
+    host_tensors: RelPath = "host.safetensors"
+    host: HostRecipe
+    mask_groups: list[MaskGroup]
+    state: list[StateSpec]
+    tokenizer: TokenizerSpec
+    generation: GenerationDefaults
+    targets: dict[str, TargetSpec]
+    report: RelPath | None = "report.json"
+
+    @model_validator(mode="after")
+    def _check(self) -> Manifest:
+        if self.schema_version != SCHEMA_VERSION:
+            raise ValueError(
+                f"schema_version {self.schema_version} is not supported (this hexforge reads "
+                f"{SCHEMA_VERSION}); rebuild the bundle with this version"
+            )
+        names = {s.name for s in self.state}
+        groups = {g.name for g in self.mask_groups}
+        for s in self.state:
+            if s.source and s.source not in names:
+                raise ValueError(f"state {s.name}: source {s.source} is not a state")
+            if s.group and s.group not in groups:
+                raise ValueError(f"state {s.name}: group {s.group} is not a mask group")
+        return self
+
+    def files(self) -> list[str]:
+        """Every bundle-relative file the manifest references (graphs' external data excluded)."""
+        out = [self.host_tensors] + [f"{self.tokenizer.dir}/{f}" for f in self.tokenizer.files]
+        out += [g.file for t in self.targets.values() for g in t.graphs]
+        return out
+
+
+def confine(bundle: Path, rel: str) -> Path:
+    """Resolve ``rel`` inside ``bundle``; refuse anything (symlinks too) that lands outside."""
+    try:
+        _check_rel_path(rel)
+    except ValueError as e:
+        raise BundleError(f"bundle path refused: {e}") from None
+    root = bundle.resolve()
+    p = (root / rel).resolve()
+    if p != root and root not in p.parents:
+        raise BundleError(f"bundle path {rel!r} resolves outside the bundle ({p}); refused")
+    return p
+
+
+def load_manifest(bundle: str | os.PathLike, check_files: bool = True) -> Manifest:
+    bundle = Path(bundle)
+    mpath = bundle / MANIFEST_NAME
+    if not bundle.is_dir():
+        raise BundleError(f"{bundle} is not a bundle directory")
+    if not mpath.is_file():
+        raise BundleError(f"{bundle} has no {MANIFEST_NAME}; is it a hexforge bundle?")
+    size = mpath.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise BundleError(f"{mpath} is {size} bytes (> {MAX_MANIFEST_BYTES}); refused")
+    try:
+        raw = json.loads(mpath.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BundleError(f"{mpath} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise BundleError(f"{mpath} must hold a JSON object")
+    if raw.get("schema_version") != SCHEMA_VERSION:
+        raise BundleError(
+            f"{mpath}: schema_version {raw.get('schema_version')!r} is not supported (this hexforge "
+            f"reads {SCHEMA_VERSION}); rebuild the bundle with this version of hexforge"
+        )
+    try:
+        m = Manifest.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise BundleError(f"{mpath}: invalid manifest at {loc or '<root>'}: {first['msg']}") from None
+    if check_files:
+        for rel in m.files():
+            p = confine(bundle, rel)
+            if not p.is_file():
+                raise BundleError(f"bundle file {rel!r} named in the manifest is missing")
+    return m
+
+
+def save_manifest(bundle: str | os.PathLike, m: Manifest) -> None:
+    path = Path(bundle) / MANIFEST_NAME
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(m.model_dump(mode="json"), indent=1))
+    os.replace(tmp, path)

@@ -1,0 +1,134 @@
+"""The engine: runs a bundle target's graphs. ``generate_step`` is the whole generation loop.
+
+One step (prefill chunk of N, or a single decode token) at positions p .. p+T-1::
+
+    ids [T] ─embed─▶ hidden ─▶ shard 0 ─▶ shard 1 ─▶ ... ─▶ hidden[n_valid-1] ─▶ head ─▶ logits [V]
+                               │  ▲ state rows written at their slots after each shard
+    positions ─▶ rope cos/sin, masks (one per slot group, shared by all shards of the step)
+
+The last prefill chunk is padded to N; pad rows are never written to the caches and pad queries
+are never read, so padding changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ContextOverflowError, RequestError
+from ..manifest import GraphSpec, Manifest, confine
+from .backends import make_session
+from .host import HostInputs, load_host_tensors
+from .sampling import Sampler
+from .state import NP_DTYPES, State
+
+# observer(graph, outputs {bind: array}, valid positions) — the oracle compares per graph with it
+Observer = Callable[[GraphSpec, dict[str, np.ndarray], np.ndarray], None]
+
+
+class Engine:
+    def __init__(self, bundle: Path, manifest: Manifest, target: str, backend: str):
+        self.manifest, self.target = manifest, manifest.targets[target]
+        self.context = manifest.context
+        self.prefill_len = self.target.plan.prefill_len
+        tensors = load_host_tensors(confine(bundle, manifest.host_tensors))
+        self.host = HostInputs(manifest.host, tensors, self.context + self.prefill_len)
+        self.state = State(manifest)
+        self.sessions = {g.name: make_session(bundle, g.file, backend) for g in self.target.graphs}
+        self.hidden_dtype = NP_DTYPES[self.target.hidden_dtype]
+        self.pos = 0
+        self.observer: Observer | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest.vocab_size
+
+    def reset(self) -> None:
+        self.state.reset()
+        self.pos = 0
+
+    # ---- one step ----------------------------------------------------------------------------
+    def _run(self, graph: GraphSpec, inputs: dict[str, np.ndarray],
+             positions: np.ndarray) -> dict[str, np.ndarray]:
+        """One session call; state outputs are written for ``positions`` (the valid rows)."""
+        feeds = {}
+        for spec in graph.inputs:
+            kind, _, arg = spec.bind.partition(":")
+            feeds[spec.name] = self.state.buffer(arg) if kind == "state" else inputs[spec.bind]
+        values = self.sessions[graph.name].run(None, feeds)
+        out = {}
+        for spec, value in zip(graph.outputs, values, strict=True):
+            kind, _, arg = spec.bind.partition(":")
+            if kind == "state":
+                self.state.update(arg, value, positions)
+            else:
+                out[spec.bind] = value
+        if self.observer:
+            self.observer(graph, {s.bind: v for s, v in zip(graph.outputs, values, strict=True)}, positions)
+        return out
+
+    def forward(self, ids: np.ndarray, n_valid: int, role: str) -> np.ndarray:
+        """Run ids [T] (first n_valid real) at self.pos through every shard; -> logits [V]."""
+        T = ids.shape[0]
+        positions = self.pos + np.arange(T, dtype=np.int64)
+        inputs = {"hidden": self.host.embed(ids).astype(self.hidden_dtype, copy=False)}
+        for name in self.host.rope:
+            inputs[f"rope_cos:{name}"], inputs[f"rope_sin:{name}"] = self.host.rope_tables(
+                name, positions)
+        for name, group in self.state.groups.items():
+            inputs[f"mask:{name}"] = group.mask(positions, self.target.mask_value)
+        for shard in self.target.plan.shards:
+            graph = self.target.graph(shard.prefill if role == "prefill" else shard.decode)
+            inputs["hidden"] = self._run(graph, inputs, positions[:n_valid])["hidden"]
+        for group in self.state.groups.values():
+            group.commit(positions[:n_valid])
+        self.pos += n_valid
+        last = inputs["hidden"][:, n_valid - 1:n_valid]
+        head = self.target.graph(self.target.plan.head)
+        return self._run(head, {"hidden": last}, positions[n_valid - 1:n_valid])["logits"][0, -1]
+
+    def prefill(self, ids: list[int], mode: str = "chunked") -> np.ndarray:
+        """Prompt -> logits of its last token. mode "decode" feeds it through the AR-1 graph."""
+        ids_arr = np.asarray(ids, dtype=np.int64)
+        if mode == "decode":
+            for i in range(len(ids_arr)):
+                logits = self.forward(ids_arr[i:i + 1], 1, "decode")
+            return logits
+        N = self.prefill_len
+        for start in range(0, len(ids_arr), N):
+            chunk = ids_arr[start:start + N]
+            n = chunk.shape[0]
+            if n < N:
+                chunk = np.concatenate([chunk, np.zeros(N - n, dtype=np.int64)])
+            logits = self.forward(chunk, n, "prefill")
+        return logits
+
+    def decode(self, token: int) -> np.ndarray:
+        return self.forward(np.array([token], dtype=np.int64), 1, "decode")
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty (0 tokens)")
+        if max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        bad = [t for t in prompt_ids if not (isinstance(t, int | np.integer)
+                                             and 0 <= t < self.vocab_size)]
+        if bad:
+            raise RequestError(f"token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if len(prompt_ids) + max_new_tokens > self.context:
+            raise ContextOverflowError(len(prompt_ids), max_new_tokens, self.context)
+
+    def generate_step(self, prompt_ids: list[int], sampler: Sampler, max_new_tokens: int,
+                      prefill_mode: str = "chunked") -> Iterator[tuple[int, np.ndarray]]:
+        """Yield (token, logits it was sampled from) up to max_new_tokens; stop by breaking out."""
+        self.check_request(prompt_ids, max_new_tokens)
+        self.reset()
+        logits = self.prefill(prompt_ids, prefill_mode)
+        for i in range(max_new_tokens):
+            token = sampler(logits)
+            yield token, logits
+            if i + 1 < max_new_tokens:
+                logits = self.decode(token)

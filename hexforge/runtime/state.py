@@ -1,0 +1,103 @@
+"""State buffers, allocated once from the manifest's state spec and carried between calls.
+
+    kv_full     [1, KVH, C, D]  row p holds position p
+    kv_sliding  [1, KVH, W, D]  ring: row p % W holds position p (keeps the last W positions)
+    kv_shared   no buffer: reads resolve to the donor state's buffer
+    conv_fifo / ssm   [1, ...]  replaced whole by the graph's output
+
+A ``SlotGroup`` tracks which position each cache row holds, for every cache of its group at once,
+and turns that into the additive attention mask of a step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..manifest import Manifest, MaskGroup, StateSpec
+
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
+             "uint16": np.uint16, "uint8": np.uint8, "int8": np.int8, "bool": np.bool_}
+
+
+class SlotGroup:
+    def __init__(self, spec: MaskGroup):
+        self.capacity, self.window = spec.capacity, spec.window
+        self.ring = spec.window is not None
+        self.slot_pos = np.full(self.capacity, -1, dtype=np.int64)  # position held by each row
+
+    def reset(self) -> None:
+        self.slot_pos.fill(-1)
+
+    def slots(self, positions: np.ndarray) -> np.ndarray:
+        """Rows that positions [n] go to (for a ring only the last `capacity` positions survive)."""
+        if self.ring:
+            positions = positions[-self.capacity:]
+            return positions % self.capacity
+        return positions
+
+    def mask(self, q_pos: np.ndarray, mask_value: float) -> np.ndarray:
+        """Additive mask [1, 1, T, capacity + T] for queries at q_pos [T] (consecutive)."""
+        T = q_pos.shape[0]
+        held = self.slot_pos[None, :]  # [1, S]
+        cache_ok = held >= 0
+        rel = np.arange(T)[None, :] <= np.arange(T)[:, None]  # causal among the new tokens
+        if self.window is not None:
+            cache_ok = cache_ok & (q_pos[:, None] - held < self.window)
+            rel = rel & (np.arange(T)[:, None] - np.arange(T)[None, :] < self.window)
+        else:
+            cache_ok = np.broadcast_to(cache_ok, (T, self.capacity))
+        ok = np.concatenate([cache_ok, rel], axis=1)
+        return np.where(ok, np.float32(0), np.float32(mask_value))[None, None].astype(np.float32)
+
+    def commit(self, positions: np.ndarray) -> None:
+        positions = positions[-self.capacity:] if self.ring else positions
+        self.slot_pos[self.slots(positions)] = positions
+
+
+def write_rows(buf: np.ndarray, new: np.ndarray, slots: np.ndarray) -> None:
+    """buf [1, H, S, D] <- new [1, H, T, D] rows [:n] at `slots` [n] (slices when contiguous)."""
+    n = slots.shape[0]
+    src = new[:, :, :n]
+    s0 = int(slots[0])
+    if int(slots[-1]) - s0 == n - 1:
+        buf[:, :, s0:s0 + n] = src
+    else:
+        buf[:, :, slots] = src
+
+
+class State:
+    def __init__(self, manifest: Manifest):
+        self.specs: dict[str, StateSpec] = {s.name: s for s in manifest.state}
+        self.groups = {g.name: SlotGroup(g) for g in manifest.mask_groups}
+        self.buffers: dict[str, np.ndarray] = {
+            s.name: np.zeros([1, *s.shape], dtype=NP_DTYPES[s.dtype])
+            for s in manifest.state if s.kind != "kv_shared"
+        }
+
+    def reset(self) -> None:
+        for b in self.buffers.values():
+            b.fill(0)
+        for g in self.groups.values():
+            g.reset()
+
+    def buffer(self, name: str) -> np.ndarray:
+        spec = self.specs[name]
+        while spec.kind == "kv_shared":
+            spec = self.specs[spec.source]
+        return self.buffers[spec.name]
+
+    def update(self, name: str, value: np.ndarray, positions: np.ndarray) -> None:
+        """Apply a graph's state output: KV rows at their slots, other kinds replaced whole."""
+        spec = self.specs[name]
+        if spec.kind in ("kv_full", "kv_sliding"):
+            group = self.groups[spec.group]
+            src_positions = positions[-group.capacity:] if group.ring else positions
+            skip = positions.shape[0] - src_positions.shape[0]
+            write_rows(self.buffers[name], value[:, :, skip:], group.slots(src_positions))
+        elif spec.kind == "kv_shared":
+            raise ValueError(f"state {name} is kv_shared: graphs must not write it")
+        else:
+            self.buffers[name][...] = value
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())

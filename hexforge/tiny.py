@@ -1,0 +1,93 @@
+"""Tiny random-weight HF checkpoints made locally (no hub): for tests and ``hexforge demo``.
+
+Real HF code writes them (``from_config`` + ``save_pretrained`` + a byte-level BPE tokenizer trained
+on an embedded text), so loading them exercises the real loading path. Build-time only (torch).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CORPUS = """\
+The capital of France is Paris. The quick brown fox jumps over the lazy dog.
+Hexagon NPUs run quantized transformer graphs; static shapes keep the compiler happy.
+In the beginning was the word, and the word was tokenized into bytes and merges.
+A bundle holds graphs, host tensors, a tokenizer and a manifest that ties them together.
+東京は日本の首都です。北京是中国的首都。서울은 한국의 수도입니다. Ünïcödé, emoji 🚀🔥 and more.
+def main():\n    print("hello, world")\n    return 0\n
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828.
+"""
+
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=10000.0,
+    ),
+    "qwen3": dict(
+        model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0,
+    ),
+    "qwen2": dict(
+        model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0,
+    ),
+}
+
+
+def make_tokenizer(out_dir: Path, vocab_size: int = 384, add_bos: bool = True):
+    """Train a byte-level BPE on CORPUS; save as a HF fast tokenizer (tokenizer.json + config)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS] * 4, trainer)
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write a random-weight checkpoint of ``family`` (a TINY_CONFIGS key) to ``out_dir``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_kwargs = {**TINY_CONFIGS[family], **overrides}
+    add_bos = cfg_kwargs["model_type"] not in ("qwen3", "qwen2")
+    tok = make_tokenizer(out, add_bos=add_bos)
+    cfg_kwargs.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model_type = cfg_kwargs.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg_kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # from_config leaves norms at 1.0 and small init; perturb norms so they matter in parity tests
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.pad_token_id).save_pretrained(str(out))
+    (out / "hexforge_tiny.json").write_text(json.dumps({"family": family, "seed": seed}))
+    return out
