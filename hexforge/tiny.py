@@ -21,7 +21,7 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828.
 
 TINY_CONFIGS: dict[str, dict] = {
     "llama": dict(
-        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=10000.0,
     ),

@@ -70,8 +70,8 @@ def verify_prompt(tok: TextTokenizer, length: int) -> list[int]:
     return ids[:length]
 
 
-def hf_reference(family, hf, prompt: list[int], new_tokens: int) -> dict:
-    """HF greedy tokens (EOS off) and, on prompt + those tokens, every layer's output + logits."""
+def hf_greedy_tokens(hf, prompt: list[int], new_tokens: int) -> list[int]:
+    """HF ``generate``: greedy, fp32, EOS off (exactly ``new_tokens`` tokens)."""
     import torch
 
     ids = torch.tensor([prompt])
@@ -84,7 +84,14 @@ def hf_reference(family, hf, prompt: list[int], new_tokens: int) -> dict:
                               do_sample=False, pad_token_id=0)
     finally:
         gen_cfg.eos_token_id = saved
-    tokens = out[0, len(prompt):].tolist()
+    return out[0, len(prompt):].tolist()
+
+
+def hf_reference(family, hf, prompt: list[int], new_tokens: int) -> dict:
+    """HF greedy tokens (EOS off) and, on prompt + those tokens, every layer's output + logits."""
+    import torch
+
+    tokens = hf_greedy_tokens(hf, prompt, new_tokens)
     layers = family.reference_layers(hf)
     captured: dict[int, np.ndarray] = {}
     hooks = [layer.register_forward_hook(

@@ -27,11 +27,14 @@ def check_external_data(bundle: Path, graph_file: Path) -> None:
         model = onnx.load(str(graph_file), load_external_data=False)
     except Exception as e:  # protobuf DecodeError and friends
         raise BundleError(f"graph {graph_file.name} is not a readable ONNX model: {e}") from None
-    base = graph_file.parent.relative_to(bundle.resolve())
+    root = bundle.resolve()
     for t in model.graph.initializer:
         if t.data_location == onnx.TensorProto.EXTERNAL:
             loc = ExternalDataInfo(t).location
-            p = confine(bundle, (base / loc).as_posix())
+            p = (graph_file.parent / loc).resolve()
+            if root not in p.parents:
+                raise BundleError(f"graph {graph_file.name}: external data {loc!r} lies outside the "
+                                  "bundle; refused")
             if not p.is_file():
                 raise BundleError(f"graph {graph_file.name}: external data {loc!r} is missing")
 

@@ -1,0 +1,89 @@
+"""Build pipeline: verify on/off, failing gates, planner, atomic output, checkpoint checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hexforge.build.pipeline import BuildOptions, build
+from hexforge.build.plan import plan_shards
+from hexforge.errors import BuildError, CheckpointError, ParityGateError
+from hexforge.manifest import load_manifest
+
+
+def test_planner_packs_contiguous_layers_under_ceiling():
+    assert plan_shards([10, 10, 10, 10], 25) == [(0, 2), (2, 4)]
+    assert plan_shards([10, 10, 10, 10], 40) == [(0, 4)]
+    assert plan_shards([10, 20, 10], 20) == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(BuildError, match="layer 1 alone"):
+        plan_shards([10, 30], 20)
+
+
+def test_no_verify_skips_the_oracle(ckpt, tmp_path):
+    out = build(ckpt("llama"), tmp_path / "b", BuildOptions(context=64, prefill_len=8, verify=False),
+                log=lambda m: None)
+    assert not (out / "report.json").exists()
+    assert load_manifest(out).report is None
+
+
+def test_failing_gate_fails_the_build_and_writes_nothing(ckpt, tmp_path, monkeypatch):
+    from hexforge.families import blocks
+
+    real_init = blocks.DenseShard.__init__
+
+    def corrupted(self, *a, **kw):  # a broken export: layer 0's o_proj scaled in the graph
+        real_init(self, *a, **kw)
+        import torch
+
+        self.layers[0].attn.o_proj = torch.nn.Linear(
+            self.layers[0].attn.o_proj.in_features, self.layers[0].attn.o_proj.out_features)
+
+    monkeypatch.setattr(blocks.DenseShard, "__init__", corrupted)
+    out = tmp_path / "bad"
+    with pytest.raises(ParityGateError, match="parity gate failed"):
+        build(ckpt("llama"), out, BuildOptions(context=64, prefill_len=8), log=lambda m: None)
+    assert not out.exists()
+    assert not list(tmp_path.glob(".bad.partial-*"))
+
+
+def test_pickle_only_checkpoint_is_refused(ckpt, tmp_path):
+    import shutil
+
+    src = ckpt("llama")
+    dst = tmp_path / "pickled"
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors").rename(dst / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="only pickle weights"):
+        build(dst, tmp_path / "out", BuildOptions(), log=lambda m: None)
+
+
+def test_rebuild_replaces_an_existing_bundle(ckpt, tmp_path):
+    opts = BuildOptions(context=64, prefill_len=8, verify=False)
+    out = build(ckpt("llama"), tmp_path / "b", opts, log=lambda m: None)
+    (out / "marker").write_text("old")
+    build(ckpt("llama"), out, opts, log=lambda m: None)
+    assert not (out / "marker").exists() and load_manifest(out)
+
+
+def test_output_dir_that_is_not_a_bundle_is_not_replaced(ckpt, tmp_path):
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "thesis.txt").write_text("do not delete")
+    with pytest.raises(BuildError, match="not a hexforge bundle"):
+        build(ckpt("llama"), out, BuildOptions(context=64, prefill_len=8, verify=False),
+              log=lambda m: None)
+    assert (out / "thesis.txt").read_text() == "do not delete"
+
+
+def test_prefill_and_decode_share_one_weight_file(bundle):
+    b = bundle("llama")
+    import onnx
+
+    locs = set()
+    for g in ("s0.prefill", "s0.decode"):
+        m = onnx.load(str(b / "cpu" / f"{g}.onnx"), load_external_data=False)
+        locs |= {e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"}
+    assert locs == {"s0.weights"}
+    manifest = json.loads((b / "manifest.json").read_text())
+    assert manifest["state"][0]["kind"] == "kv_full"
