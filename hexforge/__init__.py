@@ -6,8 +6,8 @@
 __version__ = "0.1.0"
 
 
-def load(bundle, backend: str = "cpu"):
-    """Load a built bundle; see hexforge.runtime.Model."""
+def load(bundle, backend: str = "cpu", **kw):
+    """Load a built bundle; see hexforge.runtime.load (backend cpu | qnn | qnn-sim | auto)."""
     from .runtime import load as _load
 
-    return _load(bundle, backend)
+    return _load(bundle, backend, **kw)

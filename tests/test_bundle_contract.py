@@ -54,7 +54,7 @@ def test_symlink_pointing_outside_is_refused(copy, tmp_path):
 
 def test_missing_file_is_refused(copy):
     (copy / "cpu" / "head.onnx").unlink()
-    with pytest.raises(BundleError, match="cpu/head.onnx.*missing"):
+    with pytest.raises(BundleError, match=r"cpu/head.onnx.*missing"):
         load_manifest(copy)
 
 

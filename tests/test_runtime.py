@@ -80,7 +80,7 @@ def test_eos_stops_with_finish_reason_stop(bundle):
 
 def test_bad_requests_are_typed_errors(bundle):
     model = hexforge.load(bundle("llama"))
-    with pytest.raises(ContextOverflowError, match="250 tokens.*256"):
+    with pytest.raises(ContextOverflowError, match=r"250 tokens.*256"):
         model.generate(prompt_ids(250), max_new_tokens=16)
     for bad in ([], [-1, 5], [10**6]):
         with pytest.raises(RequestError):

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from ..manifest import GraphSpec, Manifest
+from ..runtime import qnn
+from ..runtime.backends import Backend
 from ..runtime.engine import Engine
 from ..runtime.sampling import greedy
 from ..runtime.text import TextTokenizer
@@ -117,7 +119,7 @@ def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Mani
 
     tallies: dict[str, _Tally] = {}
 
-    def observe(graph: GraphSpec, outputs: dict, positions: np.ndarray) -> None:
+    def observe(graph: GraphSpec, _feeds: dict, outputs: dict, positions: np.ndarray) -> None:
         t = tallies.setdefault(graph.name, _Tally())
         if graph.role == "head":
             t.add(outputs["logits"][0, -1:], ref["logits"][positions])
@@ -172,7 +174,8 @@ def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[st
     report = {}
     for name in targets or list(manifest.targets):
         spec = manifest.targets[name]
-        backend = "cpu" if spec.htp_arch is None else "qnn-sim"
+        backend = Backend("cpu") if spec.htp_arch is None else Backend.resolve(
+            "qnn" if qnn.is_arm_host() else "qnn-sim", spec.htp_arch)
         engine = Engine(bundle, manifest, name, backend)
         report[name] = verify_target(family, hf, engine, tok, manifest, name, spec.quant,
                                      new_tokens=min(new_tokens, manifest.context - 2))

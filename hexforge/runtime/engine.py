@@ -19,24 +19,25 @@ import numpy as np
 
 from ..errors import ContextOverflowError, RequestError
 from ..manifest import GraphSpec, Manifest, confine
-from .backends import make_session
+from .backends import Backend
 from .host import HostInputs, load_host_tensors
 from .sampling import Sampler
 from .state import NP_DTYPES, State
 
-# observer(graph, outputs {bind: array}, valid positions) — the oracle compares per graph with it
-Observer = Callable[[GraphSpec, dict[str, np.ndarray], np.ndarray], None]
+# observer(graph, feeds {input name: array}, outputs {bind: array}, valid positions): the oracle
+# compares per graph with it, calibration records the feeds
+Observer = Callable[[GraphSpec, dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray], None]
 
 
 class Engine:
-    def __init__(self, bundle: Path, manifest: Manifest, target: str, backend: str):
+    def __init__(self, bundle: Path, manifest: Manifest, target: str, backend: Backend):
         self.manifest, self.target = manifest, manifest.targets[target]
         self.context = manifest.context
         self.prefill_len = self.target.plan.prefill_len
         tensors = load_host_tensors(confine(bundle, manifest.host_tensors))
         self.host = HostInputs(manifest.host, tensors, self.context + self.prefill_len)
         self.state = State(manifest)
-        self.sessions = {g.name: make_session(bundle, g.file, backend) for g in self.target.graphs}
+        self.sessions = {g.name: backend.session(bundle, self.target, g) for g in self.target.graphs}
         self.hidden_dtype = NP_DTYPES[self.target.hidden_dtype]
         self.pos = 0
         self.observer: Observer | None = None
@@ -66,7 +67,8 @@ class Engine:
             else:
                 out[spec.bind] = value
         if self.observer:
-            self.observer(graph, {s.bind: v for s, v in zip(graph.outputs, values, strict=True)}, positions)
+            outputs = {s.bind: v for s, v in zip(graph.outputs, values, strict=True)}
+            self.observer(graph, feeds, outputs, positions)
         return out
 
     def forward(self, ids: np.ndarray, n_valid: int, role: str) -> np.ndarray:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import BackendError, RequestError
 from ..manifest import Manifest, confine, load_manifest
-from .backends import BACKENDS
+from .backends import Backend
 from .engine import Engine
 from .sampling import make_sampler
 from .text import TextTokenizer
@@ -30,20 +30,42 @@ class GenerationResult:
         return asdict(self)
 
 
-def pick_target(manifest: Manifest, backend: str) -> str:
-    if backend == "cpu":
+def pick_target(manifest: Manifest, backend: Backend, target: str | None = None) -> str:
+    """The bundle target a backend runs: cpu -> "cpu"; HTP -> the one for the device's arch."""
+    htp = {n: t for n, t in manifest.targets.items() if t.htp_arch is not None}
+    if target is not None:
+        if target not in manifest.targets:
+            raise BackendError(f"the bundle has no target {target!r} (it has "
+                               f"{', '.join(manifest.targets)})")
+        return target
+    if not backend.is_htp:
         return "cpu"
-    raise BackendError(f"backend {backend!r} is not available; choose from {', '.join(BACKENDS)}")
+    if not htp:
+        raise BackendError(f"backend {backend.name} needs an HTP target but the bundle holds only "
+                           "cpu graphs; rebuild with e.g. --target v81")
+    if backend.device_arch is not None:
+        match = [n for n, t in htp.items() if t.htp_arch == backend.device_arch]
+        if not match:
+            raise BackendError(f"the bundle is built for {', '.join(htp)} but the device is "
+                               f"v{backend.device_arch}; rebuild with --target v{backend.device_arch}")
+        return match[0]
+    if len(htp) > 1:
+        raise BackendError(f"the bundle holds {', '.join(htp)}: say which with --arch")
+    return next(iter(htp))
 
 
 class Model:
-    def __init__(self, bundle: str | Path, backend: str = "cpu"):
+    def __init__(self, bundle: str | Path, backend: str = "cpu", arch: str | int | None = None,
+                 target: str | None = None, allow_cpu_fallback: bool = False):
         self.bundle = Path(bundle)
         self.manifest = load_manifest(self.bundle)
-        self.backend = backend
-        self.target = pick_target(self.manifest, backend)
+        self.backend = Backend.resolve(backend, parse_arch(arch), allow_cpu_fallback)
+        self.target = pick_target(self.manifest, self.backend, target)
+        if self.backend.is_htp and self.backend.device_arch is None:
+            # qnn-sim simulates the target's arch; on a device QNN itself checks the SoC
+            self.backend.device_arch = self.manifest.targets[self.target].htp_arch
         self.tokenizer = TextTokenizer(confine(self.bundle, self.manifest.tokenizer.dir))
-        self.engine = Engine(self.bundle, self.manifest, self.target, backend)
+        self.engine = Engine(self.bundle, self.manifest, self.target, self.backend)
         self.generation = self.manifest.generation
 
     @property
@@ -112,6 +134,17 @@ class Model:
                 yield piece
 
 
-def load(bundle: str | Path, backend: str = "cpu") -> Model:
-    """Load a bundle for generation on ``backend`` ("cpu" default)."""
-    return Model(bundle, backend)
+def parse_arch(arch: str | int | None) -> int | None:
+    if arch is None or isinstance(arch, int):
+        return arch
+    digits = str(arch).lower().removeprefix("v")
+    if not digits.isdigit():
+        raise BackendError(f"--arch must look like v81, got {arch!r}")
+    return int(digits)
+
+
+def load(bundle: str | Path, backend: str = "cpu", arch: str | int | None = None,
+         target: str | None = None, allow_cpu_fallback: bool = False) -> Model:
+    """Load a bundle: backend "cpu" (default), "qnn", "qnn-sim" or "auto"; ``arch`` = the device's
+    Hexagon arch (e.g. "v81") when running HTP targets."""
+    return Model(bundle, backend, arch, target, allow_cpu_fallback)

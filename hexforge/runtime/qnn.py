@@ -1,0 +1,127 @@
+"""The QNN HTP execution provider (onnxruntime-qnn plugin EP): sessions, pre-load checks.
+
+    qnn      a real Snapdragon (Windows-on-ARM / Linux ARM) — the HTP itself
+    qnn-sim  x86: the same context binaries run on the HTP simulator inside libQnnHtp.so
+
+What we check before a context binary is handed to QNN (a raw "err 5000" helps nobody):
+  * the .bin's own header says which SoC/arch it was finalized for (``soc_type=SM8850;arch=81``);
+    it must be the bundle target's, and the device's;
+  * the QNN SDK that built it must not be newer than the one installed;
+  * CPU fallback is disabled, so a graph that would put any node on the CPU fails to load and the
+    error names the split (``--allow-cpu-fallback`` turns that into a warning).
+Measured facts behind this (x86, onnxruntime-qnn 2.7.0 / QNN 2.51): the simulator loads older-arch
+binaries under newer options without complaint, so these checks are ours, not QNN's.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+from pathlib import Path
+
+from ..errors import BackendError, BundleError
+
+EP = "QNNExecutionProvider"
+HEADER_BYTES = 1 << 20  # the soc/arch text sits near the start of the binary
+_SOC_RE = re.compile(rb"soc_type=(\w+);arch=(\d+)")
+_SDK_RE = re.compile(rb"v(\d+\.\d+\.\d+)\.\d{6,}")
+
+
+def available() -> bool:
+    try:
+        import onnxruntime_qnn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def is_arm_host() -> bool:
+    return platform.machine().lower() in ("aarch64", "arm64")
+
+
+def sdk_version() -> str:
+    try:
+        import onnxruntime_qnn
+    except ImportError:
+        raise BackendError("onnxruntime-qnn is not installed (pip install onnxruntime-qnn)") from None
+    return str(onnxruntime_qnn.build_and_package_info.qnn_version)
+
+
+def _register() -> None:
+    import onnxruntime as ort
+    import onnxruntime_qnn
+
+    if not any(d.ep_name == EP for d in ort.get_ep_devices()):
+        ort.register_execution_provider_library(EP, onnxruntime_qnn.get_library_path())
+
+
+def provider_options(htp_arch: int, soc_model: int, fp16: bool) -> dict[str, str]:
+    import onnxruntime_qnn
+
+    opts = {"backend_path": onnxruntime_qnn.get_qnn_htp_path(), "htp_arch": str(htp_arch),
+            "soc_model": str(soc_model)}
+    if fp16:
+        opts["enable_htp_fp16_precision"] = "1"
+    return opts
+
+
+def session_options(opts: dict[str, str], config: dict[str, str], allow_cpu_fallback: bool = False):
+    import onnxruntime as ort
+
+    _register()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if not allow_cpu_fallback:
+        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    for k, v in config.items():
+        so.add_session_config_entry(k, v)
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == EP]
+    if not devices:
+        raise BackendError("onnxruntime-qnn is installed but registered no QNN device")
+    so.add_provider_for_devices(devices, opts)
+    return so
+
+
+def binary_info(bin_path: Path) -> dict:
+    """{'soc': 'SM8850', 'arch': 81, 'sdk': '2.51.0'} read from a context binary's header text."""
+    with open(bin_path, "rb") as f:
+        head = f.read(HEADER_BYTES)
+    m = _SOC_RE.search(head)
+    if not m:
+        raise BundleError(f"{bin_path.name} is not a QNN HTP context binary (no soc/arch header)")
+    sdk = _SDK_RE.search(head)
+    return {"soc": m.group(1).decode(), "arch": int(m.group(2)),
+            "sdk": sdk.group(1).decode() if sdk else None}
+
+
+def context_binary_of(ctx_onnx: Path) -> Path:
+    import onnx
+
+    model = onnx.load(str(ctx_onnx), load_external_data=False)
+    for node in model.graph.node:
+        if node.op_type == "EPContext":
+            for a in node.attribute:
+                if a.name == "ep_cache_context":
+                    return ctx_onnx.parent / a.s.decode()
+    raise BundleError(f"{ctx_onnx.name} has no EPContext node; not a compiled HTP graph")
+
+
+def _ver(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+
+
+def check_binary(bin_path: Path, want_arch: int, want_soc_name: str | None,
+                 device_arch: int | None) -> dict:
+    """Name any arch / SoC / SDK mismatch in plain words before QNN sees the binary."""
+    info = binary_info(bin_path)
+    if info["arch"] != want_arch or (want_soc_name and info["soc"] != want_soc_name):
+        raise BundleError(f"{bin_path.name} was compiled for v{info['arch']} ({info['soc']}) but the "
+                          f"bundle says v{want_arch} ({want_soc_name}); the bundle is inconsistent")
+    if device_arch is not None and device_arch != info["arch"]:
+        raise BackendError(f"{bin_path.name} is built for Hexagon v{info['arch']} ({info['soc']}) but "
+                           f"this device is v{device_arch}; rebuild with --target v{device_arch}")
+    installed = sdk_version()
+    if info["sdk"] and _ver(info["sdk"]) > _ver(installed):
+        raise BackendError(f"{bin_path.name} was built with QNN SDK {info['sdk']}, newer than the "
+                           f"installed {installed}; upgrade onnxruntime-qnn or rebuild")
+    return info
