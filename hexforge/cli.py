@@ -28,7 +28,7 @@ def cmd_build(a) -> int:
 
     opts = BuildOptions(targets=a.target, context=a.context, prefill_len=a.prefill_len,
                         max_shard_bytes=a.max_shard_bytes, verify=not a.no_verify,
-                        exporter=a.exporter)
+                        exporter=a.exporter, quant=a.quant, calib=a.calib)
     build(a.checkpoint, a.output, opts, log=lambda m: print(m, file=sys.stderr))
     return 0
 
@@ -117,6 +117,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--prefill-len", type=int, default=64, help="N of the AR-N prefill graph")
     b.add_argument("--max-shard-bytes", type=_int_bytes, default=None,
                    help="per-graph weight ceiling (default: the target's), e.g. 1.8G")
+    b.add_argument("--quant", choices=("fp16", "w8a16", "w4a16"), default="w8a16",
+                   help="HTP targets' precision (the cpu target is always fp32)")
+    b.add_argument("--calib", default=None, help="calibration text file (default: built-in sample)")
     b.add_argument("--no-verify", action="store_true", help="skip the HF oracle and its gates")
     b.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript")
     b.set_defaults(fn=cmd_build)

@@ -25,18 +25,15 @@ from ..manifest import (
     MANIFEST_NAME,
     SCHEMA_VERSION,
     GenerationDefaults,
-    GraphSpec,
     Manifest,
-    RunPlan,
-    ShardPlan,
     TargetSpec,
     TokenizerSpec,
     save_manifest,
 )
 from ..targets import Target, parse_targets
 from .checkpoint import read_checkpoint
-from .export import export_module, share_weights
-from .plan import plan_shards
+from .graphs import export_float, plan_target
+from .quantize import get_recipe
 
 Log = Callable[[str], None]
 
@@ -48,6 +45,8 @@ class BuildOptions:
     prefill_len: int = 64
     max_shard_bytes: int | None = None  # default: the target's per-context ceiling
     verify: bool = True
+    quant: str = "w8a16"  # HTP targets: fp16 | w8a16 | w4a16 (the cpu target stays fp32)
+    calib: str | None = None  # calibration text file (default: a built-in sample)
     exporter: str = "torchscript"  # measured: same tiny-model speed, 2.5x faster export
     verify_tokens: int = 64
     force: bool = True  # replace an existing bundle at the output path
@@ -76,43 +75,11 @@ def _write_host_tensors(path: Path, tensors: dict) -> None:
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path))
 
 
-def _build_target(fam, hf, args, target: Target, opts: BuildOptions, out: Path,
-                  log: Log) -> TargetSpec:
-    ceiling = opts.max_shard_bytes or target.max_context_bytes
-    layer_bytes = fam.layer_weight_bytes(hf, 4.0)
-    shards = plan_shards(layer_bytes, ceiling)
-    log(f"[{target.name}] {len(shards)} shard(s) under {ceiling:,} B: "
-        + " ".join(f"[{a},{b})" for a, b in shards))
-    folder = out / target.name
-    folder.mkdir()
-    graphs: list[GraphSpec] = []
-    plan: list[ShardPlan] = []
-
-    def export(name: str, role: str, module, layers=None) -> GraphSpec:
-        path = folder / f"{name}.onnx"
-        t = time.perf_counter()
-        ins, outs = export_module(module, path, opts.exporter)
-        log(f"[{target.name}] exported {name} ({time.perf_counter() - t:.1f}s)")
-        seq = ins[0].shape[1]
-        return GraphSpec(name=name, role=role, file=f"{target.name}/{name}.onnx", seq_len=seq,
-                         layers=layers, inputs=ins, outputs=outs)
-
-    for s, (a, b) in enumerate(shards):
-        pre = export(f"s{s}.prefill", "prefill",
-                     fam.decoder_module(hf, args, (a, b), opts.prefill_len, opts.context), (a, b))
-        dec = export(f"s{s}.decode", "decode",
-                     fam.decoder_module(hf, args, (a, b), 1, opts.context), (a, b))
-        share_weights([folder / f"s{s}.prefill.onnx", folder / f"s{s}.decode.onnx"],
-                      f"s{s}.weights")
-        graphs += [pre, dec]
-        plan.append(ShardPlan(layers=(a, b), prefill=pre.name, decode=dec.name))
-    head = export("head", "head", fam.head_module(hf, args))
-    share_weights([folder / "head.onnx"], "head.weights")
-    graphs.append(head)
-    for g in graphs:  # bytes on disk: graph proto + its weight file, shared files counted once
-        g.bytes = (out / g.file).stat().st_size
-    return TargetSpec(name=target.name, htp_arch=target.htp_arch, graphs=graphs,
-                      plan=RunPlan(prefill_len=opts.prefill_len, shards=plan, head=head.name))
+def _build_cpu_target(fam, hf, args, target: Target, opts: BuildOptions, out: Path,
+                      log: Log) -> TargetSpec:
+    graphs, plan = export_float(fam, hf, args, plan_target(fam, hf, target, opts, log), opts, out,
+                                target.name, log)
+    return TargetSpec(name=target.name, graphs=graphs, plan=plan)
 
 
 def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None = None,
@@ -148,8 +115,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         _write_host_tensors(tmp / "host.safetensors", fam.host_tensors(hf, args))
 
         t = time.perf_counter()
-        specs = {tg.name: _build_target(fam, hf, args, tg, opts, tmp, log) for tg in targets}
-        opts.timings["export_s"] = time.perf_counter() - t
+        cpu = _build_cpu_target(fam, hf, args, targets[0], opts, tmp, log)
         manifest = Manifest(
             schema_version=SCHEMA_VERSION, hexforge_version=__version__,
             family=family_name(ckpt.model_type), model_type=ckpt.model_type, hf_config=ckpt.config,
@@ -159,9 +125,18 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
             state=fam.state_spec(args, opts.context),
             tokenizer=TokenizerSpec(files=ckpt.tokenizer_files,
                                     chat_template=_has_chat_template(ckpt)),
-            generation=_generation_defaults(ckpt.generation, ckpt.config), targets=specs,
+            generation=_generation_defaults(ckpt.generation, ckpt.config), targets={"cpu": cpu},
             report="report.json" if opts.verify else None,
         )
+        htp_targets = [tg for tg in targets if tg.is_htp]
+        if htp_targets:
+            from .htp import build_htp_targets
+
+            get_recipe(opts.quant)
+            manifest.targets.update(
+                build_htp_targets(fam, hf, args, htp_targets, opts, tmp, manifest, log))
+            shutil.rmtree(tmp / "_work", ignore_errors=True)
+        opts.timings["export_s"] = time.perf_counter() - t
         save_manifest(tmp, manifest)
 
         if opts.verify:

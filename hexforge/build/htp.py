@@ -1,0 +1,107 @@
+"""HTP targets: float graphs ─calibrate─▶ QDQ (w8a16 / w4a16) or fp16 ─compile per arch─▶ binaries.
+
+    plan (per target ceiling, recipe bytes/weight)
+      └─ float graphs in _work/ (same export modules as cpu)
+           └─ calibration: the float graphs run on the CPU EP over CALIB_TEXT (prefill chunks +
+              greedy decode steps) with the target's bounded mask; every graph's feeds recorded
+                └─ QDQ per graph (quantize.py), arch-independent: made once, shared by v79/v81/..
+                     └─ compile per arch -> <target>/<graph>.ctx.onnx + .ctx_qnn.bin
+
+The calibration text is not the oracle's text, so the oracle's numbers are calibration-independent.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..manifest import GraphSpec, Manifest, RunPlan, TargetSpec, confine
+from ..runtime import qnn
+from ..runtime.backends import Backend
+from ..runtime.engine import Engine
+from ..runtime.text import TextTokenizer
+from ..targets import Target
+from .compile import compile_graph
+from .graphs import export_float, plan_target
+from .quantize import QuantRecipe, get_recipe, quantize_graph
+
+CALIB_TEXT = (
+    "Once upon a time, in a small village by the sea, there lived an old fisherman and his cat. "
+    "Every morning he rowed out beyond the reef, counted the gulls, and sang songs about the tide. "
+    "Question: what is 17 times 23? Answer: 391. def add(a, b): return a + b  # simple code\n"
+    "Les montagnes sont hautes; die Flüsse sind lang; 山は高く、川は長い。Numbers 3.14, 2048, 1e-5."
+)
+CALIB_DECODE_STEPS = 64  # decode samples (each holds the whole KV cache: keep it bounded)
+
+
+def calibrate(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: RunPlan,
+              recipe: QuantRecipe, text: str):
+    """Run the float graphs on the CPU EP; -> ({graph: [feeds]}, {graph: {output: absmax}})."""
+    spec = TargetSpec(name="_calib", graphs=graphs, plan=plan, mask_value=recipe.mask_value)
+    m = manifest.model_copy(deep=True)
+    m.targets = {"_calib": spec}
+    engine = Engine(root, m, "_calib", Backend("cpu"))
+    feeds: dict[str, list[dict[str, np.ndarray]]] = {g.name: [] for g in graphs}
+    absmax: dict[str, dict[str, float]] = {g.name: {} for g in graphs}
+
+    def record(graph: GraphSpec, f: dict, outputs: dict, _pos) -> None:
+        feeds[graph.name].append({k: v.copy() for k, v in f.items()})
+        seen = absmax[graph.name]
+        for o in graph.outputs:
+            seen[o.name] = max(seen.get(o.name, 0.0), float(np.abs(outputs[o.bind]).max()))
+
+    tok = TextTokenizer(confine(root, manifest.tokenizer.dir))
+    ids = tok.encode(text)[: manifest.context - 1]
+    engine.observer = record
+    # prefill graphs: the text in AR-N chunks; decode graphs + head: the text again, one token per
+    # step (teacher-forced, so every token of the text is seen — greedy tokens of a model loop)
+    engine.reset()
+    engine.prefill(ids)
+    engine.reset()
+    engine.observer = lambda g, *a: record(g, *a) if g.role != "prefill" else None
+    engine.prefill(ids[:CALIB_DECODE_STEPS], mode="decode")
+    return feeds, absmax
+
+
+def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, manifest: Manifest,
+                      log) -> dict[str, TargetSpec]:
+    recipe = get_recipe(opts.quant)
+    sdk = qnn.sdk_version()
+    prepared: dict[tuple, tuple[list[GraphSpec], RunPlan, Path]] = {}
+    specs: dict[str, TargetSpec] = {}
+    for target in targets:
+        shards = plan_target(fam, hf, target, opts, log)
+        key = tuple(shards)
+        if key not in prepared:  # float export + calibration + QDQ are arch-independent
+            rel = f"_work/{recipe.name}-{len(prepared)}"
+            graphs, plan = export_float(fam, hf, args, shards, opts, root, rel, log)
+            srcs = root / rel
+            if recipe.activations:
+                t = time.perf_counter()
+                text = Path(opts.calib).read_text() if opts.calib else CALIB_TEXT
+                feeds, absmax = calibrate(root, manifest, graphs, plan, recipe, text)
+                for g in graphs:
+                    quantize_graph(root / g.file, srcs / f"{g.name}.qdq.onnx", feeds[g.name],
+                                   absmax[g.name], recipe, g.role)
+                log(f"[{target.name}] calibrated + quantized {recipe.name} "
+                    f"({time.perf_counter() - t:.1f}s)")
+            prepared[key] = (graphs, plan, srcs)
+        graphs, plan, srcs = prepared[key]
+        soc = target.default_soc
+        folder = root / target.name
+        folder.mkdir()
+        compiled = []
+        for g in graphs:
+            src = srcs / (f"{g.name}.qdq.onnx" if recipe.activations else f"{g.name}.onnx")
+            res = compile_graph(src, folder / f"{g.name}.ctx.onnx", target.htp_arch, soc.soc_model,
+                                fp16=recipe.activations is None)
+            log(f"[{target.name}] compiled {g.name}: {res['bin_bytes']:,} B ({res['seconds']:.1f}s)")
+            compiled.append(g.model_copy(update={
+                "file": f"{target.name}/{g.name}.ctx.onnx",
+                "bytes": res["bin_bytes"] + res["ctx"].stat().st_size}))
+        specs[target.name] = TargetSpec(
+            name=target.name, htp_arch=target.htp_arch, soc_model=soc.soc_model, qnn_sdk=sdk,
+            quant=recipe.name, mask_value=recipe.mask_value, graphs=compiled, plan=plan)
+    return specs

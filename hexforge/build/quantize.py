@@ -1,0 +1,280 @@
+"""Quantization recipes (data) and the QDQ pass for HTP graphs.
+
+    float ONNX ──ORT QNN QDQ tool (calibrated uint16 activations)──▶ QDQ ONNX
+               ──requantize_weights: every MatMul weight re-quantized from the float original──▶
+                 W8: int8 per-output-channel  DequantizeLinear(axis=1)
+                 W4: int4 block-wise          DequantizeLinear(axis=0, block_size=B)   (opset 21)
+
+Why our own weight pass: the ORT tool ignores per-channel for MatMul (per-tensor uint8 gave cos 0.996,
+int4 per-tensor 0.28 — HTP_NOTES), while the QNN EP claims hand-built per-channel and block DQ.
+KV state: the cache input, the new rows and their Concat get one shared fixed scale so the host can
+write outputs back as inputs and the HTP Concat needs no requantization (HTP_NOTES: the Qwen3.5 FIFO
+came out ~1/8 with mismatched Concat scales).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BuildError
+
+
+@dataclass(frozen=True)
+class QuantRecipe:
+    name: str
+    activations: str | None  # "uint16" or None (float graph, fp16 on the HTP)
+    weight_bits: int | None  # 8 / 4 / None
+    block_size: int | None = None  # int4 blocks along the input dim
+    head_bits: int | None = None  # the lm_head's weight bits if not weight_bits (mixed recipe)
+    bytes_per_weight: float = 2.0  # for the planner and the roofline
+    mask_value: float = -30000.0  # additive mask; bounded so 16-bit activations keep resolution
+    range_margin: float = 3.0  # calibrated activation ranges widened x this: unseen prompts exceed
+    # MinMax ranges and clipping, not 16-bit resolution, dominated the error (measured: x1 cos 0.9942,
+    # x1.5 0.9980, x3 0.99983 teacher-forced on tiny llama w8a16)
+
+
+RECIPES = {
+    "fp16": QuantRecipe("fp16", None, None, bytes_per_weight=2.0, mask_value=-30000.0),
+    "w8a16": QuantRecipe("w8a16", "uint16", 8, bytes_per_weight=1.0, mask_value=-100.0),
+    # decoder weights int4 (block 64) via GPTQ, lm_head int8. Measured on the tiny random llama,
+    # teacher-forced logits cos min: RTN 0.956, RTN+MSE clip 0.958, +int8 head 0.964, GPTQ 0.987
+    # (block 32 GPTQ 0.972: random Gaussian weights are the worst case for int4)
+    "w4a16": QuantRecipe("w4a16", "uint16", 4, block_size=64, bytes_per_weight=0.5 + 2 / 64,
+                         mask_value=-100.0, head_bits=8),
+}
+
+
+def get_recipe(name: str) -> QuantRecipe:
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise BuildError(f"unknown --quant {name!r}; choose from {', '.join(RECIPES)}") from None
+
+
+class _Reader:
+    """onnxruntime.quantization CalibrationDataReader over recorded feeds."""
+
+    def __init__(self, feeds: list[dict[str, np.ndarray]]):
+        self._it = iter(feeds)
+
+    def get_next(self):
+        return next(self._it, None)
+
+
+def _state_overrides(model, feeds: list[dict[str, np.ndarray]], outputs: dict[str, float]) -> dict:
+    """One symmetric uint16 scale per KV cache: for past.X, new.X and the Concat joining them."""
+    from onnxruntime.quantization import QuantType
+
+    overrides = {}
+    concat_out = {n.input[0]: n.output[0] for n in model.graph.node
+                  if n.op_type == "Concat" and n.input and n.input[0].startswith("past.")}
+    for past, cat in concat_out.items():
+        new = "new." + past.removeprefix("past.")
+        absmax = max([float(np.abs(f[past]).max()) for f in feeds] + [outputs.get(new, 0.0), 1e-3])
+        scale = np.array(absmax * 1.1 / 32767.0, dtype=np.float32)
+        spec = [{"quant_type": QuantType.QUInt16, "scale": scale,
+                 "zero_point": np.array(32768, dtype=np.uint16)}]
+        for name in (past, new, cat):
+            overrides[name] = spec
+    return overrides
+
+
+def quantize_graph(float_path: Path, out_path: Path, feeds: list[dict[str, np.ndarray]],
+                   output_absmax: dict[str, float], recipe: QuantRecipe, role: str) -> None:
+    """float ONNX + calibration feeds -> QDQ ONNX per ``recipe`` (not for fp16)."""
+    import onnx
+    from onnxruntime.quantization import CalibrationMethod, QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    model = onnx.load(str(float_path), load_external_data=False)
+    cfg = get_qnn_qdq_config(
+        str(float_path), _Reader(feeds), calibrate_method=CalibrationMethod.MinMax,
+        activation_type=QuantType.QUInt16, weight_type=QuantType.QUInt8, per_channel=False,
+        init_overrides=_state_overrides(model, feeds, output_absmax),
+    )
+    cfg.use_external_data_format = float_path.stat().st_size > 0 and _model_bytes(float_path) > 1 << 30
+    quantize(str(float_path), str(out_path), cfg)
+    bits = recipe.head_bits if role == "head" and recipe.head_bits else recipe.weight_bits
+    hessians = matmul_hessians(float_path, feeds) if bits == 4 else {}
+    requantize_weights(out_path, float_path, bits, recipe.block_size, recipe.range_margin, hessians)
+
+
+def matmul_hessians(float_path: Path, feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """{weight name: H = sum X^T X [K, K]} for every MatMul with an initializer weight, X being its
+    input activations on the calibration feeds (what GPTQ needs)."""
+    import onnx
+    import onnxruntime as ort
+
+    model = onnx.load(str(float_path))
+    weights = {t.name for t in model.graph.initializer}
+    act_of = {n.input[1]: n.input[0] for n in model.graph.node
+              if n.op_type == "MatMul" and n.input[1] in weights}
+    have = {o.name for o in model.graph.output}
+    for a in set(act_of.values()) - have:
+        model.graph.output.append(onnx.helper.make_empty_tensor_value_info(a))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    sums: dict[str, np.ndarray] = {}
+    for feed in feeds:
+        outs = dict(zip(names, sess.run(None, feed), strict=True))
+        for a in set(act_of.values()):
+            x = outs[a].reshape(-1, outs[a].shape[-1]).astype(np.float64)
+            sums[a] = sums.get(a, 0.0) + x.T @ x
+    return {w: sums[a] for w, a in act_of.items() if a in sums}
+
+
+def gptq_int4(w: np.ndarray, H: np.ndarray, B: int, damp: float = 0.01):
+    """GPTQ (Frantar et al. 2022) for w [K, N] (x @ w) with symmetric int4 groups of B input rows.
+
+    Rows are quantized in order; each row's rounding error is spread over the rows not yet
+    quantized through the inverse Hessian of the calibration inputs, so the *outputs* x @ w move
+    least. Scales per group are chosen (MSE clip search) on the already-updated rows.
+    -> (scale [K/B, N] float32, q [K, N] int8 in [-8, 7]).
+    """
+    K, N = w.shape
+    W = w.astype(np.float64).copy()
+    H = H.astype(np.float64).copy()
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[dead] = 0.0
+    H[np.diag_indices(K)] += damp * np.mean(np.diag(H))
+    Hinv = np.linalg.cholesky(np.linalg.inv(H)).T  # upper: Hinv[i, i:] drives row i's error
+    scales = np.zeros((K // B, N), np.float64)
+    Q = np.zeros((K, N), np.int8)
+    for g in range(K // B):
+        i1, i2 = g * B, (g + 1) * B
+        sc, _ = int4_blocks(W[i1:i2].astype(np.float32), B)
+        s = sc[0].astype(np.float64)  # [N]
+        scales[g] = s
+        err = np.zeros((B, N))
+        for i in range(B):
+            row = W[i1 + i]
+            q = np.clip(np.round(row / s), -8, 7)
+            Q[i1 + i] = q
+            e = (row - q * s) / Hinv[i1 + i, i1 + i]
+            W[i1 + i:i2] -= np.outer(Hinv[i1 + i, i1 + i:i2], e)
+            err[i] = e
+        W[i2:] -= Hinv[i1:i2, i2:].T @ err
+    return scales.astype(np.float32), Q
+
+
+def _model_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.parent.iterdir() if p.is_file())
+
+
+def _block(k: int, want: int) -> int:
+    for b in (want, 128, 64, 32, 16):
+        if b <= k and k % b == 0:
+            return b
+    raise BuildError(f"no int4 block size divides the input dim {k}")
+
+
+CLIP_RATIOS = np.linspace(1.0, 0.6, 9)  # candidate clip ratios of the block absmax
+
+
+def int4_blocks(w: np.ndarray, B: int) -> tuple[np.ndarray, np.ndarray]:
+    """w [K, N] -> (scale [K/B, N], q int8 in [-8, 7] [K, N]): symmetric int4 per block of B input
+    rows, each block's scale = ratio x absmax / 7 with the ratio that minimises the block's MSE
+    (clipping a few outliers buys resolution for the rest)."""
+    K, N = w.shape
+    wb = w.reshape(K // B, B, N)
+    absmax = np.maximum(np.abs(wb).max(axis=1), 1e-8)  # [K/B, N]
+    best_err = np.full(absmax.shape, np.inf, dtype=np.float64)
+    best_scale = absmax / 7.0
+    for r in CLIP_RATIOS:
+        s = absmax * r / 7.0
+        err = ((np.clip(np.round(wb / s[:, None]), -8, 7) * s[:, None] - wb) ** 2).sum(axis=1)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_scale = np.where(better, s, best_scale)
+    q = np.clip(np.round(wb / best_scale[:, None]), -8, 7).astype(np.int8).reshape(K, N)
+    return best_scale.astype(np.float32), q
+
+
+def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: int | None,
+                       range_margin: float, hessians: dict[str, np.ndarray] | None = None) -> int:
+    """Replace each MatMul weight's DequantizeLinear with the recipe's format; -> weights changed."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    qm = onnx.load(str(qdq_path))
+    floats = {t.name: t for t in onnx.load(str(float_path)).graph.initializer}
+    inits = {t.name: t for t in qm.graph.initializer}
+    matmul_b = {n.input[1] for n in qm.graph.node if n.op_type == "MatMul"}
+    changed = 0
+    for node in qm.graph.node:
+        if node.op_type != "DequantizeLinear" or node.output[0] not in matmul_b:
+            continue
+        qname = node.input[0]
+        fname = qname.removesuffix("_quantized")
+        if qname not in inits or fname not in floats:
+            continue
+        w = numpy_helper.to_array(floats[fname]).astype(np.float32)  # [K, N]
+        if w.ndim != 2:
+            continue
+        K, N = w.shape
+        if len(node.input) < 3 or not node.input[2]:  # give the DQ an explicit zero point
+            zp_name = qname + "_zero_point"
+            node.input[:] = [node.input[0], node.input[1], zp_name]
+            inits[zp_name] = qm.graph.initializer.add(name=zp_name)
+        if bits == 8:
+            scale = np.maximum(np.abs(w).max(axis=0), 1e-8) / 127.0  # [N]
+            q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
+            qt = numpy_helper.from_array(q, qname)
+            zp = numpy_helper.from_array(np.zeros(N, np.int8), node.input[2])
+            attrs = {"axis": 1}
+        else:
+            B = _block(K, block_size or 64)
+            H = (hessians or {}).get(fname)
+            scale, q = gptq_int4(w, H, B) if H is not None else int4_blocks(w, B)
+            qt = helper.make_tensor(qname, TensorProto.INT4, [K, N], q.flatten().tolist())
+            zp = helper.make_tensor(node.input[2], TensorProto.INT4, [K // B, N],
+                                    [0] * (K // B * N))
+            attrs = {"axis": 0, "block_size": B}
+        st = numpy_helper.from_array(scale.astype(np.float32), node.input[1])
+        for t in (qt, st, zp):
+            inits[t.name].CopyFrom(t)
+        del node.attribute[:]
+        node.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
+        changed += 1
+    widen_activation_ranges(qm, inits, range_margin)
+    # 16-bit Q/DQ and block_size are standard at opset 21: leave the com.microsoft twins behind
+    for node in qm.graph.node:
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear") and node.domain == "com.microsoft":
+            node.domain = ""
+    for op in qm.opset_import:
+        if op.domain in ("", "ai.onnx"):
+            op.version = max(op.version, 21)
+    qm.ir_version = max(qm.ir_version, 10)
+    onnx.save(qm, str(qdq_path))
+    return changed
+
+
+def widen_activation_ranges(qm, inits: dict, factor: float) -> None:
+    """Scale every activation (uint16) quantization range by ``factor`` about its center.
+
+    MinMax calibration clips anything a prompt reaches beyond the calibration text; 16 bits leave
+    room for a margin (x3 costs 1.6 bits). Weights (DQ-only, no QuantizeLinear) are untouched.
+    """
+    from onnx import numpy_helper
+
+    if factor == 1.0:
+        return
+    pairs = {(n.input[1], n.input[2]) for n in qm.graph.node
+             if n.op_type == "QuantizeLinear" and len(n.input) > 2}
+    for scale_name, zp_name in pairs:
+        if scale_name not in inits or zp_name not in inits:
+            continue
+        zp = numpy_helper.to_array(inits[zp_name])
+        if zp.dtype != np.uint16:
+            continue
+        scale = numpy_helper.to_array(inits[scale_name]).astype(np.float32)
+        mid = 32767.5
+        new_zp = np.clip(np.round(mid - (mid - zp.astype(np.float64)) / factor), 0, 65535)
+        inits[scale_name].CopyFrom(numpy_helper.from_array(scale * factor, scale_name))
+        inits[zp_name].CopyFrom(numpy_helper.from_array(new_zp.astype(np.uint16), zp_name))
