@@ -23,6 +23,17 @@ def _int_bytes(s: str) -> int:
         raise argparse.ArgumentTypeError(f"not a byte count: {s!r}") from None
 
 
+def _shard_bytes(s: str) -> int | dict[str, int]:
+    """'1.8G' (every target) or 'cpu=300k,v81=80k' (per target)."""
+    if "=" not in s:
+        return _int_bytes(s)
+    out = {}
+    for part in s.split(","):
+        name, _, value = part.partition("=")
+        out[name.strip()] = _int_bytes(value)
+    return out
+
+
 def cmd_build(a) -> int:
     from .build.pipeline import BuildOptions, build
 
@@ -36,7 +47,8 @@ def cmd_build(a) -> int:
 def cmd_run(a) -> int:
     from . import load
 
-    model = load(a.bundle, backend=a.backend)
+    model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target,
+                 allow_cpu_fallback=a.allow_cpu_fallback)
     kw = dict(max_new_tokens=a.n, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
               seed=a.seed, ignore_eos=a.ignore_eos)
     if a.json:
@@ -115,8 +127,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--target", default="cpu", help="cpu (always built) plus e.g. v81 or v79,v81")
     b.add_argument("--context", type=int, default=2048, help="max tokens (prompt + generated)")
     b.add_argument("--prefill-len", type=int, default=64, help="N of the AR-N prefill graph")
-    b.add_argument("--max-shard-bytes", type=_int_bytes, default=None,
-                   help="per-graph weight ceiling (default: the target's), e.g. 1.8G")
+    b.add_argument("--max-shard-bytes", type=_shard_bytes, default=None,
+                   help="per-graph weight ceiling (default: the target's): 1.8G, or cpu=3G,v81=1.8G")
     b.add_argument("--quant", choices=("fp16", "w8a16", "w4a16"), default="w8a16",
                    help="HTP targets' precision (the cpu target is always fp32)")
     b.add_argument("--calib", default=None, help="calibration text file (default: built-in sample)")
@@ -128,7 +140,12 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("bundle")
     r.add_argument("prompt")
     r.add_argument("-n", "--max-new-tokens", dest="n", type=int, default=None)
-    r.add_argument("--backend", default="cpu")
+    r.add_argument("--backend", default="cpu", choices=("cpu", "qnn", "qnn-sim", "auto"),
+                   help="cpu (default) | qnn (Snapdragon HTP) | qnn-sim (x86 HTP simulator) | auto")
+    r.add_argument("--arch", default=None, help="the device's Hexagon arch, e.g. v81 (HTP backends)")
+    r.add_argument("--target", default=None, help="run this bundle target (default: by backend/arch)")
+    r.add_argument("--allow-cpu-fallback", action="store_true",
+                   help="HTP: let unsupported nodes run on the CPU instead of refusing to load")
     r.add_argument("--temperature", type=float, default=None)
     r.add_argument("--top-k", type=int, default=None)
     r.add_argument("--top-p", type=float, default=None)

@@ -14,6 +14,32 @@ def _dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
+def decode_bytes_per_token(bundle: Path, t) -> int:
+    """Weight bytes one decode step reads: every shard's decode graph + the head. For HTP targets
+    that is the context binaries' size (weights dominate); for cpu the external weight files."""
+    total = 0
+    names = [s.decode for s in t.plan.shards] + [t.plan.head]
+    for g in t.graphs:
+        if g.name not in names:
+            continue
+        if t.htp_arch is not None:
+            total += g.bytes
+        else:  # the graph's own weight file (prefill and decode share it: count it once per shard)
+            total += confine(bundle, g.file).parent.joinpath(
+                g.name.split(".")[0] + ".weights").stat().st_size
+    return total
+
+
+def roofline(target: str, bytes_per_token: int) -> dict:
+    """Bandwidth-bound decode tok/s per SoC of the target (an ESTIMATE: DDR peak / bytes)."""
+    from .targets import TARGETS
+
+    tg = TARGETS.get(target)
+    if not tg or not bytes_per_token:
+        return {}
+    return {s.name: round(s.ddr_gbps * 1e9 / bytes_per_token, 1) for s in tg.socs}
+
+
 def inspect_bundle(bundle: Path) -> dict:
     m = load_manifest(bundle)
     state_bytes = 0
@@ -26,7 +52,10 @@ def inspect_bundle(bundle: Path) -> dict:
     targets = {}
     for name, t in m.targets.items():
         folder = confine(bundle, name)
+        per_token = decode_bytes_per_token(bundle, t)
         targets[name] = {
+            "decode_weight_bytes_per_token": per_token,
+            "roofline_tok_s": roofline(name, per_token),
             "htp_arch": t.htp_arch, "soc_model": t.soc_model, "qnn_sdk": t.qnn_sdk,
             "quant": t.quant, "prefill_len": t.plan.prefill_len, "bytes": _dir_bytes(folder),
             "shards": [{"layers": list(s.layers), "prefill": s.prefill, "decode": s.decode}
@@ -71,8 +100,12 @@ def print_inspection(info: dict) -> None:
             tab.add_row(g["name"], g["role"], str(g["seq_len"]),
                         str(g["layers"]) if g["layers"] else "-", f"{g['bytes']:,}", g["file"])
         c.print(tab)
+        if t["roofline_tok_s"]:
+            est = ", ".join(f"{soc} {v:,.0f} tok/s" for soc, v in t["roofline_tok_s"].items())
+            c.print(f"  decode reads {t['decode_weight_bytes_per_token']:,} weight B/token; "
+                    f"bandwidth roofline (ESTIMATE, DDR peak / bytes): {est}")
     for name, r in (info["report"] or {}).items():
         tf, g = r["teacher_forced"], r["greedy"]
-        c.print(f"oracle [{name}]: {'PASS' if r['passed'] else 'FAIL'}  logits cos min "
+        c.print(f"oracle \\[{name}]: {'PASS' if r['passed'] else 'FAIL'}  logits cos min "
                 f"{tf['cos_min']:.6f}, top-1 {tf['top1']:.3f}, greedy {g['matching_prefix']}/"
                 f"{g['new_tokens']}")

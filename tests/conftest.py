@@ -90,3 +90,26 @@ def text_with_tokens(tokenizer_dir: Path, n: int) -> str:
         if len(tok.encode(text[:end]).ids) == n:
             return text[:end]
     raise AssertionError(f"no prefix encodes to {n} tokens")
+
+
+@pytest.fixture(scope="session")
+def htp_bundle(ckpt, tmp_path_factory):
+    """htp_bundle("llama", "w8a16", "v81", **opts) -> a bundle with HTP targets, built once."""
+    from hexforge.build.pipeline import BuildOptions, build
+
+    built: dict[tuple, Path] = {}
+
+    def get(family: str, quant: str, targets: str = "v81", **kw) -> Path:
+        key = (family, quant, targets, repr(sorted(kw.items())))
+        if key not in built:
+            opts = BuildOptions(targets=targets, quant=quant, context=HTP_CONTEXT,
+                                prefill_len=HTP_N, **kw)
+            out = tmp_path_factory.mktemp(f"htp-{family}-{quant}") / "b"
+            built[key] = build(ckpt(family), out, opts, log=lambda m: None)
+        return built[key]
+
+    return get
+
+
+HTP_N = 16
+HTP_CONTEXT = 128

@@ -31,7 +31,8 @@ def compile_graph(src: Path, ctx: Path, htp_arch: int, soc_model: int, fp16: boo
     )
     t = time.perf_counter()
     try:
-        sess = ort.InferenceSession(str(src), so)
+        with qnn.native_stdout_to_stderr():
+            sess = ort.InferenceSession(str(src), so)
         del sess
     except Exception as e:
         for partial in (ctx, bin_path):  # a failed session may still have written them

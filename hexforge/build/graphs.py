@@ -52,7 +52,8 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
 
 def plan_target(fam, hf, target: Target, opts, log) -> list[tuple[int, int]]:
     bpw = 4.0 if not target.is_htp else get_recipe(opts.quant).bytes_per_weight
-    ceiling = opts.max_shard_bytes or target.max_context_bytes
+    limit = opts.max_shard_bytes
+    ceiling = (limit.get(target.name) if isinstance(limit, dict) else limit) or target.max_context_bytes
     shards = plan_shards(fam.layer_weight_bytes(hf, bpw), ceiling)
     head = fam.head_weight_bytes(hf, bpw)
     if head > ceiling:

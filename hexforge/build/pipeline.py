@@ -43,7 +43,8 @@ class BuildOptions:
     targets: str = "cpu"
     context: int = 2048
     prefill_len: int = 64
-    max_shard_bytes: int | None = None  # default: the target's per-context ceiling
+    max_shard_bytes: int | dict[str, int] | None = None  # all targets, or per target name;
+    # default: each target's per-context ceiling
     verify: bool = True
     quant: str = "w8a16"  # HTP targets: fp16 | w8a16 | w4a16 (the cpu target stays fp32)
     calib: str | None = None  # calibration text file (default: a built-in sample)
@@ -88,6 +89,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
     t_start = time.perf_counter()
     ckpt = read_checkpoint(checkpoint)
     targets = parse_targets(opts.targets)
+    get_recipe(opts.quant)  # a bad --quant fails before any heavy work
     if opts.prefill_len < 1 or opts.context < 2:
         raise BuildError("--prefill-len must be >= 1 and --context >= 2")
     fam = load_family(ckpt.model_type).FAMILY
@@ -132,7 +134,6 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         if htp_targets:
             from .htp import build_htp_targets
 
-            get_recipe(opts.quant)
             manifest.targets.update(
                 build_htp_targets(fam, hf, args, htp_targets, opts, tmp, manifest, log))
             shutil.rmtree(tmp / "_work", ignore_errors=True)

@@ -14,6 +14,7 @@ came out ~1/8 with mismatched Concat scales).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,10 +87,24 @@ def quantize_graph(float_path: Path, out_path: Path, feeds: list[dict[str, np.nd
                    output_absmax: dict[str, float], recipe: QuantRecipe, role: str) -> None:
     """float ONNX + calibration feeds -> QDQ ONNX per ``recipe`` (not for fp16)."""
     import onnx
+
+    model = onnx.load(str(float_path), load_external_data=False)
+    root_log = logging.getLogger()
+    level = root_log.level
+    root_log.setLevel(logging.ERROR)  # the tool's "consider pre-processing" / opset notices
+    try:
+        _quantize(float_path, out_path, feeds, output_absmax, model)
+    finally:
+        root_log.setLevel(level)
+    bits = recipe.head_bits if role == "head" and recipe.head_bits else recipe.weight_bits
+    hessians = matmul_hessians(float_path, feeds) if bits == 4 else {}
+    requantize_weights(out_path, float_path, bits, recipe.block_size, recipe.range_margin, hessians)
+
+
+def _quantize(float_path: Path, out_path: Path, feeds, output_absmax, model) -> None:
     from onnxruntime.quantization import CalibrationMethod, QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
-    model = onnx.load(str(float_path), load_external_data=False)
     cfg = get_qnn_qdq_config(
         str(float_path), _Reader(feeds), calibrate_method=CalibrationMethod.MinMax,
         activation_type=QuantType.QUInt16, weight_type=QuantType.QUInt8, per_channel=False,
@@ -97,9 +112,6 @@ def quantize_graph(float_path: Path, out_path: Path, feeds: list[dict[str, np.nd
     )
     cfg.use_external_data_format = float_path.stat().st_size > 0 and _model_bytes(float_path) > 1 << 30
     quantize(str(float_path), str(out_path), cfg)
-    bits = recipe.head_bits if role == "head" and recipe.head_bits else recipe.weight_bits
-    hessians = matmul_hessians(float_path, feeds) if bits == 4 else {}
-    requantize_weights(out_path, float_path, bits, recipe.block_size, recipe.range_margin, hessians)
 
 
 def matmul_hessians(float_path: Path, feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

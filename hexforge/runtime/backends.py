@@ -105,7 +105,8 @@ class Backend:
         opts = qnn.provider_options(target.htp_arch, target.soc_model, target.quant == "fp16")
         so = qnn.session_options(opts, {}, self.allow_cpu_fallback)
         try:
-            return ort.InferenceSession(str(path), so)
+            with qnn.native_stdout_to_stderr():
+                return ort.InferenceSession(str(path), so)
         except Exception as e:
             raise explain_qnn_error(e, graph.file, bin_path) from None
 

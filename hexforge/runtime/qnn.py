@@ -15,8 +15,11 @@ binaries under newer options without complaint, so these checks are ours, not QN
 
 from __future__ import annotations
 
+import contextlib
+import os
 import platform
 import re
+import sys
 from pathlib import Path
 
 from ..errors import BackendError, BundleError
@@ -45,6 +48,23 @@ def sdk_version() -> str:
     except ImportError:
         raise BackendError("onnxruntime-qnn is not installed (pip install onnxruntime-qnn)") from None
     return str(onnxruntime_qnn.build_and_package_info.qnn_version)
+
+
+@contextlib.contextmanager
+def native_stdout_to_stderr():
+    """QNN's native libraries print banners on fd 1; keep stdout clean for --json and pipes."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):  # no real fd 1 (e.g. captured): nothing to protect
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _register() -> None:

@@ -1,0 +1,142 @@
+"""Hexagon targets on the x86 HTP simulator: fp16 / w8a16 / w4a16, multi-arch, shards, checks.
+
+Every bundle here is compiled with CPU fallback disabled (a node the HTP rejects fails the build)
+and its oracle gates pass in the build; the tests read the measured numbers from report.json.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import hexforge
+from hexforge.build.verify import GATES
+from hexforge.errors import BackendError, BuildError, BundleError
+from hexforge.runtime import qnn
+from tests.conftest import prompt_ids
+
+QUANT_THRESHOLDS = {"fp16": 0.9995, "w8a16": 0.999, "w4a16": 0.98}
+
+
+def report(bundle) -> dict:
+    return json.loads((bundle / "report.json").read_text())
+
+
+@pytest.mark.parametrize("quant", ["fp16", "w8a16", "w4a16"])
+def test_quantized_bundle_compiles_runs_and_meets_its_threshold(htp_bundle, quant):
+    b = htp_bundle("llama", quant)
+    rep = report(b)["v81"]
+    tf = rep["teacher_forced"]
+    assert rep["passed"], rep["failures"]
+    assert tf["cos_min"] >= QUANT_THRESHOLDS[quant] and GATES[quant].tf_cos <= tf["cos_min"]
+    manifest = json.loads((b / "manifest.json").read_text())
+    t = manifest["targets"]["v81"]
+    assert (t["htp_arch"], t["soc_model"], t["quant"]) == (81, 87, quant)
+    assert t["qnn_sdk"] == qnn.sdk_version()
+    assert "cpu" in manifest["targets"]  # the float reference stays in the bundle
+    for g in t["graphs"]:
+        info = qnn.binary_info(qnn.context_binary_of(b / g["file"]))
+        assert (info["soc"], info["arch"]) == ("SM8850", 81)
+    model = hexforge.load(b, backend="qnn-sim")
+    r = model.generate(prompt_ids(HTP_PROMPT), max_new_tokens=8, ignore_eos=True)
+    assert len(r.token_ids) == 8
+
+
+HTP_PROMPT = 20
+
+
+def test_w4_weights_are_int4_blocks_in_the_binary(htp_bundle):
+    w8 = htp_bundle("llama", "w8a16")
+    w4 = htp_bundle("llama", "w4a16")
+
+    def size(b, name):
+        return qnn.context_binary_of(b / "v81" / f"{name}.ctx.onnx").stat().st_size
+
+    assert size(w4, "s0.decode") < 0.8 * size(w8, "s0.decode")
+
+
+def test_v79_and_v81_from_one_build_both_run(htp_bundle):
+    b = htp_bundle("qwen3", "w8a16", "v79,v81")
+    rep = report(b)
+    assert rep["v79"]["passed"] and rep["v81"]["passed"]
+    ids = prompt_ids(HTP_PROMPT)
+    a = hexforge.load(b, backend="qnn-sim", arch="v79").generate(ids, max_new_tokens=8,
+                                                                 ignore_eos=True)
+    c = hexforge.load(b, backend="qnn-sim", arch="v81").generate(ids, max_new_tokens=8,
+                                                                 ignore_eos=True)
+    assert len(a.token_ids) == len(c.token_ids) == 8
+
+
+def test_arch_mismatch_fails_before_loading_naming_both(htp_bundle):
+    b = htp_bundle("qwen3", "w8a16", "v79,v81")
+    with pytest.raises(BackendError, match=r"v79.*v81"):
+        hexforge.load(b, backend="qnn-sim", target="v79", arch="v81")
+    with pytest.raises(BackendError, match=r"v81.*v79"):
+        hexforge.load(b, backend="qnn-sim", target="v81", arch="v79")
+    only81 = htp_bundle("llama", "w8a16")
+    with pytest.raises(BackendError, match=r"built for v81 but the device is v79"):
+        hexforge.load(only81, backend="qnn-sim", arch="v79")
+
+
+def test_binary_that_disagrees_with_the_manifest_is_refused(htp_bundle, tmp_path):
+    src = htp_bundle("qwen3", "w8a16", "v79,v81")
+    b = tmp_path / "b"
+    shutil.copytree(src, b)
+    for f in (b / "v79").iterdir():  # swap v79's binaries into v81's place
+        shutil.copy(f, b / "v81" / f.name.replace("v79", "v81"))
+    with pytest.raises(BundleError, match=r"compiled for v79.*bundle says v81"):
+        hexforge.load(b, backend="qnn-sim", arch="v81")
+
+
+def test_newer_sdk_binary_is_refused(htp_bundle, monkeypatch):
+    monkeypatch.setattr(qnn, "sdk_version", lambda: "2.40.0")
+    with pytest.raises(BackendError, match=r"QNN SDK 2\.51\.0, newer than the installed 2\.40\.0"):
+        hexforge.load(htp_bundle("llama", "w8a16"), backend="qnn-sim")
+
+
+def test_multi_shard_htp_bundle_equals_single_shard(htp_bundle):
+    one = htp_bundle("llama", "w8a16")
+    # 2 int8 layers (73,984 B) per shard; the fp32 cpu target keeps one shard
+    three = htp_bundle("llama", "w8a16", max_shard_bytes={"v81": 80_000})
+    plan = json.loads((three / "manifest.json").read_text())["targets"]["v81"]["plan"]
+    assert len(plan["shards"]) == 3
+    ids = prompt_ids(HTP_PROMPT)
+    a = hexforge.load(one, backend="qnn-sim").generate(ids, max_new_tokens=16, ignore_eos=True)
+    c = hexforge.load(three, backend="qnn-sim").generate(ids, max_new_tokens=16, ignore_eos=True)
+    assert a.token_ids == c.token_ids
+
+
+def test_graph_with_a_node_the_htp_rejects_fails_to_compile(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    from hexforge.build.compile import compile_graph
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8])
+    g = helper.make_graph([helper.make_node("Trilu", ["x"], ["y"], upper=0)], "g", [x], [y])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    onnx.save(m, str(tmp_path / "t.onnx"))
+    with pytest.raises(BuildError, match="not supported by the HTP"):
+        compile_graph(tmp_path / "t.onnx", tmp_path / "t.ctx.onnx", 81, 87, fp16=True)
+    assert not (tmp_path / "t.ctx.onnx").exists() and not (tmp_path / "t.ctx_qnn.bin").exists()
+
+
+def test_inspect_shows_binary_sizes_and_roofline(htp_bundle):
+    from hexforge.inspect import inspect_bundle
+
+    info = inspect_bundle(htp_bundle("llama", "w8a16"))
+    t = info["targets"]["v81"]
+    assert t["decode_weight_bytes_per_token"] > 0
+    assert set(t["roofline_tok_s"]) == {"SM8850"} and t["roofline_tok_s"]["SM8850"] > 0
+    assert all(g["bytes"] > 0 for g in t["graphs"])
+
+
+def test_bad_quant_is_refused_before_work(ckpt, tmp_path):
+    from hexforge.build.pipeline import BuildOptions, build
+
+    with pytest.raises(BuildError, match="unknown --quant"):
+        build(ckpt("llama"), tmp_path / "x", BuildOptions(targets="v81", quant="w2"),
+              log=lambda m: None)
