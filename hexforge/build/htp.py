@@ -25,7 +25,7 @@ from ..runtime.text import TextTokenizer
 from ..targets import Target
 from .compile import compile_graph
 from .graphs import export_float, plan_target
-from .quantize import QuantRecipe, get_recipe, quantize_graph
+from .quantize import QuantRecipe, get_recipe, pooled_hessians, quantize_graph
 
 CALIB_TEXT = (
     "Once upon a time, in a small village by the sea, there lived an old fisherman and his cat. "
@@ -82,9 +82,11 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
                 t = time.perf_counter()
                 text = Path(opts.calib).read_text() if opts.calib else CALIB_TEXT
                 feeds, absmax = calibrate(root, manifest, graphs, plan, recipe, text)
+                hessians = pooled_hessians([(root / g.file, feeds[g.name]) for g in graphs
+                                            if g.role != "head"]) if recipe.weight_bits == 4 else {}
                 for g in graphs:
                     quantize_graph(root / g.file, srcs / f"{g.name}.qdq.onnx", feeds[g.name],
-                                   absmax[g.name], recipe, g.role)
+                                   absmax[g.name], recipe, g.role, hessians)
                 log(f"[{target.name}] calibrated + quantized {recipe.name} "
                     f"({time.perf_counter() - t:.1f}s)")
             prepared[key] = (graphs, plan, srcs)
