@@ -39,7 +39,8 @@ def cmd_build(a) -> int:
 
     opts = BuildOptions(targets=a.target, context=a.context, prefill_len=a.prefill_len,
                         max_shard_bytes=a.max_shard_bytes, verify=not a.no_verify,
-                        exporter=a.exporter, quant=a.quant, calib=a.calib)
+                        exporter=a.exporter, quant=a.quant, calib=a.calib,
+                        share_weights=a.share_weights)
     build(a.checkpoint, a.output, opts, log=lambda m: print(m, file=sys.stderr))
     return 0
 
@@ -132,6 +133,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--quant", choices=("fp16", "w8a16", "w4a16"), default="w8a16",
                    help="HTP targets' precision (the cpu target is always fp32)")
     b.add_argument("--calib", default=None, help="calibration text file (default: built-in sample)")
+    b.add_argument("--share-weights", action="store_true",
+                   help="HTP: one weight-shared context per shard for prefill + decode (device "
+                        "only: the x86 simulator cannot load them; the oracle runs unshared twins)")
     b.add_argument("--no-verify", action="store_true", help="skip the HF oracle and its gates")
     b.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript")
     b.set_defaults(fn=cmd_build)

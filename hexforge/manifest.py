@@ -73,6 +73,7 @@ class GraphSpec(_Model):
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     bytes: int = 0  # graph + external weight bytes on disk (shared weights counted once per file)
+    verify_file: RelPath | None = None  # build-time only: the unshared twin the simulator can run
 
 
 class StateSpec(_Model):
@@ -170,6 +171,7 @@ class TargetSpec(_Model):
     quant: str = "fp32"
     mask_value: float = -1e9  # additive mask for hidden keys (HTP: bounded, see HTP_NOTES)
     hidden_dtype: DType = "float32"  # the shard-to-shard hand-off
+    weight_shared: bool = False  # prefill + decode of a shard share one context binary (device only)
     graphs: list[GraphSpec]
     plan: RunPlan
 

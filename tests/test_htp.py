@@ -141,3 +141,22 @@ def test_bad_quant_is_refused_before_work(ckpt, tmp_path):
     with pytest.raises(BuildError, match="unknown --quant"):
         build(ckpt("llama"), tmp_path / "x", BuildOptions(targets="v81", quant="w2"),
               log=lambda m: None)
+
+
+def test_share_weights_ships_one_context_per_shard_and_the_oracle_runs_its_twins(htp_bundle):
+    shared = htp_bundle("llama", "w8a16", share_weights=True)
+    plain = htp_bundle("llama", "w8a16")
+    t = json.loads((shared / "manifest.json").read_text())["targets"]["v81"]
+    assert t["weight_shared"] and all(g["verify_file"] is None for g in t["graphs"])
+    bins = {qnn.context_binary_of(shared / "v81" / f"{n}.ctx.onnx").name
+            for n in ("s0.prefill", "s0.decode")}
+    assert bins == {"s0.prefill.ctx_qnn.bin"}
+    assert not (shared / "v81" / "verify").exists()
+
+    def size(b, n):
+        return qnn.context_binary_of(b / "v81" / f"{n}.ctx.onnx").stat().st_size
+
+    assert size(shared, "s0.prefill") < size(plain, "s0.prefill") + size(plain, "s0.decode")
+    assert report(shared)["v81"]["passed"]
+    with pytest.raises(BackendError, match="simulator cannot load"):
+        hexforge.load(shared, backend="qnn-sim")

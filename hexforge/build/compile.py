@@ -42,3 +42,31 @@ def compile_graph(src: Path, ctx: Path, htp_arch: int, soc_model: int, fp16: boo
         raise BuildError(f"compiling {src.name} wrote no context binary")
     return {"ctx": ctx, "bin": bin_path, "seconds": time.perf_counter() - t,
             "bin_bytes": bin_path.stat().st_size}
+
+
+def compile_shared(group: list[tuple[Path, Path]], htp_arch: int, soc_model: int,
+                   fp16: bool) -> dict:
+    """Compile graphs that hold the same weights (a shard's prefill + decode) into ONE context
+    binary (ep.share_ep_contexts): sessions made in order, the last one stops sharing and writes
+    the binary, named after the first graph. -> {"bin": path, "bin_bytes": int}."""
+    import onnxruntime as ort
+
+    first_bin = group[0][1].with_name(group[0][1].stem + "_qnn.bin")
+    for _, ctx in group:
+        ctx.unlink(missing_ok=True)
+        ctx.with_name(ctx.stem + "_qnn.bin").unlink(missing_ok=True)
+    for i, (src, ctx) in enumerate(group):
+        config = {"ep.context_enable": "1", "ep.context_file_path": str(ctx),
+                  "ep.context_embed_mode": "0", "ep.share_ep_contexts": "1"}
+        if i == len(group) - 1:
+            config["ep.stop_share_ep_contexts"] = "1"
+        so = qnn.session_options(qnn.provider_options(htp_arch, soc_model, fp16), config)
+        try:
+            with qnn.native_stdout_to_stderr():
+                sess = ort.InferenceSession(str(src), so)
+            del sess
+        except Exception as e:
+            raise BuildError(str(explain_qnn_error(e, f"compiling {src.name} (shared)"))) from None
+    if not first_bin.is_file():
+        raise BuildError(f"weight-shared compile of {group[0][0].name} wrote no context binary")
+    return {"bin": first_bin, "bin_bytes": first_bin.stat().st_size}

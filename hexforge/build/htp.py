@@ -23,7 +23,7 @@ from ..runtime.backends import Backend
 from ..runtime.engine import Engine
 from ..runtime.text import TextTokenizer
 from ..targets import Target
-from .compile import compile_graph
+from .compile import compile_graph, compile_shared
 from .graphs import export_float, plan_target
 from .quantize import QuantRecipe, get_recipe, pooled_hessians, quantize_graph
 
@@ -103,7 +103,41 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
             compiled.append(g.model_copy(update={
                 "file": f"{target.name}/{g.name}.ctx.onnx",
                 "bytes": res["bin_bytes"] + res["ctx"].stat().st_size}))
+        if opts.share_weights:
+            compiled = _share(compiled, plan, srcs, folder, target, soc.soc_model, recipe, log)
         specs[target.name] = TargetSpec(
             name=target.name, htp_arch=target.htp_arch, soc_model=soc.soc_model, qnn_sdk=sdk,
-            quant=recipe.name, mask_value=recipe.mask_value, graphs=compiled, plan=plan)
+            quant=recipe.name, mask_value=recipe.mask_value, graphs=compiled, plan=plan,
+            weight_shared=opts.share_weights)
     return specs
+
+
+def _share(compiled: list[GraphSpec], plan: RunPlan, srcs: Path, folder: Path, target: Target,
+           soc_model: int, recipe: QuantRecipe, log) -> list[GraphSpec]:
+    """Recompile each shard's prefill + decode into one weight-shared context for the device.
+
+    The x86 simulator cannot load shared contexts (libQnnHtp segfaults; ORT runs them on ARM only),
+    so the unshared twins just compiled from the same sources are what the oracle runs: they are
+    kept under ``<target>/verify/`` until the build's oracle is done, then removed."""
+    twins = folder / "verify"
+    twins.mkdir()
+    by_name = {g.name: g for g in compiled}
+    out = []
+    for g in compiled:  # move the unshared twins aside; the oracle reads them from there
+        ctx = folder / f"{g.name}.ctx.onnx"
+        for f in (ctx, ctx.with_name(ctx.stem + "_qnn.bin")):
+            f.rename(twins / f.name)
+    suffix = ".qdq.onnx" if recipe.activations else ".onnx"
+    for shard in plan.shards:
+        group = [(srcs / f"{n}{suffix}", folder / f"{n}.ctx.onnx") for n in (shard.prefill, shard.decode)]
+        res = compile_shared(group, target.htp_arch, soc_model, fp16=recipe.activations is None)
+        log(f"[{target.name}] weight-shared {shard.prefill} + {shard.decode}: {res['bin_bytes']:,} B")
+    head = by_name[plan.head]
+    compile_graph(srcs / f"{head.name}{suffix}", folder / f"{head.name}.ctx.onnx", target.htp_arch,
+                  soc_model, fp16=recipe.activations is None)
+    for g in compiled:
+        ctx = folder / f"{g.name}.ctx.onnx"
+        binary = qnn.context_binary_of(ctx)
+        out.append(g.model_copy(update={"bytes": ctx.stat().st_size + binary.stat().st_size,
+                                        "verify_file": f"{target.name}/verify/{g.name}.ctx.onnx"}))
+    return out

@@ -48,6 +48,7 @@ class BuildOptions:
     verify: bool = True
     quant: str = "w8a16"  # HTP targets: fp16 | w8a16 | w4a16 (the cpu target stays fp32)
     calib: str | None = None  # calibration text file (default: a built-in sample)
+    share_weights: bool = False  # HTP: one context per shard for prefill + decode (device only)
     exporter: str = "torchscript"  # measured: same tiny-model speed, 2.5x faster export
     verify_tokens: int = 64
     force: bool = True  # replace an existing bundle at the output path
@@ -157,6 +158,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                 detail = "; ".join(f"{n}: {', '.join(f)}" for n, f in failed.items())
                 raise ParityGateError(f"parity gate failed ({detail}); the bundle was not written "
                                       "(use --no-verify to skip the oracle)")
+        _drop_verify_twins(tmp, manifest)
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -164,6 +166,19 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
     opts.timings["total_s"] = time.perf_counter() - t_start
     log(f"wrote {out} in {opts.timings['total_s']:.1f}s")
     return out
+
+
+def _drop_verify_twins(root: Path, manifest: Manifest) -> None:
+    """The unshared twins of weight-shared targets were for the oracle only: drop them."""
+    changed = False
+    for t in manifest.targets.values():
+        for g in t.graphs:
+            if g.verify_file:
+                g.verify_file = None
+                changed = True
+        shutil.rmtree(root / t.name / "verify", ignore_errors=True)
+    if changed:
+        save_manifest(root, manifest)
 
 
 def _has_chat_template(ckpt) -> bool:

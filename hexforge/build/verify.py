@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import BackendError
 from ..manifest import GraphSpec, Manifest
 from ..runtime import qnn
 from ..runtime.backends import Backend
@@ -176,6 +177,16 @@ def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[st
     report = {}
     for name in targets or list(manifest.targets):
         spec = manifest.targets[name]
+        if spec.weight_shared and not qnn.is_arm_host():
+            if not all(g.verify_file for g in spec.graphs):
+                raise BackendError(f"target {name} holds weight-shared contexts, which the x86 "
+                                   "simulator cannot load; verify it on a device (--backend qnn)")
+            # the simulator runs the unshared twins compiled from the same QDQ graphs
+            spec = spec.model_copy(deep=True, update={"weight_shared": False})
+            for g in spec.graphs:
+                g.file = g.verify_file
+            manifest = manifest.model_copy(deep=True)
+            manifest.targets[name] = spec
         backend = Backend("cpu") if spec.htp_arch is None else Backend.resolve(
             "qnn" if qnn.is_arm_host() else "qnn-sim", spec.htp_arch)
         engine = Engine(bundle, manifest, name, backend)

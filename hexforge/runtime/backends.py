@@ -99,6 +99,10 @@ class Backend:
 
         if target.htp_arch is None:
             raise BackendError(f"backend {self.name} runs HTP targets; {target.name} is a cpu target")
+        if target.weight_shared and self.name == "qnn-sim":
+            raise BackendError(f"target {target.name} holds weight-shared contexts (--share-weights), "
+                               "which the x86 HTP simulator cannot load; run it on a device "
+                               "(--backend qnn) or rebuild without --share-weights to simulate")
         soc = next((s for s in get_target(target.name).socs if s.soc_model == target.soc_model), None)
         bin_path = confine(bundle, str(Path(graph.file).parent / qnn.context_binary_of(path).name))
         qnn.check_binary(bin_path, target.htp_arch, soc.name if soc else None, self.device_arch)
