@@ -15,9 +15,10 @@ Every path in the manifest is relative, has no ``..``, and must resolve (symlink
 the bundle directory; that is checked on load, before anything is read.
 
 How the runtime drives the graphs is fully declarative here: each graph input names its *source*
-(``hidden``, ``rope_cos:<rope>``, ``rope_sin:<rope>``, ``mask:<group>``, ``state:<name>``, ``host:<input>``)
-and each output its *sink* (``hidden``, ``logits``, ``state:<name>``) so the engine never needs to know the
-family.
+(``hidden``, ``embed``, ``host:<extra embed>``, ``rope_cos:<rope>``, ``rope_sin:<rope>``, ``mask:<group>``,
+``state:<name>`` = the buffer before this step, ``new:<name>`` = rows an earlier graph of this step made)
+and each output its *sink* (``hidden``, ``logits``, ``state:<name>``): the engine never needs to know
+the family.
 """
 
 from __future__ import annotations
@@ -127,8 +128,17 @@ class EmbedSpec(_Model):
     scale: float = 1.0  # Gemma multiplies by sqrt(hidden)
 
 
+class ExtraEmbedSpec(_Model):
+    """Another per-token table gathered on the host and bound as ``host:<name>``."""
+
+    name: str
+    table: str  # host tensor [vocab, D]
+    scale: float = 1.0
+
+
 class HostRecipe(_Model):
     embed: EmbedSpec
+    extra_embeds: list[ExtraEmbedSpec] = Field(default_factory=list)
     ropes: list[RopeSpec] = Field(default_factory=list)
     positions: Literal["1d", "mrope"] = "1d"
 

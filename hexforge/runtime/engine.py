@@ -53,7 +53,9 @@ class Engine:
     # ---- one step ----------------------------------------------------------------------------
     def _run(self, graph: GraphSpec, inputs: dict[str, np.ndarray],
              positions: np.ndarray) -> dict[str, np.ndarray]:
-        """One session call; state outputs are written for ``positions`` (the valid rows)."""
+        """One session call. State outputs go to ``inputs["new:<state>"]`` (later graphs of the
+        step may bind them, e.g. a KV-shared layer reading its donor's new rows) and are written
+        to the state buffers only when the step ends (``_commit``)."""
         feeds = {}
         for spec in graph.inputs:
             kind, _, arg = spec.bind.partition(":")
@@ -63,7 +65,7 @@ class Engine:
         for spec, value in zip(graph.outputs, values, strict=True):
             kind, _, arg = spec.bind.partition(":")
             if kind == "state":
-                self.state.update(arg, value, positions)
+                inputs[f"new:{arg}"] = value
             else:
                 out[spec.bind] = value
         if self.observer:
@@ -75,7 +77,10 @@ class Engine:
         """Run ids [T] (first n_valid real) at self.pos through every shard; -> logits [V]."""
         T = ids.shape[0]
         positions = self.pos + np.arange(T, dtype=np.int64)
-        inputs = {"hidden": self.host.embed(ids).astype(self.hidden_dtype, copy=False)}
+        embeds = self.host.embed(ids).astype(self.hidden_dtype, copy=False)
+        inputs = {"hidden": embeds, "embed": embeds}
+        for name, value in self.host.extra_embeds(ids).items():
+            inputs[f"host:{name}"] = value
         for name in self.host.rope:
             inputs[f"rope_cos:{name}"], inputs[f"rope_sin:{name}"] = self.host.rope_tables(
                 name, positions)
@@ -84,8 +89,12 @@ class Engine:
         for shard in self.target.plan.shards:
             graph = self.target.graph(shard.prefill if role == "prefill" else shard.decode)
             inputs["hidden"] = self._run(graph, inputs, positions[:n_valid])["hidden"]
+        valid = positions[:n_valid]
+        for key, value in inputs.items():  # the step's state writes, after every graph read
+            if key.startswith("new:"):
+                self.state.update(key[4:], value, valid)
         for group in self.state.groups.values():
-            group.commit(positions[:n_valid])
+            group.commit(valid)
         self.pos += n_valid
         last = inputs["hidden"][:, n_valid - 1:n_valid]
         head = self.target.graph(self.target.plan.head)

@@ -1,6 +1,7 @@
 """Host-side inputs of the graphs, made from the manifest's declarative host recipe (numpy only).
 
-    token ids ──gather(embed table) x scale──▶ hidden [1, T, H]
+    token ids ──gather(embed table) x scale──▶ hidden [1, T, H]  (also bound as "embed")
+    token ids ──gather(extra table) x scale──▶ host:<name> [1, T, D]  (e.g. Gemma-4 PLE)
     positions ──x inv_freq, cat(f, f), cos/sin, x scaling──▶ rope_cos/sin:<name> [1, T, R]
 """
 
@@ -31,6 +32,7 @@ class HostInputs:
         try:
             self.embed_table = tensors[recipe.embed.table]
             inv = {r.name: tensors[r.inv_freq].astype(np.float32) for r in recipe.ropes}
+            self.extra = {e.name: tensors[e.table] for e in recipe.extra_embeds}
         except KeyError as e:
             raise BundleError(f"host tensor {e} named in the manifest is missing") from None
         if self.embed_table.ndim != 2:
@@ -55,6 +57,11 @@ class HostInputs:
         if self.embed_scale != 1.0:
             h = h * self.embed_scale
         return h[None]
+
+    def extra_embeds(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Other per-token host gathers (e.g. Gemma-4 per-layer inputs): {name: [1, T, D]}."""
+        return {e.name: (self.extra[e.name][ids].astype(np.float32) * np.float32(e.scale))[None]
+                for e in self.recipe.extra_embeds}
 
     def rope_tables(self, name: str, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cos, sin = self.rope[name]
