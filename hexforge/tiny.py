@@ -35,6 +35,17 @@ TINY_CONFIGS: dict[str, dict] = {
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0,
     ),
+    # 10 layers: sliding x4, full, sliding x4, full; the last 4 share KV (donors: 5 sliding, 4 full);
+    # window 8 < the test prompts; PLE on; double-wide MLP on the shared layers
+    "gemma4": dict(
+        model_type="gemma4_text", hidden_size=64, intermediate_size=128, num_hidden_layers=10,
+        layer_types=["sliding_attention"] * 4 + ["full_attention"]
+        + ["sliding_attention"] * 4 + ["full_attention"],
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, global_head_dim=32,
+        hidden_size_per_layer_input=8, num_kv_shared_layers=4, use_double_wide_mlp=True,
+        sliding_window=8, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=4096,
+    ),
 }
 
 
@@ -75,17 +86,22 @@ def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **over
     cfg_kwargs = {**TINY_CONFIGS[family], **overrides}
     add_bos = cfg_kwargs["model_type"] not in ("qwen3", "qwen2")
     tok = make_tokenizer(out, add_bos=add_bos)
+    if "hidden_size_per_layer_input" in cfg_kwargs:
+        cfg_kwargs["vocab_size_per_layer_input"] = len(tok)
     cfg_kwargs.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model_type = cfg_kwargs.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg_kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # from_config leaves norms at 1.0 and small init; perturb norms so they matter in parity tests
+    # from_config leaves norms (and Gemma-4's layer_scalar) at 1.0: perturb them so they matter
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.fill_(float(0.5 + torch.rand(1)))
     model.save_pretrained(str(out), safe_serialization=True)
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                      pad_token_id=tok.pad_token_id).save_pretrained(str(out))

@@ -23,16 +23,11 @@ from ..runtime.backends import Backend
 from ..runtime.engine import Engine
 from ..runtime.text import TextTokenizer
 from ..targets import Target
+from .calib import calibration_text
 from .compile import compile_graph, compile_shared
 from .graphs import export_float, plan_target
 from .quantize import QuantRecipe, get_recipe, pooled_hessians, quantize_graph
 
-CALIB_TEXT = (
-    "Once upon a time, in a small village by the sea, there lived an old fisherman and his cat. "
-    "Every morning he rowed out beyond the reef, counted the gulls, and sang songs about the tide. "
-    "Question: what is 17 times 23? Answer: 391. def add(a, b): return a + b  # simple code\n"
-    "Les montagnes sont hautes; die Flüsse sind lang; 山は高く、川は長い。Numbers 3.14, 2048, 1e-5."
-)
 CALIB_DECODE_STEPS = 64  # decode samples (each holds the whole KV cache: keep it bounded)
 
 
@@ -80,10 +75,10 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
             srcs = root / rel
             if recipe.activations:
                 t = time.perf_counter()
-                text = Path(opts.calib).read_text() if opts.calib else CALIB_TEXT
+                text = calibration_text(opts.calib)
                 feeds, absmax = calibrate(root, manifest, graphs, plan, recipe, text)
                 hessians = pooled_hessians([(root / g.file, feeds[g.name]) for g in graphs
-                                            if g.role != "head"]) if recipe.weight_bits == 4 else {}
+                                            if g.role != "head"])
                 for g in graphs:
                     quantize_graph(root / g.file, srcs / f"{g.name}.qdq.onnx", feeds[g.name],
                                    absmax[g.name], recipe, g.role, hessians)

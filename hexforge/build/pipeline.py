@@ -110,6 +110,12 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         t = time.perf_counter()
         hf = fam.load_hf(ckpt.dir)
         opts.timings["load_hf_s"] = time.perf_counter() - t
+        from ..families.blocks import calibrate_norm_scales
+        from ..runtime.text import TextTokenizer
+        from .calib import calibration_text
+
+        calib_ids = TextTokenizer(ckpt.dir).encode(calibration_text(opts.calib))[:opts.context]
+        calibrate_norm_scales(hf, calib_ids)
 
         tok_dir = tmp / "tokenizer"
         tok_dir.mkdir()

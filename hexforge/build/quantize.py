@@ -164,6 +164,38 @@ def matmul_hessians(float_path: Path, feeds: list[dict[str, np.ndarray]]) -> dic
     return {weight_key(inits[w]): sums[a] for w, a in act_of.items() if a in sums}
 
 
+def gptq_int8(w: np.ndarray, H: np.ndarray, damp: float = 0.01):
+    """GPTQ with symmetric int8 per-output-channel scales (fixed from the whole column up front).
+    -> (scale [N] float32, q [K, N] int8 in [-127, 127])."""
+    K, N = w.shape
+    W = w.astype(np.float64).copy()
+    Hinv = _hinv(H, W, damp)
+    s = np.maximum(np.abs(W).max(axis=0), 1e-8) / 127.0  # [N]
+    Q = np.zeros((K, N), np.int8)
+    for b0 in range(0, K, 128):
+        b1 = min(b0 + 128, K)
+        err = np.zeros((b1 - b0, N))
+        for i in range(b0, b1):
+            q = np.clip(np.round(W[i] / s), -127, 127)
+            Q[i] = q
+            e = (W[i] - q * s) / Hinv[i, i]
+            W[i:b1] -= np.outer(Hinv[i, i:b1], e)
+            err[i - b0] = e
+        W[b1:] -= Hinv[b0:b1, b1:].T @ err
+    return s.astype(np.float32), Q
+
+
+def _hinv(H: np.ndarray, W: np.ndarray, damp: float) -> np.ndarray:
+    """Upper Cholesky factor of the damped inverse Hessian (dead inputs zeroed in W in place)."""
+    K = H.shape[0]
+    H = H.astype(np.float64).copy()
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[dead] = 0.0
+    H[np.diag_indices(K)] += damp * np.mean(np.diag(H))
+    return np.linalg.cholesky(np.linalg.inv(H)).T
+
+
 def gptq_int4(w: np.ndarray, H: np.ndarray, B: int, damp: float = 0.01):
     """GPTQ (Frantar et al. 2022) for w [K, N] (x @ w) with symmetric int4 groups of B input rows.
 
@@ -174,12 +206,7 @@ def gptq_int4(w: np.ndarray, H: np.ndarray, B: int, damp: float = 0.01):
     """
     K, N = w.shape
     W = w.astype(np.float64).copy()
-    H = H.astype(np.float64).copy()
-    dead = np.diag(H) == 0
-    H[dead, dead] = 1.0
-    W[dead] = 0.0
-    H[np.diag_indices(K)] += damp * np.mean(np.diag(H))
-    Hinv = np.linalg.cholesky(np.linalg.inv(H)).T  # upper: Hinv[i, i:] drives row i's error
+    Hinv = _hinv(H, W, damp)  # upper: Hinv[i, i:] drives row i's error
     scales = np.zeros((K // B, N), np.float64)
     Q = np.zeros((K, N), np.int8)
     for g in range(K // B):
@@ -251,7 +278,7 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
         if qname not in inits or fname not in floats:
             continue
         w = numpy_helper.to_array(floats[fname]).astype(np.float32)  # [K, N]
-        H = (hessians or {}).get(weight_key(floats[fname])) if bits == 4 else None
+        H = (hessians or {}).get(weight_key(floats[fname]))
         if w.ndim != 2:
             continue
         K, N = w.shape
@@ -260,8 +287,11 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
             node.input[:] = [node.input[0], node.input[1], zp_name]
             inits[zp_name] = qm.graph.initializer.add(name=zp_name)
         if bits == 8:
-            scale = np.maximum(np.abs(w).max(axis=0), 1e-8) / 127.0  # [N]
-            q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
+            if H is not None:
+                scale, q = gptq_int8(w, H)
+            else:
+                scale = np.maximum(np.abs(w).max(axis=0), 1e-8) / 127.0  # [N]
+                q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
             qt = numpy_helper.from_array(q, qname)
             zp = numpy_helper.from_array(np.zeros(N, np.int8), node.input[2])
             attrs = {"axis": 1}
@@ -295,22 +325,40 @@ def widen_activation_ranges(qm, inits: dict, factor: float) -> None:
     """Scale every activation (uint16) quantization range by ``factor`` about its center.
 
     MinMax calibration clips anything a prompt reaches beyond the calibration text; 16 bits leave
-    room for a margin (x3 costs 1.6 bits). Weights (DQ-only, no QuantizeLinear) are untouched.
+    room for a margin. Weights (DQ-only, no QuantizeLinear) are untouched. The tool shares
+    scale/zero-point initializers between tensors (one all-zero zp for many), so every
+    (scale, zp) pair gets its own widened copies, made from the original values.
     """
     from onnx import numpy_helper
 
     if factor == 1.0:
         return
+    # constants (initializers, Constant nodes) keep the exact grid the tool gave them: widening it
+    # moves e.g. Pow's exponent 2.0 to 1.99997 (NaN for negative bases)
+    constants = {t.name for t in qm.graph.initializer}
+    constants |= {o for n in qm.graph.node if n.op_type == "Constant" for o in n.output}
     pairs = {(n.input[1], n.input[2]) for n in qm.graph.node
-             if n.op_type == "QuantizeLinear" and len(n.input) > 2}
-    for scale_name, zp_name in pairs:
-        if scale_name not in inits or zp_name not in inits:
+             if n.op_type == "QuantizeLinear" and len(n.input) > 2 and n.input[0] not in constants}
+    original = {name: numpy_helper.to_array(inits[name]) for pair in pairs for name in pair
+                if name in inits}
+    renamed: dict[tuple[str, str], tuple[str, str]] = {}
+    for k, (scale_name, zp_name) in enumerate(sorted(pairs)):
+        zp = original.get(zp_name)
+        if zp is None or zp.dtype != np.uint16 or scale_name not in original:
             continue
-        zp = numpy_helper.to_array(inits[zp_name])
-        if zp.dtype != np.uint16:
-            continue
-        scale = numpy_helper.to_array(inits[scale_name]).astype(np.float32)
         mid = 32767.5
         new_zp = np.clip(np.round(mid - (mid - zp.astype(np.float64)) / factor), 0, 65535)
-        inits[scale_name].CopyFrom(numpy_helper.from_array(scale * factor, scale_name))
-        inits[zp_name].CopyFrom(numpy_helper.from_array(new_zp.astype(np.uint16), zp_name))
+        s_name, z_name = f"{scale_name}_wide{k}", f"{zp_name}_wide{k}"
+        qm.graph.initializer.append(numpy_helper.from_array(
+            (original[scale_name].astype(np.float32) * factor).astype(np.float32), s_name))
+        qm.graph.initializer.append(numpy_helper.from_array(new_zp.astype(np.uint16), z_name))
+        renamed[(scale_name, zp_name)] = (s_name, z_name)
+    for n in qm.graph.node:
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear") and len(n.input) > 2:
+            key = (n.input[1], n.input[2])
+            if key in renamed:
+                n.input[1], n.input[2] = renamed[key]
+    used = {i for n in qm.graph.node for i in n.input}
+    keep = [t for t in qm.graph.initializer if t.name in used]
+    del qm.graph.initializer[:]
+    qm.graph.initializer.extend(keep)

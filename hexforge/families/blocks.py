@@ -6,7 +6,8 @@ to plain ONNX and that the HTP claims (see shared/HTP_NOTES.md):
   * K/V: the graph reads the whole static cache but returns only the T *new* rows; the host writes
     them into its preallocated buffers (no Scatter in-graph, no whole-cache copy out);
   * masks and rope cos/sin are graph inputs made by the host in fp32;
-  * norms are computed at rank 3 (the HTP returned wrong rows for some rank-4 RMSNorm shapes).
+  * norms are computed at rank 3 (the HTP returned wrong rows for some rank-4 RMSNorm shapes), on
+    inputs prescaled by a calibrated power of two (small activations: fp16 subnormals, A16 range).
 
 Attention over [cache | new] keys::
 
@@ -38,24 +39,98 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm over the last dim, computed at rank 3; ``unit_offset`` for (1 + w) checkpoints."""
+# id(HF norm module) -> power-of-two input prescale, measured by ``calibrate_norm_scales``
+NORM_PRESCALE: dict[int, float] = {}
 
-    def __init__(self, weight: torch.Tensor, eps: float, unit_offset: bool = False):
+
+def calibrate_norm_scales(hf, input_ids: list[int]) -> dict[str, float]:
+    """Run HF on calibration ids; for every RMSNorm module record k = 2^-round(log2(rms(input)))
+    so the export computes the norm on k*x, whose mean square is O(1).
+
+    Why: activations entering some norms are tiny (Gemma-4's PLE branch ~1e-3, mean square ~1e-6):
+    fp16 puts that in its subnormals (HTP decode cos fell to 0.64) and a 16-bit fixed-point range
+    cannot resolve it. A power of two is exact in floating point, so the cpu graphs stay exact.
+    -> {module name: k} for the record."""
+    import math
+
+    hooks, seen = [], {}
+    for name, mod in hf.named_modules():
+        if type(mod).__name__.endswith("RMSNorm"):
+            def pre(m, args, name=name):
+                x = args[0].detach().float()
+                rms = x.pow(2).mean(-1).sqrt().flatten()
+                rms = rms[rms > 0]
+                if rms.numel():
+                    seen[name] = (m, float(rms.median()))
+            hooks.append(mod.register_forward_pre_hook(pre))
+    try:
+        with torch.no_grad():
+            ids = torch.tensor([input_ids])
+            hf(ids, attention_mask=torch.ones_like(ids))
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {}
+    for name, (mod, rms) in seen.items():
+        k = 2.0 ** -round(math.log2(rms)) if rms > 0 else 1.0
+        NORM_PRESCALE[id(mod)] = k
+        out[name] = k
+    return out
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim: rank 3 (the HTP returned wrong rows for some rank-4 RMSNorm
+    shapes), input prescaled by a power of two (``calibrate_norm_scales``); ``unit_offset`` for
+    (1 + w) checkpoints, ``weight`` None for scale-free norms (Gemma-4's v_norm)."""
+
+    def __init__(self, weight: torch.Tensor | None, eps: float, unit_offset: bool = False,
+                 prescale: float = 1.0):
         super().__init__()
-        self.weight, self.eps, self.unit_offset = weight, eps, unit_offset
+        self.weight, self.eps, self.unit_offset, self.prescale = weight, eps, unit_offset, prescale
 
     @classmethod
     def from_hf(cls, hf_norm: nn.Module, unit_offset: bool = False) -> RMSNorm:
         eps = getattr(hf_norm, "variance_epsilon", None) or getattr(hf_norm, "eps", 1e-6)
-        return cls(hf_norm.weight, eps, unit_offset)
+        return cls(getattr(hf_norm, "weight", None), eps, unit_offset,
+                   NORM_PRESCALE.get(id(hf_norm), 1.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (k x) * rsqrt(mean((k x)^2) + eps k^2) == x * rsqrt(mean(x^2) + eps) for any k > 0
         shape = x.shape
         x3 = x.reshape(-1, shape[-2], shape[-1]) if x.dim() > 3 else x  # [B', T', D]
-        x3 = x3 * torch.rsqrt(x3.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight + 1.0 if self.unit_offset else self.weight
-        return (x3 * w).reshape(shape)
+        k = self.prescale
+        if k != 1.0:
+            x3 = x3 * k
+        # x*x, not pow(x, 2): quantizers route Pow's exponent through Q/DQ, and an exponent that
+        # dequantizes to 1.99997 turns negative bases into NaN
+        x3 = x3 * torch.rsqrt((x3 * x3).mean(-1, keepdim=True) + self.eps * k * k)
+        if self.weight is not None:
+            x3 = x3 * (self.weight + 1.0 if self.unit_offset else self.weight)
+        return x3.reshape(shape)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """HF gelu_pytorch_tanh, written as x * sigmoid(2z) (= 0.5x(1 + tanh z)): the same function,
+    but not the pattern the QNN compiler fuses into its fp16 GELU, which was off by up to 3% in
+    cos on Gemma-4 decode steps (measured on v81, x86 simulator)."""
+    return x * torch.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+
+
+ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh, "silu": torch.nn.functional.silu,
+               "gelu_tanh": gelu_tanh}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) on the HF module's Linear layers, with our activation."""
+
+    def __init__(self, hf_mlp: nn.Module, activation: str):
+        super().__init__()
+        self.gate_proj, self.up_proj = hf_mlp.gate_proj, hf_mlp.up_proj
+        self.down_proj = hf_mlp.down_proj
+        self.act = ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class StaticAttention(nn.Module):
@@ -69,15 +144,18 @@ class StaticAttention(nn.Module):
                  scaling: float, q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
                  v_norm: nn.Module | None = None):
         super().__init__()
-        self.q_proj, self.k_proj = hf_attn.q_proj, hf_attn.k_proj
-        self.v_proj, self.o_proj = hf_attn.v_proj, hf_attn.o_proj
+        # a KV-shared layer (Gemma-4) has only q/o: it attends over its donor's keys/values
+        self.q_proj, self.o_proj = hf_attn.q_proj, hf_attn.o_proj
+        self.k_proj = getattr(hf_attn, "k_proj", None)
+        self.v_proj = getattr(hf_attn, "v_proj", None)
         self.n_heads, self.n_kv, self.head_dim, self.scaling = n_heads, n_kv, head_dim, scaling
         self.q_norm, self.k_norm, self.v_norm = q_norm, k_norm, v_norm
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         T = x.shape[1]
         k = self.k_proj(x).view(1, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(1, T, self.n_kv, self.head_dim)
+        # no v_proj (Gemma-4 attention_k_eq_v full layers): v is the raw k projection
+        v = self.v_proj(x).view(1, T, self.n_kv, self.head_dim) if self.v_proj is not None else k
         if self.k_norm is not None:
             k = self.k_norm(k)
         if self.v_norm is not None:
@@ -113,8 +191,8 @@ class DenseLayer(nn.Module):
 
     def __init__(self, hf_layer: nn.Module, attn: StaticAttention):
         super().__init__()
-        self.input_norm = hf_layer.input_layernorm
-        self.post_attn_norm = hf_layer.post_attention_layernorm
+        self.input_norm = RMSNorm.from_hf(hf_layer.input_layernorm)
+        self.post_attn_norm = RMSNorm.from_hf(hf_layer.post_attention_layernorm)
         self.attn, self.mlp = attn, hf_layer.mlp
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
@@ -169,7 +247,7 @@ class Head(nn.Module):
     def __init__(self, norm: nn.Module, lm_head: nn.Module, softcap: float | None,
                  hidden_size: int | None = None):
         super().__init__()
-        self.norm, self.lm_head, self.softcap = norm, lm_head, softcap
+        self.norm, self.lm_head, self.softcap = RMSNorm.from_hf(norm), lm_head, softcap
         self.hidden_size = hidden_size or lm_head.weight.shape[1]
         self.io = GraphIO(inputs=[("hidden", "hidden")], outputs=[("logits", "logits")])
 

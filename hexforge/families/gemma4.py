@@ -1,0 +1,331 @@
+"""Gemma-4 text decoder (model_type gemma4_text; and the language model inside gemma4).
+
+Per layer (HF Gemma4TextDecoderLayer; RMSNorm is x * w, scores are not scaled)::
+
+    x ─ in_norm ─ attn ─ post_attn_norm ─(+)─ pre_ff_norm ─ MLP(gelu_tanh) ─ post_ff_norm ─(+)─┐
+    ┌──────────────────────────────────────────────────────────────────────────────────────────┘
+    └─(+)◀ post_ple_norm ◀ ple_proj ◀ (gelu_tanh(ple_gate(x)) * ple_i) ;  x *= layer_scalar
+
+  attention: q/k norms (weighted), v norm (no weight), GQA, scaling 1.0
+    sliding layers: head_dim d_s, rope θ 1e4 over all dims, window W (key visible iff q-k < W)
+    full layers:    head_dim d_f, "proportional" rope θ 1e6: inv_freq zero-padded, so only the
+                    first 25% of each half rotates and cos=1/sin=0 elsewhere (host tables carry it)
+  KV sharing: the last ``num_kv_shared_layers`` layers have no k/v: each reads the keys/values of
+    the last unshared layer of its type (the donor) — the manifest's kv_shared kind; no state.
+
+Per-layer inputs (PLE), for layer i of L, P = hidden_size_per_layer_input::
+
+    host:  tok = table[ids] * sqrt(P)            [T, L*P]   the table is vocab x L*P (4.7 GB bf16
+                                                            on E2B): it stays on the host, gathered
+    graph: prj = norm_P((embed @ W_proj^T) * H^-0.5)        each shard projects only its layers
+           ple = (prj + tok) * 2^-0.5                        (W_proj rows a*P .. b*P)
+
+Shards may split donor and sharer: the sharer's shard then takes the donor's cache (as it was
+before the step) and the donor's new rows of this step (bind ``new:``) as inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModelError
+from ..manifest import EmbedSpec, ExtraEmbedSpec, HostRecipe, MaskGroup, RopeSpec, StateSpec
+from . import blocks
+from .base import DecoderFamily, GraphIO
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+GROUP = {SLIDING: "sliding", FULL: "full"}
+
+
+@dataclass
+class Args:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    vocab_size_per_layer_input: int
+    hidden_size_per_layer_input: int
+    sliding_window: int
+    rms_norm_eps: float
+    final_logit_softcapping: float | None
+    tie_word_embeddings: bool
+    enable_moe_block: bool
+    hidden_activation: str = "gelu_pytorch_tanh"
+    layer_types: list[str] = field(default_factory=list)
+    head_dims: list[int] = field(default_factory=list)
+    kv_heads: list[int] = field(default_factory=list)
+    donors: list[int | None] = field(default_factory=list)  # kv-shared layer -> donor layer
+
+    @classmethod
+    def from_config(cls, config: dict) -> Args:
+        """From config.json (gemma4_text, or gemma4 with text_config): per-layer values through
+        the HF config object (``cfg.head_dim`` is ambiguous on Gemma-4; per_layer_config is not)."""
+        from transformers import Gemma4TextConfig
+
+        text = config.get("text_config") or config
+        cfg = Gemma4TextConfig.from_dict({k: v for k, v in text.items() if k != "model_type"})
+        L = cfg.num_hidden_layers
+        modes = list(cfg.kv_sharing_modes) if getattr(cfg, "kv_sharing_modes", None) else [None] * L
+        donors: list[int | None] = []
+        for i in range(L):
+            if modes[i] == "reuse":
+                t = cfg.layer_types[i]
+                donors.append(max(j for j in range(i) if cfg.layer_types[j] == t
+                                  and modes[j] != "reuse"))
+            else:
+                donors.append(None)
+        return cls(
+            model_type=config.get("model_type", "gemma4_text"), hidden_size=cfg.hidden_size,
+            num_hidden_layers=L, num_attention_heads=cfg.num_attention_heads,
+            vocab_size=cfg.vocab_size, vocab_size_per_layer_input=cfg.vocab_size_per_layer_input,
+            hidden_size_per_layer_input=cfg.hidden_size_per_layer_input or 0,
+            sliding_window=cfg.sliding_window, rms_norm_eps=cfg.rms_norm_eps,
+            final_logit_softcapping=cfg.final_logit_softcapping,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", cfg.tie_word_embeddings)),
+            enable_moe_block=bool(getattr(cfg, "enable_moe_block", False)),
+            hidden_activation=cfg.hidden_activation,
+            layer_types=list(cfg.layer_types),
+            head_dims=[cfg.per_layer_config[i].head_dim for i in range(L)],
+            kv_heads=[cfg.per_layer_config[i].num_key_value_heads for i in range(L)],
+            donors=donors,
+        )
+
+
+class Gemma4Family(DecoderFamily):
+    """Gemma-4 E2B/E4B text: sliding + full attention, KV sharing, PLE, logit softcap."""
+
+    Args = Args
+
+    def check_supported(self, args: Args) -> None:
+        from .blocks import ACTIVATIONS
+
+        if args.hidden_activation not in ACTIVATIONS:
+            raise UnsupportedModelError(f"Gemma-4 activation {args.hidden_activation!r} is not "
+                                        "supported")
+        if args.enable_moe_block:
+            raise UnsupportedModelError("Gemma-4 with a MoE block (enable_moe_block) is not "
+                                        "supported yet; the dense E2B/E4B checkpoints are")
+
+    def text_model(self, hf):
+        inner = hf.model
+        return inner if hasattr(inner, "layers") else inner.language_model
+
+    # ---- state, masks, host recipe ------------------------------------------------------------
+    def mask_groups(self, args: Args, context: int) -> list[MaskGroup]:
+        groups = {GROUP[t] for t in args.layer_types}
+        out = []
+        if "full" in groups:
+            out.append(MaskGroup(name="full", capacity=context))
+        if "sliding" in groups:
+            W = args.sliding_window
+            out.append(MaskGroup(name="sliding", capacity=min(W, context), window=W))
+        return out
+
+    def state_spec(self, args: Args, context: int) -> list[StateSpec]:
+        out = []
+        for i, t in enumerate(args.layer_types):
+            for kv in ("k", "v"):
+                if args.donors[i] is not None:
+                    out.append(StateSpec(name=f"L{i}.{kv}", layer=i, kind="kv_shared",
+                                         source=f"L{args.donors[i]}.{kv}"))
+                    continue
+                cap = context if t == FULL else min(args.sliding_window, context)
+                out.append(StateSpec(
+                    name=f"L{i}.{kv}", layer=i, kind="kv_full" if t == FULL else "kv_sliding",
+                    shape=[args.kv_heads[i], cap, args.head_dims[i]], group=GROUP[t]))
+        return out
+
+    def host_recipe(self, hf, args: Args) -> HostRecipe:
+        tm = self.text_model(hf)
+        rot = tm.rotary_emb
+        extra = []
+        if args.hidden_size_per_layer_input:
+            extra.append(ExtraEmbedSpec(name="ple", table="embed_tokens_per_layer",
+                                        scale=math.sqrt(args.hidden_size_per_layer_input)))
+        return HostRecipe(
+            embed=EmbedSpec(table="embed_tokens", scale=float(tm.embed_tokens.embed_scale)),
+            extra_embeds=extra,
+            ropes=[RopeSpec(name=GROUP[t], inv_freq=f"rope.{GROUP[t]}.inv_freq",
+                            attention_scaling=float(getattr(rot, f"{t}_attention_scaling")))
+                   for t in sorted(set(args.layer_types))],
+        )
+
+    def host_tensors(self, hf, args: Args) -> dict[str, np.ndarray]:
+        tm = self.text_model(hf)
+        out = {"embed_tokens": tm.embed_tokens.weight.detach().float().numpy()}
+        if args.hidden_size_per_layer_input:
+            out["embed_tokens_per_layer"] = tm.embed_tokens_per_layer.weight.detach().float().numpy()
+        for t in set(args.layer_types):
+            out[f"rope.{GROUP[t]}.inv_freq"] = getattr(tm.rotary_emb, f"{t}_inv_freq").float().numpy()
+        return out
+
+    def layer_weight_bytes(self, hf, bytes_per_weight: float) -> list[int]:
+        tm = self.text_model(hf)
+        P = tm.config.hidden_size_per_layer_input or 0
+        proj = P * tm.config.hidden_size  # each shard holds its layers' slice of the PLE projection
+        return [int((sum(p.numel() for p in layer.parameters()) + proj) * bytes_per_weight)
+                for layer in tm.layers]
+
+    # ---- export modules -------------------------------------------------------------------------
+    def decoder_module(self, hf, args: Args, layers: tuple[int, int], seq_len: int, context: int):
+        return Gemma4Shard(self, hf, args, layers, seq_len, context)
+
+    def head_module(self, hf, args: Args):
+        from . import blocks
+
+        tm = self.text_model(hf)
+        return blocks.Head(tm.norm, hf.lm_head, softcap=args.final_logit_softcapping,
+                           hidden_size=args.hidden_size)
+
+
+# ---- export modules (torch) ----------------------------------------------------------------------
+
+
+class Gemma4Layer(nn.Module):
+    """One HF Gemma4TextDecoderLayer as a static step. Unshared layers return (x, k_new, v_new,
+    keys, values) — keys/values = [cache | new] for sharers in the same shard; sharers take them."""
+
+    def __init__(self, hf_layer: nn.Module, args: Args, i: int):
+        super().__init__()
+        a = hf_layer.self_attn
+        self.shared = args.donors[i] is not None
+        self.attn = blocks.StaticAttention(
+            a, n_heads=args.num_attention_heads, n_kv=args.kv_heads[i], head_dim=args.head_dims[i],
+            scaling=1.0, q_norm=blocks.RMSNorm.from_hf(a.q_norm),
+            k_norm=None if self.shared else blocks.RMSNorm.from_hf(a.k_norm),
+            v_norm=None if self.shared else blocks.RMSNorm.from_hf(a.v_norm))
+        h, norm = hf_layer, blocks.RMSNorm.from_hf
+        self.in_norm, self.post_attn_norm = norm(h.input_layernorm), norm(h.post_attention_layernorm)
+        self.pre_ff_norm = norm(h.pre_feedforward_layernorm)
+        self.post_ff_norm = norm(h.post_feedforward_layernorm)
+        self.mlp = blocks.GatedMLP(h.mlp, args.hidden_activation)
+        self.has_ple = bool(args.hidden_size_per_layer_input)
+        if self.has_ple:
+            self.ple_gate, self.ple_proj = h.per_layer_input_gate, h.per_layer_projection
+            self.ple_norm = norm(h.post_per_layer_input_norm)
+            self.act = blocks.ACTIVATIONS[args.hidden_activation]
+        self.register_buffer("layer_scalar", h.layer_scalar.detach().clone())
+
+    def _tail(self, x, attn_out, ple_i):
+        x = x + self.post_attn_norm(attn_out)
+        x = x + self.post_ff_norm(self.mlp(self.pre_ff_norm(x)))
+        if self.has_ple:
+            x = x + self.ple_norm(self.ple_proj(self.act(self.ple_gate(x)) * ple_i))
+        return x * self.layer_scalar
+
+    def forward(self, x, cos, sin, mask, ple_i, past_k, past_v):
+        h = self.in_norm(x)
+        k, v = self.attn.project_kv(h, cos, sin)
+        keys, values = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
+        out = self.attn.attend(h, cos, sin, mask, keys, values)
+        return self._tail(x, out, ple_i), k, v, keys, values
+
+    def forward_shared(self, x, cos, sin, mask, ple_i, keys, values):
+        h = self.in_norm(x)
+        return self._tail(x, self.attn.attend(h, cos, sin, mask, keys, values), ple_i)
+
+
+class Gemma4Shard(nn.Module):
+    """Layers [a, b) + their slice of the PLE projection, as one static step graph.
+
+    inputs : hidden [1,T,H], embed [1,T,H] (scaled token embeddings), ple [1,T,L*P],
+             cos/sin per rope type used [1,T,d], mask per group used [1,1,T,S+T],
+             past.L{i}.k/v per unshared layer, and for donors in earlier shards
+             past.L{d}.k/v (state before the step) + cur.L{d}.k/v (the donor's new rows)
+    outputs: hidden_out [1,T,H], new.L{i}.k/v per unshared layer
+    """
+
+    def __init__(self, fam: Gemma4Family, hf, args: Args, layers: tuple[int, int], seq_len: int,
+                 context: int):
+        super().__init__()
+        tm = fam.text_model(hf)
+        self.args, self.seq_len, self.context = args, seq_len, context
+        self.a, self.b = layers
+        ids = list(range(*layers))
+        self.layers = nn.ModuleList([Gemma4Layer(tm.layers[i], args, i) for i in ids])
+        P = args.hidden_size_per_layer_input
+        if P:
+            w = tm.per_layer_model_projection.weight.detach()  # [L*P, H]
+            self.ple_w = nn.Parameter(w[self.a * P:self.b * P].clone(), requires_grad=False)
+            self.ple_norm = blocks.RMSNorm.from_hf(tm.per_layer_projection_norm)
+        self.types = [t for t in (SLIDING, FULL) if t in {args.layer_types[i] for i in ids}]
+        self.own = [i for i in ids if args.donors[i] is None]
+        self.external = sorted({args.donors[i] for i in ids
+                                if args.donors[i] is not None and args.donors[i] < self.a})
+        g = [GROUP[t] for t in self.types]
+        self.io = GraphIO(
+            inputs=[("hidden", "hidden"), ("embed", "embed")]
+            + ([("ple", "host:ple")] if P else [])
+            + [(f"{cs}_{n}", f"rope_{cs}:{n}") for n in g for cs in ("cos", "sin")]
+            + [(f"mask_{n}", f"mask:{n}") for n in g]
+            + [(f"past.L{i}.{kv}", f"state:L{i}.{kv}") for i in self.own for kv in "kv"]
+            + [(f"past.L{d}.{kv}", f"state:L{d}.{kv}") for d in self.external for kv in "kv"]
+            + [(f"cur.L{d}.{kv}", f"new:L{d}.{kv}") for d in self.external for kv in "kv"],
+            outputs=[("hidden_out", "hidden")]
+            + [(f"new.L{i}.{kv}", f"state:L{i}.{kv}") for i in self.own for kv in "kv"],
+        )
+
+    def _cache_len(self, i: int) -> int:
+        a = self.args
+        return self.context if a.layer_types[i] == FULL else min(a.sliding_window, self.context)
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        a, T = self.args, self.seq_len
+        out = [torch.randn(1, T, a.hidden_size), torch.randn(1, T, a.hidden_size)]
+        if a.hidden_size_per_layer_input:
+            out.append(torch.randn(1, T, a.num_hidden_layers * a.hidden_size_per_layer_input))
+        dims = {t: next(a.head_dims[i] for i in range(a.num_hidden_layers) if a.layer_types[i] == t)
+                for t in self.types}
+        for t in self.types:
+            out += [torch.ones(1, T, dims[t]), torch.zeros(1, T, dims[t])]
+        for t in self.types:
+            cap = self.context if t == FULL else min(a.sliding_window, self.context)
+            out.append(torch.zeros(1, 1, T, cap + T))
+        for i in self.own + self.external:  # distinct tensors: the dynamo exporter aliases equal ones
+            out += [torch.zeros(1, a.kv_heads[i], self._cache_len(i), a.head_dims[i]) for _ in "kv"]
+        for d in self.external:
+            out += [torch.zeros(1, a.kv_heads[d], T, a.head_dims[d]) for _ in "kv"]
+        return tuple(out)
+
+    def forward(self, hidden, embed, *rest):
+        a, T = self.args, hidden.shape[1]
+        rest = list(rest)
+        P = a.hidden_size_per_layer_input
+        if P:
+            n = self.b - self.a
+            tok = rest.pop(0)[:, :, self.a * P:self.b * P].reshape(1, T, n, P)
+            prj = torch.matmul(embed, self.ple_w.t()) * (a.hidden_size ** -0.5)
+            ple = (self.ple_norm(prj.reshape(1, T, n, P)) + tok) * (2.0 ** -0.5)  # [1,T,n,P]
+        rope = {}
+        for t in self.types:  # cos/sin [1, 1, T, d]: broadcast over heads
+            c, s = rest.pop(0), rest.pop(0)
+            rope[t] = (c[:, None], s[:, None])
+        masks = {t: rest.pop(0) for t in self.types}
+        past = {}
+        for i in self.own + self.external:
+            past[i] = (rest.pop(0), rest.pop(0))
+        kv = {d: (torch.cat((past[d][0], rest.pop(0)), dim=2),
+                  torch.cat((past[d][1], rest.pop(0)), dim=2)) for d in self.external}
+        new = []
+        for j, layer in enumerate(self.layers):
+            i = self.a + j
+            t = a.layer_types[i]
+            cos, sin = rope[t]
+            ple_i = ple[:, :, j] if P else None
+            if layer.shared:
+                keys, values = kv[a.donors[i]]
+                hidden = layer.forward_shared(hidden, cos, sin, masks[t], ple_i, keys, values)
+            else:
+                hidden, k, v, keys, values = layer(hidden, cos, sin, masks[t], ple_i, *past[i])
+                kv[i] = (keys, values)
+                new += [k, v]
+        return (hidden, *new)
+
+
+FAMILY = Gemma4Family()

@@ -1,0 +1,79 @@
+"""Regression tests named after the bugs they pin down."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from hexforge.families import blocks
+
+
+def _export(module, x, path):
+    torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=18)
+
+
+@pytest.mark.parametrize("level", [ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                                   ort.GraphOptimizationLevel.ORT_ENABLE_ALL])
+@pytest.mark.parametrize("prescale", [1.0, 256.0])
+def test_rmsnorm_export_matches_torch_for_inputs_other_than_the_traced_one(tmp_path, level,
+                                                                         prescale):
+    """A max-abs RMSNorm variant matched ORT's SimplifiedLayerNormalization fusion, which treated
+    its dynamic eps term as a constant (wrong outputs at ORT_ENABLE_EXTENDED and above)."""
+    torch.manual_seed(0)
+    norm = blocks.RMSNorm(torch.randn(8), 1e-6, prescale=prescale)
+    x = torch.randn(1, 4, 8) * 0.01
+    _export(norm, x, tmp_path / "n.onnx")
+    so = ort.SessionOptions()
+    so.graph_optimization_level = level
+    sess = ort.InferenceSession(str(tmp_path / "n.onnx"), so, providers=["CPUExecutionProvider"])
+    for scale in (1.0, 7.0, 0.001):
+        y = sess.run(None, {sess.get_inputs()[0].name: (x * scale).numpy()})[0]
+        want = norm(x * scale).detach().numpy()
+        assert np.abs(y - want).max() < 1e-5 * max(1.0, np.abs(want).max())
+
+
+def test_rmsnorm_prescale_is_exact_and_uses_no_pow():
+    """Pow's exponent went through Q/DQ and dequantized to 1.99997: NaN for negative bases."""
+    torch.manual_seed(0)
+    w = torch.randn(16)
+    x = torch.randn(2, 3, 16) * 1e-3
+    plain, scaled = blocks.RMSNorm(w, 1e-6), blocks.RMSNorm(w, 1e-6, prescale=1024.0)
+    assert torch.allclose(plain(x), scaled(x), rtol=1e-6, atol=1e-7)
+    graph = torch.jit.trace(scaled, (x,)).graph
+    assert "aten::pow" not in str(graph)
+
+
+def test_gelu_tanh_rewrite_equals_hf_gelu_pytorch_tanh():
+    """QNN fused the 0.5x(1+tanh(..)) pattern into a less accurate fp16 GELU; the sigmoid form is
+    the same function."""
+    x = torch.linspace(-8, 8, 4001)
+    ref = torch.nn.functional.gelu(x, approximate="tanh")
+    assert torch.allclose(blocks.gelu_tanh(x), ref, atol=2e-6)
+
+
+def test_widened_ranges_never_move_constants(tmp_path):
+    """Widening every activation range also moved constant inputs (e.g. a Pow exponent)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from hexforge.build.quantize import widen_activation_ranges
+
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    s = numpy_helper.from_array(np.array(2.0 / 65535, np.float32), "s")
+    z = numpy_helper.from_array(np.array(0, np.uint16), "z")
+    xs = numpy_helper.from_array(np.array(0.001, np.float32), "xs")
+    xz = numpy_helper.from_array(np.array(32768, np.uint16), "xz")
+    nodes = [helper.make_node("QuantizeLinear", ["two", "s", "z"], ["tq"]),
+             helper.make_node("DequantizeLinear", ["tq", "s", "z"], ["t"]),
+             helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             helper.make_node("Pow", ["xd", "t"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+                          [two, s, z, xs, xz])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    widen_activation_ranges(m, {t.name: t for t in m.graph.initializer}, 1.9)
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    y = sess.run(None, {"x": np.array([-1.0, -0.5, 0.5, 1.0], np.float32)})[0]
+    assert np.isfinite(y).all() and np.allclose(y, [1.0, 0.25, 0.25, 1.0], atol=1e-2)
