@@ -52,10 +52,18 @@ def cmd_run(a) -> int:
                  allow_cpu_fallback=a.allow_cpu_fallback)
     kw = dict(max_new_tokens=a.n, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
               seed=a.seed, ignore_eos=a.ignore_eos)
-    if a.json:
+    if a.chat:
+        messages = [{"role": "user", "content": a.prompt}]
+        if a.json:
+            print(json.dumps(model.chat(messages, **kw).to_dict()))
+            return 0
+        pieces = model.stream_chat(messages, **kw)
+    elif a.json:
         print(json.dumps(model.generate(a.prompt, **kw).to_dict()))
         return 0
-    for piece in model.stream(a.prompt, **kw):
+    else:
+        pieces = model.stream(a.prompt, **kw)
+    for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -155,6 +163,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--top-p", type=float, default=None)
     r.add_argument("--seed", type=int, default=None)
     r.add_argument("--ignore-eos", action="store_true")
+    r.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user turn in the checkpoint's chat template (-it models)")
     r.add_argument("--json", action="store_true", help="print one JSON object with the result")
     r.set_defaults(fn=cmd_run)
 

@@ -48,23 +48,35 @@ def bundle(ckpt, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(ckpt):
-    """hf_greedy(family, prompt_ids, n) -> HF generate greedy tokens (fp32, EOS off), cached."""
-    from hexforge.build.verify import hf_greedy_tokens
+def hf_model(ckpt):
+    """hf_model(family) -> the HF reference model (fp32, eager), loaded once."""
+    import json
+
     from hexforge.families import load_family
 
-    models, cache = {}, {}
+    models = {}
+
+    def get(family: str):
+        if family not in models:
+            path = ckpt(family)
+            mt = json.loads((path / "config.json").read_text())["model_type"]
+            models[family] = load_family(mt).FAMILY.load_hf(path)
+        return models[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model):
+    """hf_greedy(family, prompt_ids, n) -> HF generate greedy tokens (fp32, EOS off), cached."""
+    from hexforge.build.verify import hf_greedy_tokens
+
+    cache = {}
 
     def get(family: str, ids: list[int], n: int = 64) -> list[int]:
         key = (family, tuple(ids), n)
         if key not in cache:
-            if family not in models:
-                path = ckpt(family)
-                import json
-
-                mt = json.loads((path / "config.json").read_text())["model_type"]
-                models[family] = load_family(mt).FAMILY.load_hf(path)
-            cache[key] = hf_greedy_tokens(models[family], ids, n)
+            cache[key] = hf_greedy_tokens(hf_model(family), ids, n)
         return cache[key]
 
     return get

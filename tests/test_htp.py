@@ -55,7 +55,10 @@ def test_w4_weights_are_int4_blocks_in_the_binary(htp_bundle):
     def size(b, name):
         return qnn.context_binary_of(b / "v81" / f"{name}.ctx.onnx").stat().st_size
 
-    assert size(w4, "s0.decode") < 0.8 * size(w8, "s0.decode")
+    # int8 -> int4 saves half a byte per weight; the fp32 cpu weight file counts the weights
+    params = (w8 / "cpu" / "s0.weights").stat().st_size / 4
+    saved = size(w8, "s0.decode") - size(w4, "s0.decode")
+    assert saved > 0.6 * params / 2
 
 
 def test_v79_and_v81_from_one_build_both_run(htp_bundle):

@@ -230,11 +230,13 @@ def _model_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.parent.iterdir() if p.is_file())
 
 
-def _block(k: int, want: int) -> int:
+def _block(k: int, want: int) -> int | None:
+    """The int4 block size for input dim k, or None when no block of >= 16 divides it (such narrow
+    weights, e.g. Gemma-4's PLE projection with P = 8, stay int8 per-channel)."""
     for b in (want, 128, 64, 32, 16):
         if b <= k and k % b == 0:
             return b
-    raise BuildError(f"no int4 block size divides the input dim {k}")
+    return None
 
 
 CLIP_RATIOS = np.linspace(1.0, 0.6, 9)  # candidate clip ratios of the block absmax
@@ -286,7 +288,8 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
             zp_name = qname + "_zero_point"
             node.input[:] = [node.input[0], node.input[1], zp_name]
             inits[zp_name] = qm.graph.initializer.add(name=zp_name)
-        if bits == 8:
+        B = _block(K, block_size or 64) if bits == 4 else None
+        if bits == 8 or B is None:
             if H is not None:
                 scale, q = gptq_int8(w, H)
             else:
@@ -296,7 +299,6 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
             zp = numpy_helper.from_array(np.zeros(N, np.int8), node.input[2])
             attrs = {"axis": 1}
         else:
-            B = _block(K, block_size or 64)
             scale, q = gptq_int4(w, H, B) if H is not None else int4_blocks(w, B)
             qt = helper.make_tensor(qname, TensorProto.INT4, [K, N], q.flatten().tolist())
             zp = helper.make_tensor(node.input[2], TensorProto.INT4, [K // B, N],

@@ -12,7 +12,7 @@ from ..manifest import Manifest, confine, load_manifest
 from .backends import Backend
 from .engine import Engine
 from .sampling import make_sampler
-from .text import TextTokenizer
+from .text import ChatTemplate, TextTokenizer
 
 
 @dataclass
@@ -64,13 +64,30 @@ class Model:
         if self.backend.is_htp and self.backend.device_arch is None:
             # qnn-sim simulates the target's arch; on a device QNN itself checks the SoC
             self.backend.device_arch = self.manifest.targets[self.target].htp_arch
-        self.tokenizer = TextTokenizer(confine(self.bundle, self.manifest.tokenizer.dir))
+        tok_dir = confine(self.bundle, self.manifest.tokenizer.dir)
+        self.tokenizer = TextTokenizer(tok_dir)
+        self.chat_template = ChatTemplate.load(tok_dir)
         self.engine = Engine(self.bundle, self.manifest, self.target, self.backend)
         self.generation = self.manifest.generation
 
     @property
     def context(self) -> int:
         return self.manifest.context
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise RequestError("this bundle's checkpoint has no chat template (a base model?): "
+                               "use a plain completion prompt")
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def chat(self, messages: list[dict], **kw) -> GenerationResult:
+        """Render ``messages`` with the checkpoint's chat template and generate the reply."""
+        text = self.apply_chat_template(messages)
+        return self.generate(self.tokenizer.encode(text, add_special_tokens=False), **kw)
+
+    def stream_chat(self, messages: list[dict], **kw) -> Iterator[str]:
+        text = self.apply_chat_template(messages)
+        return self.stream(self.tokenizer.encode(text, add_special_tokens=False), **kw)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

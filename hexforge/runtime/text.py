@@ -57,3 +57,80 @@ class StreamingDetokenizer:
         new_text = self.tok.decode(self.ids[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.ids)
         return new_text[len(prefix_text):]
+
+
+class ChatTemplate:
+    """The checkpoint's chat template, rendered the way transformers renders it (jinja2's
+    ImmutableSandboxedEnvironment, trim_blocks/lstrip_blocks, ``raise_exception``), so a template
+    cannot reach Python attributes or import anything."""
+
+    MAX_BYTES = 1 << 20
+
+    def __init__(self, source: str, bos_token: str | None, eos_token: str | None):
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = raise_exception
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as e:
+            raise BundleError(f"the chat template does not parse: {e}") from None
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    @classmethod
+    def load(cls, tokenizer_dir: Path) -> ChatTemplate | None:
+        import json
+
+        source = None
+        jinja = tokenizer_dir / "chat_template.jinja"
+        config: dict = {}
+        cfg_path = tokenizer_dir / "tokenizer_config.json"
+        if cfg_path.is_file() and cfg_path.stat().st_size < cls.MAX_BYTES * 16:
+            try:
+                config = json.loads(cfg_path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise BundleError(f"{cfg_path.name} is not valid JSON") from None
+        if jinja.is_file() and jinja.stat().st_size < cls.MAX_BYTES:
+            source = jinja.read_text()
+        elif isinstance(config.get("chat_template"), str):
+            source = config["chat_template"]
+        elif isinstance(config.get("chat_template"), list):  # [{"name": "default", "template": ..}]
+            named = {t.get("name"): t.get("template") for t in config["chat_template"]
+                     if isinstance(t, dict)}
+            source = named.get("default")
+        if not source:
+            return None
+
+        def token(v):
+            return v.get("content") if isinstance(v, dict) else v
+
+        return cls(source, token(config.get("bos_token")), token(config.get("eos_token")))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        from jinja2 import TemplateError
+        from jinja2.exceptions import SecurityError
+
+        check_messages(messages)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                         **kwargs)
+        except SecurityError as e:
+            raise RequestError(f"the chat template tried something the sandbox forbids: {e}") from None
+        except TemplateError as e:
+            raise RequestError(f"the chat template refused the messages: {e}") from None
+
+
+def check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise RequestError(f"messages[{i}] must be an object with 'role' and 'content'")
+        if not isinstance(m["content"], str | list):
+            raise RequestError(f"messages[{i}].content must be a string or a list of parts")

@@ -1,0 +1,97 @@
+"""Gemma-4 text (tiny random checkpoint: 10 layers, sliding window 8 < prompts, full layers with
+a wider head and proportional rope, the last 4 layers KV-shared, PLE, double-wide MLP, softcap)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import hexforge
+from hexforge.errors import RequestError
+from tests.conftest import N, prompt_ids
+
+W = 8  # the tiny config's sliding window
+LENGTHS = [1, N + 1, W + N + 3, 3 * N + 5]
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_greedy_equals_hf(bundle, hf_greedy, length):
+    ids = prompt_ids(length)
+    got = hexforge.load(bundle("gemma4")).generate(ids, max_new_tokens=64, ignore_eos=True)
+    assert got.token_ids == hf_greedy("gemma4", ids, 64)
+
+
+def test_first_step_logits_within_1e4(bundle, hf_model):
+    ids = prompt_ids(W + N + 3)
+    model = hexforge.load(bundle("gemma4"))
+    model.engine.reset()
+    ours = model.engine.prefill(ids)
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        ref = hf_model("gemma4")(x, attention_mask=torch.ones_like(x)).logits[0, -1].numpy()
+    assert np.abs(ours - ref).max() < 1e-4
+
+
+def test_manifest_state_has_shared_kv_and_a_ring_buffer(bundle):
+    m = json.loads((bundle("gemma4") / "manifest.json").read_text())
+    state = {s["name"]: s for s in m["state"]}
+    assert state["L6.k"]["kind"] == "kv_shared" and state["L6.k"]["source"] == "L5.k"
+    assert state["L9.v"]["source"] == "L4.v"
+    assert state["L0.k"]["kind"] == "kv_sliding" and state["L0.k"]["shape"][1] == W
+    assert state["L4.k"]["kind"] == "kv_full" and state["L4.k"]["shape"][2] == 32  # wider head
+    groups = {g["name"]: g for g in m["mask_groups"]}
+    assert groups["sliding"]["window"] == W and groups["full"]["capacity"] == m["context"]
+    assert {e["name"] for e in m["host"]["extra_embeds"]} == {"ple"}
+
+
+def test_three_shards_across_the_kv_sharing_boundary_equal_one(bundle, hf_greedy):
+    three = bundle("gemma4", max_shard_bytes=900_000)
+    m = json.loads((three / "manifest.json").read_text())
+    shards = [s["layers"] for s in m["targets"]["cpu"]["plan"]["shards"]]
+    assert shards == [[0, 5], [5, 9], [9, 10]]
+    last = next(g for g in m["targets"]["cpu"]["graphs"] if g["name"] == "s2.decode")
+    binds = {i["bind"] for i in last["inputs"]}
+    assert {"state:L4.k", "new:L4.k"} <= binds  # the donor lives in shard 0
+    ids = prompt_ids(W + N + 3)
+    a = hexforge.load(bundle("gemma4")).generate(ids, max_new_tokens=64, ignore_eos=True)
+    b = hexforge.load(three).generate(ids, max_new_tokens=64, ignore_eos=True)
+    assert a.token_ids == b.token_ids == hf_greedy("gemma4", ids, 64)
+
+
+def test_chat_template_renders_like_transformers(bundle, ckpt):
+    from transformers import AutoTokenizer
+
+    model = hexforge.load(bundle("gemma4"))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    want = AutoTokenizer.from_pretrained(ckpt("gemma4")).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert model.apply_chat_template(messages) == want
+    r = model.chat(messages, max_new_tokens=4, ignore_eos=True)
+    assert r.prompt_tokens == len(model.tokenizer.encode(want, add_special_tokens=False))
+    cli = subprocess.run([sys.executable, "-m", "hexforge", "run", str(bundle("gemma4")), "Hi!",
+                          "--chat", "-n", "4", "--json"], capture_output=True, text=True)
+    user_only = model.apply_chat_template([{"role": "user", "content": "Hi!"}])
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["prompt_tokens"] == len(
+        model.tokenizer.encode(user_only, add_special_tokens=False))
+
+
+def test_chat_template_runs_in_a_sandbox():
+    from pathlib import Path
+    from tempfile import TemporaryDirectory
+
+    from hexforge.runtime.text import ChatTemplate
+
+    evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    with TemporaryDirectory() as d:
+        Path(d, "chat_template.jinja").write_text(evil)
+        tpl = ChatTemplate.load(Path(d))
+        with pytest.raises(RequestError, match="sandbox"):
+            tpl.render([{"role": "user", "content": "x"}])
+        with pytest.raises(RequestError, match="messages"):
+            tpl.render([{"content": "no role"}])
