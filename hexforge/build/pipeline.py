@@ -95,8 +95,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         raise BuildError("--prefill-len must be >= 1 and --context >= 2")
     fam = load_family(ckpt.model_type).FAMILY
     args = fam.Args.from_config(ckpt.config)
-    if hasattr(fam, "check_supported"):
-        fam.check_supported(args)
+    fam.check_supported(args)
 
     out = Path(output).absolute()
     if out.exists() and not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):

@@ -20,7 +20,6 @@ This module itself is torch-free; ``families/blocks.py`` holds the torch export 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +88,9 @@ class DecoderFamily:
     """
 
     Args = DenseArgs
+
+    def check_supported(self, args) -> None:
+        """Raise UnsupportedModelError for configs these export modules do not reproduce."""
 
     # ---- build-time: the HF model ----
     def load_hf(self, ckpt_dir: Path):
@@ -166,7 +168,3 @@ class DecoderFamily:
             hf_layer.self_attn, n_heads=args.num_attention_heads, n_kv=args.num_key_value_heads,
             head_dim=args.head_dim, scaling=args.head_dim**-0.5,
         )
-
-
-def family_summary(fam: DecoderFamily) -> str:
-    return f"{type(fam).__module__}.{type(fam).__name__}: {inspect.getdoc(fam) or ''}".strip()
