@@ -116,7 +116,7 @@ def _quantize(float_path: Path, out_path: Path, feeds, output_absmax, model) -> 
         activation_type=QuantType.QUInt16, weight_type=QuantType.QUInt8, per_channel=False,
         init_overrides=_state_overrides(model, feeds, output_absmax),
     )
-    cfg.use_external_data_format = float_path.stat().st_size > 0 and _model_bytes(float_path) > 1 << 30
+    cfg.use_external_data_format = _graph_bytes(float_path) > 1 << 30  # protobuf's 2 GB limit
     quantize(str(float_path), str(out_path), cfg)
 
 
@@ -226,8 +226,15 @@ def gptq_int4(w: np.ndarray, H: np.ndarray, B: int, damp: float = 0.01):
     return scales.astype(np.float32), Q
 
 
-def _model_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.parent.iterdir() if p.is_file())
+def _graph_bytes(path: Path) -> int:
+    """The graph file plus the external weight files it references."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo
+
+    model = onnx.load(str(path), load_external_data=False)
+    files = {ExternalDataInfo(t).location for t in model.graph.initializer
+             if t.data_location == onnx.TensorProto.EXTERNAL}
+    return path.stat().st_size + sum((path.parent / f).stat().st_size for f in files)
 
 
 def _block(k: int, want: int) -> int | None:

@@ -28,12 +28,13 @@ class SlotGroup:
     def reset(self) -> None:
         self.slot_pos.fill(-1)
 
+    def surviving(self, positions: np.ndarray) -> np.ndarray:
+        """The positions a write keeps: a ring holds only the last `capacity` of them."""
+        return positions[-self.capacity:] if self.ring else positions
+
     def slots(self, positions: np.ndarray) -> np.ndarray:
-        """Rows that positions [n] go to (for a ring only the last `capacity` positions survive)."""
-        if self.ring:
-            positions = positions[-self.capacity:]
-            return positions % self.capacity
-        return positions
+        """Rows that (surviving) positions go to."""
+        return positions % self.capacity if self.ring else positions
 
     def mask(self, q_pos: np.ndarray, mask_value: float) -> np.ndarray:
         """Additive mask [1, 1, T, capacity + T] for queries at q_pos [T] (consecutive)."""
@@ -50,8 +51,8 @@ class SlotGroup:
         return np.where(ok, np.float32(0), np.float32(mask_value))[None, None].astype(np.float32)
 
     def commit(self, positions: np.ndarray) -> None:
-        positions = positions[-self.capacity:] if self.ring else positions
-        self.slot_pos[self.slots(positions)] = positions
+        kept = self.surviving(positions)
+        self.slot_pos[self.slots(kept)] = kept
 
 
 def write_rows(buf: np.ndarray, new: np.ndarray, slots: np.ndarray) -> None:
@@ -91,9 +92,9 @@ class State:
         spec = self.specs[name]
         if spec.kind in ("kv_full", "kv_sliding"):
             group = self.groups[spec.group]
-            src_positions = positions[-group.capacity:] if group.ring else positions
-            skip = positions.shape[0] - src_positions.shape[0]
-            write_rows(self.buffers[name], value[:, :, skip:], group.slots(src_positions))
+            kept = group.surviving(positions)
+            skip = positions.shape[0] - kept.shape[0]
+            write_rows(self.buffers[name], value[:, :, skip:], group.slots(kept))
         elif spec.kind == "kv_shared":
             raise ValueError(f"state {name} is kv_shared: graphs must not write it")
         else:
