@@ -95,3 +95,27 @@ def test_chat_template_runs_in_a_sandbox():
             tpl.render([{"role": "user", "content": "x"}])
         with pytest.raises(RequestError, match="messages"):
             tpl.render([{"content": "no role"}])
+
+
+def test_tiny_fixture_is_well_conditioned(hf_model):
+    """HF's own fp16 forward tracks its fp32 forward on the tiny checkpoint (tiny.TEMPER), so the
+    HTP precision gates below measure our graphs, not the random model's chaos."""
+    model = hf_model("gemma4")
+    x = torch.tensor([prompt_ids(64)])
+    with torch.no_grad():
+        ref = model(x).logits[0].double()
+        half = model.to(torch.float16)(x).logits[0].double()
+        model.to(torch.float32)
+    cos = torch.nn.functional.cosine_similarity(ref, half, dim=-1)
+    assert cos.min() > 0.9999
+
+
+def test_fp16_htp_build_meets_the_gate_and_runs_on_the_simulator(htp_bundle):
+    from tests.test_htp import QUANT_THRESHOLDS, report
+
+    b = htp_bundle("gemma4", "fp16")
+    rep = report(b)["v81"]
+    assert rep["passed"] and rep["teacher_forced"]["cos_min"] >= QUANT_THRESHOLDS["fp16"]
+    model = hexforge.load(b, backend="qnn-sim")
+    r = model.generate(prompt_ids(W + 12), max_new_tokens=8, ignore_eos=True)
+    assert len(r.token_ids) == 8
