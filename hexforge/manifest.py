@@ -16,6 +16,8 @@ the bundle directory; that is checked on load, before anything is read.
 
 How the runtime drives the graphs is fully declarative here: each graph input names its *source*
 (``hidden``, ``embed``, ``host:<extra embed>``, ``rope_cos:<rope>``, ``rope_sin:<rope>``, ``mask:<group>``,
+``valid`` = [1, T] 1.0 for real tokens / 0.0 for pad rows, ``tail:<k>`` = a one-hot [1, k, k+T] that picks
+the last k real rows of [k state rows | T step rows] (conv fifos),
 ``state:<name>`` = the buffer before this step, ``new:<name>`` = rows an earlier graph of this step made)
 and each output its *sink* (``hidden``, ``logits``, ``state:<name>``): the engine never needs to know
 the family.
@@ -83,7 +85,7 @@ class StateSpec(_Model):
     kinds:  kv_full    [kv_heads, context, head_dim]   rows written at their positions
             kv_sliding [kv_heads, window, head_dim]    ring buffer: slot = position % window
             kv_shared  (no buffer) — graphs read ``source`` (a donor layer's kv_* state)
-            conv_fifo  [channels, kernel-1]            replaced whole every call
+            conv_fifo  [kernel-1, channels]            replaced whole every call (rows = time)
             ssm        [heads, k_dim, v_dim]           replaced whole every call
     """
 

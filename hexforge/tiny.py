@@ -46,6 +46,17 @@ TINY_CONFIGS: dict[str, dict] = {
         sliding_window=8, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
         rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=4096,
     ),
+    # 8 layers: (linear x3, full) x2; GatedDeltaNet with 2 key / 4 value heads, conv kernel 4;
+    # gated full attention with partial rotary (25% of head_dim 32)
+    "qwen3_5": dict(
+        model_type="qwen3_5_text", hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        max_position_embeddings=4096,
+        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                             mrope_interleaved=True, mrope_section=[2, 1, 1]),
+    ),
 }
 
 
@@ -96,7 +107,7 @@ def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **over
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg_kwargs = {**TINY_CONFIGS[family], **overrides}
-    add_bos = cfg_kwargs["model_type"] not in ("qwen3", "qwen2")
+    add_bos = cfg_kwargs["model_type"] not in ("qwen3", "qwen2", "qwen3_5_text")
     tok = make_tokenizer(out, add_bos=add_bos)
     if "hidden_size_per_layer_input" in cfg_kwargs:
         cfg_kwargs["vocab_size_per_layer_input"] = len(tok)

@@ -142,7 +142,7 @@ class StaticAttention(nn.Module):
 
     def __init__(self, hf_attn: nn.Module, *, n_heads: int, n_kv: int, head_dim: int,
                  scaling: float, q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
-                 v_norm: nn.Module | None = None):
+                 v_norm: nn.Module | None = None, output_gate: bool = False):
         super().__init__()
         # a KV-shared layer (Gemma-4) has only q/o: it attends over its donor's keys/values
         self.q_proj, self.o_proj = hf_attn.q_proj, hf_attn.o_proj
@@ -150,6 +150,8 @@ class StaticAttention(nn.Module):
         self.v_proj = getattr(hf_attn, "v_proj", None)
         self.n_heads, self.n_kv, self.head_dim, self.scaling = n_heads, n_kv, head_dim, scaling
         self.q_norm, self.k_norm, self.v_norm = q_norm, k_norm, v_norm
+        # Qwen3.5: q_proj emits [query | gate] per head; the output is out * sigmoid(gate)
+        self.output_gate = output_gate
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         T = x.shape[1]
@@ -165,8 +167,12 @@ class StaticAttention(nn.Module):
 
     def attend(self, x, cos, sin, mask, keys, values):
         """q from x; keys/values [1, KVH, S+T, D] already concatenated; mask [1, 1, T, S+T]."""
-        T, g = x.shape[1], self.n_heads // self.n_kv
-        q = self.q_proj(x).view(1, T, self.n_heads, self.head_dim)
+        T, g, D = x.shape[1], self.n_heads // self.n_kv, self.head_dim
+        if self.output_gate:
+            qg = self.q_proj(x).view(1, T, self.n_heads, 2 * D)
+            q, gate = qg[..., :D], qg[..., D:].reshape(1, T, self.n_heads * D)
+        else:
+            q = self.q_proj(x).view(1, T, self.n_heads, D)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [1, nH, T, D]
@@ -176,8 +182,10 @@ class StaticAttention(nn.Module):
             mask = mask.repeat(1, 1, g, 1)
         probs = torch.softmax(scores + mask, dim=-1)
         out = torch.matmul(probs, values)  # [1, KVH, g*T, D]
-        out = out.reshape(1, self.n_heads, T, self.head_dim).transpose(1, 2)
-        return self.o_proj(out.reshape(1, T, self.n_heads * self.head_dim))
+        out = out.reshape(1, self.n_heads, T, D).transpose(1, 2).reshape(1, T, self.n_heads * D)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
         k, v = self.project_kv(x, cos, sin)
@@ -245,9 +253,10 @@ class Head(nn.Module):
     """Final norm + lm_head (+ optional logit softcap) on one hidden row: [1,1,H] -> [1,1,V]."""
 
     def __init__(self, norm: nn.Module, lm_head: nn.Module, softcap: float | None,
-                 hidden_size: int | None = None):
+                 hidden_size: int | None = None, unit_offset: bool = False):
         super().__init__()
-        self.norm, self.lm_head, self.softcap = RMSNorm.from_hf(norm), lm_head, softcap
+        self.norm, self.lm_head = RMSNorm.from_hf(norm, unit_offset), lm_head
+        self.softcap = softcap
         self.hidden_size = hidden_size or lm_head.weight.shape[1]
         self.io = GraphIO(inputs=[("hidden", "hidden")], outputs=[("logits", "logits")])
 

@@ -29,6 +29,14 @@ from .state import NP_DTYPES, State
 Observer = Callable[[GraphSpec, dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray], None]
 
 
+def tail_selector(k: int, T: int, n_valid: int) -> np.ndarray:
+    """One-hot [1, k, k+T]: row i picks row n_valid + i of [fifo (k rows) | step inputs (T rows)],
+    i.e. the last k inputs that were real tokens (pad rows of a last chunk are skipped)."""
+    sel = np.zeros((1, k, k + T), dtype=np.float32)
+    sel[0, np.arange(k), n_valid + np.arange(k)] = 1.0
+    return sel
+
+
 class Engine:
     def __init__(self, bundle: Path, manifest: Manifest, target: str, backend: Backend):
         self.manifest, self.target = manifest, manifest.targets[target]
@@ -41,6 +49,9 @@ class Engine:
         self.hidden_dtype = NP_DTYPES[self.target.hidden_dtype]
         self.pos = 0
         self.observer: Observer | None = None
+        # recurrent-state graphs (conv fifo) keep the last k valid inputs: one-hot "tail:<k>"
+        self.tails = sorted({int(i.bind[5:]) for g in self.target.graphs for i in g.inputs
+                             if i.bind.startswith("tail:")})
 
     @property
     def vocab_size(self) -> int:
@@ -86,6 +97,9 @@ class Engine:
                 name, positions)
         for name, group in self.state.groups.items():
             inputs[f"mask:{name}"] = group.mask(positions, self.target.mask_value)
+        inputs["valid"] = (np.arange(T) < n_valid).astype(np.float32)[None]  # [1, T]
+        for k in self.tails:
+            inputs[f"tail:{k}"] = tail_selector(k, T, n_valid)
         for shard in self.target.plan.shards:
             graph = self.target.graph(shard.prefill if role == "prefill" else shard.decode)
             inputs["hidden"] = self._run(graph, inputs, positions[:n_valid])["hidden"]

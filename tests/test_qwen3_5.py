@@ -1,0 +1,82 @@
+"""Qwen3.5 text (tiny random checkpoint: 8 layers = (GatedDeltaNet x3, gated full attention) x2,
+2 key / 4 value linear heads, conv kernel 4, partial rotary)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import hexforge
+from hexforge.runtime.engine import tail_selector
+from tests.conftest import N, prompt_ids
+
+LENGTHS = [1, N - 1, N + 1, 3 * N + 5]
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_greedy_equals_hf(bundle, hf_greedy, length):
+    ids = prompt_ids(length)
+    got = hexforge.load(bundle("qwen3_5")).generate(ids, max_new_tokens=64, ignore_eos=True)
+    assert got.token_ids == hf_greedy("qwen3_5", ids, 64)
+
+
+def test_first_step_logits_within_1e4(bundle, hf_model):
+    ids = prompt_ids(2 * N + 3)
+    model = hexforge.load(bundle("qwen3_5"))
+    model.engine.reset()
+    ours = model.engine.prefill(ids)
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        ref = hf_model("qwen3_5")(x, attention_mask=torch.ones_like(x)).logits[0, -1].numpy()
+    assert np.abs(ours - ref).max() < 1e-4
+
+
+def test_manifest_state_has_conv_fifo_ssm_and_kv(bundle):
+    m = json.loads((bundle("qwen3_5") / "manifest.json").read_text())
+    state = {s["name"]: s for s in m["state"]}
+    assert state["L0.conv"]["kind"] == "conv_fifo" and state["L0.conv"]["shape"] == [3, 128]
+    assert state["L0.ssm"]["kind"] == "ssm" and state["L0.ssm"]["shape"] == [4, 16, 16]
+    assert state["L3.k"]["kind"] == "kv_full" and state["L3.k"]["shape"] == [2, 256, 32]
+    assert "L3.conv" not in state and "L0.k" not in state
+    prefill = next(g for g in m["targets"]["cpu"]["graphs"] if g["name"] == "s0.prefill")
+    binds = {i["bind"] for i in prefill["inputs"]}
+    assert {"valid", "tail:3", "state:L0.conv", "state:L0.ssm", "state:L3.k"} <= binds
+
+
+@pytest.mark.parametrize("length", [N, 2 * N + 3])
+def test_ar_n_prefill_and_decode_over_prompt_give_the_same_state_and_tokens(bundle, length):
+    """The chunked (matmul-only) delta rule with padded last chunks vs the one-token recurrence."""
+    model = hexforge.load(bundle("qwen3_5"))
+    eng, ids = model.engine, prompt_ids(length)
+    eng.reset()
+    a = eng.prefill(ids, mode="chunked")
+    state_a = {k: v.copy() for k, v in eng.state.buffers.items()}
+    eng.reset()
+    b = eng.prefill(ids, mode="decode")
+    for name, buf in eng.state.buffers.items():
+        np.testing.assert_allclose(state_a[name], buf, atol=2e-5, err_msg=name)
+    np.testing.assert_allclose(a, b, atol=1e-4)
+    r1 = model.generate(ids, max_new_tokens=32, ignore_eos=True)
+    r2 = model.generate(ids, max_new_tokens=32, ignore_eos=True, prefill_mode="decode")
+    assert r1.token_ids == r2.token_ids
+
+
+def test_two_shards_equal_one(bundle, hf_greedy):
+    two = bundle("qwen3_5", max_shard_bytes=800_000)
+    m = json.loads((two / "manifest.json").read_text())
+    shards = [s["layers"] for s in m["targets"]["cpu"]["plan"]["shards"]]
+    assert shards == [[0, 4], [4, 8]]  # a linear-state layer on each side of the cut
+    ids = prompt_ids(3 * N + 5)
+    a = hexforge.load(bundle("qwen3_5")).generate(ids, max_new_tokens=64, ignore_eos=True)
+    b = hexforge.load(two).generate(ids, max_new_tokens=64, ignore_eos=True)
+    assert a.token_ids == b.token_ids == hf_greedy("qwen3_5", ids, 64)
+
+
+def test_tail_selector_picks_the_last_valid_rows():
+    """Regression: a padded last chunk must leave the fifo holding real inputs, not pad rows."""
+    ext = np.arange(3 + 8, dtype=np.float32)[None, :, None]  # [fifo 0..2 | step rows 3..10]
+    assert (tail_selector(3, 8, 8) @ ext).ravel().tolist() == [8, 9, 10]
+    assert (tail_selector(3, 8, 2) @ ext).ravel().tolist() == [2, 3, 4]  # 1 old row, 2 new
