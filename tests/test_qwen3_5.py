@@ -80,3 +80,41 @@ def test_tail_selector_picks_the_last_valid_rows():
     ext = np.arange(3 + 8, dtype=np.float32)[None, :, None]  # [fifo 0..2 | step rows 3..10]
     assert (tail_selector(3, 8, 8) @ ext).ravel().tolist() == [8, 9, 10]
     assert (tail_selector(3, 8, 2) @ ext).ravel().tolist() == [2, 3, 4]  # 1 old row, 2 new
+
+
+@pytest.mark.parametrize("quant", ["fp16", "w8a16"])
+def test_htp_build_meets_its_gate_with_ar_n_prefill_on_the_npu(htp_bundle, quant):
+    """Prefill AR-N (the matmul-only chunked delta rule) and decode both compile with CPU fallback
+    disabled; the quantized recurrent/conv state keeps the gate."""
+    from tests.test_htp import QUANT_THRESHOLDS, report
+
+    b = htp_bundle("qwen3_5", quant)
+    rep = report(b)["v81"]
+    assert rep["passed"] and rep["teacher_forced"]["cos_min"] >= QUANT_THRESHOLDS[quant]
+    m = json.loads((b / "manifest.json").read_text())
+    assert {g["role"] for g in m["targets"]["v81"]["graphs"]} >= {"prefill", "decode"}
+    model = hexforge.load(b, backend="qnn-sim")
+    r = model.generate(prompt_ids(20), max_new_tokens=8, ignore_eos=True)
+    assert len(r.token_ids) == 8
+
+
+def test_fold_initializer_identities_regression(tmp_path):
+    """Regression (Qwen3.5 w8a16 failed to compile): the exporter shares equal per-layer constants
+    through Identity nodes; a quantized weight DQ -> Identity is not claimed by the QNN EP."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from hexforge.build.export import fold_initializer_identities
+
+    w = numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
+    g = helper.make_graph(
+        [helper.make_node("Identity", ["w"], ["w2"]), helper.make_node("MatMul", ["x", "w"], ["y"]),
+         helper.make_node("MatMul", ["y", "w2"], ["z"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 4])], [w])
+    p = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g), str(p))
+    assert fold_initializer_identities(p) == 1
+    m = onnx.load(str(p))
+    assert [n.op_type for n in m.graph.node] == ["MatMul", "MatMul"]
+    assert list(m.graph.node[1].input) == ["y", "w"]

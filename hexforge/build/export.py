@@ -51,7 +51,32 @@ def export_module(module, path: Path, exporter: str = "dynamo") -> tuple[list[Te
     except Exception as e:
         raise BuildError(f"ONNX export of {path.name} failed: {type(e).__name__}: {e}") from e
     _check_io(path, in_names, out_names)
+    fold_initializer_identities(path)
     return io.specs(list(args), "inputs"), io.specs(list(outs), "outputs")
+
+
+def fold_initializer_identities(path: Path) -> int:
+    """Rewire consumers of ``Identity(initializer)`` to the initializer itself; -> nodes removed.
+
+    The exporter dedupes equal constants (e.g. the chunked delta rule's triangles, one per layer)
+    into one initializer plus an Identity per extra user. Once quantized, that is a weight
+    DequantizeLinear feeding an Identity, which the QNN EP does not claim."""
+    import onnx
+
+    m = onnx.load(str(path), load_external_data=False)
+    inits = {t.name for t in m.graph.initializer}
+    outputs = {o.name for o in m.graph.output}
+    alias = {n.output[0]: n.input[0] for n in m.graph.node
+             if n.op_type == "Identity" and n.input[0] in inits and n.output[0] not in outputs}
+    if not alias:
+        return 0
+    keep = [n for n in m.graph.node if not (n.op_type == "Identity" and n.output[0] in alias)]
+    for n in keep:
+        n.input[:] = [alias.get(x, x) for x in n.input]
+    del m.graph.node[:]
+    m.graph.node.extend(keep)
+    onnx.save(m, str(path))
+    return len(alias)
 
 
 def _check_io(path: Path, in_names: list[str], out_names: list[str]) -> None:
