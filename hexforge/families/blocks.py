@@ -109,6 +109,20 @@ class RMSNorm(nn.Module):
         return x3.reshape(shape)
 
 
+EXP_FLOOR = -80.0  # fp16 Exp on the HTP returns garbage below about -88 (HTP_NOTES)
+
+
+def safe_exp(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) for x <= 0 (log-space decays), floored at EXP_FLOOR: exp(-80) ~ 2e-35 is zero for
+    every use, and the HTP's fp16 Exp is wrong below about -88."""
+    return torch.exp(torch.clamp(x, min=EXP_FLOOR))
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """As HF (FLA): x * rsqrt(sum(x^2) + eps) over the last dim (x*x: see RMSNorm on Pow)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """HF gelu_pytorch_tanh, written as x * sigmoid(2z) (= 0.5x(1 + tanh z)): the same function,
     but not the pattern the QNN compiler fuses into its fp16 GELU, which was off by up to 3% in

@@ -35,7 +35,6 @@ from . import blocks
 from .base import DecoderFamily, GraphIO
 
 LINEAR, FULL = "linear_attention", "full_attention"
-EXP_FLOOR = -80.0  # fp16 Exp on the HTP returns garbage below about -88 (HTP_NOTES)
 
 
 @dataclass
@@ -133,22 +132,12 @@ class Qwen35Family(DecoderFamily):
 # ---- export modules (torch) ----------------------------------------------------------------------
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """As HF (FLA): x * rsqrt(sum(x^2) + eps) over the last dim."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def safe_exp(x: torch.Tensor) -> torch.Tensor:
-    """exp(x) for x <= 0, floored at EXP_FLOOR (exp(-80) ~ 2e-35 is zero for every use here)."""
-    return torch.exp(torch.clamp(x, min=EXP_FLOOR))
-
-
 def delta_rule_step(q, k, v, g, beta, S):
     """One token. q, k [1,Hv,1,dk], v [1,Hv,1,dv], g/beta [1,Hv,1], S [1,Hv,dk,dv].
 
         S <- S * exp(g);  S <- S + k^T (beta (v - k S));  out = q S
     """
-    S = S * safe_exp(g)[..., None]
+    S = S * blocks.safe_exp(g)[..., None]
     delta = (v - torch.matmul(k, S)) * beta[..., None]  # [1,Hv,1,dv]
     S = S + torch.matmul(k.transpose(2, 3), delta)
     return torch.matmul(q, S), S
@@ -167,22 +156,22 @@ def delta_rule_chunk(q, k, v, g, beta, S, upper, strict_lower, lower):
     T = q.shape[2]
     cum = torch.matmul(g, upper)  # [1,Hv,T]: inclusive cumsum of the log decays
     diff = torch.clamp(cum[..., :, None] - cum[..., None, :], max=0.0)  # j > i: masked below
-    decay = safe_exp(diff)
+    decay = blocks.safe_exp(diff)
     kb, vb = k * beta[..., None], v * beta[..., None]
     M = -(torch.matmul(kb, k.transpose(2, 3)) * decay * strict_lower)
     inv, P = M + torch.eye(T, dtype=q.dtype), M
     for _ in range(max(0, math.ceil(math.log2(T)) - 1)):
         P = torch.matmul(P, P)
         inv = inv + torch.matmul(inv, P)
-    cum_exp = safe_exp(cum)[..., None]  # [1,Hv,T,1]
+    cum_exp = blocks.safe_exp(cum)[..., None]  # [1,Hv,T,1]
     new_values = torch.matmul(inv, vb)
     k_cumdecay = torch.matmul(inv, kb * cum_exp)
     v_new = new_values - torch.matmul(k_cumdecay, S)
     intra = torch.matmul(q, k.transpose(2, 3)) * decay * lower
     out = torch.matmul(q * cum_exp, S) + torch.matmul(intra, v_new)
     last = cum[..., T - 1:T]  # [1,Hv,1]
-    k_dec = k * safe_exp(last - cum)[..., None]
-    S = S * safe_exp(last)[..., None] + torch.matmul(k_dec.transpose(2, 3), v_new)
+    k_dec = k * blocks.safe_exp(last - cum)[..., None]
+    S = S * blocks.safe_exp(last)[..., None] + torch.matmul(k_dec.transpose(2, 3), v_new)
     return out, S
 
 
@@ -227,8 +216,8 @@ class GatedDeltaNet(nn.Module):
         qkv = torch.nn.functional.silu(conv)
         fifo = ext[:, T:] if tail is None else torch.matmul(tail, ext)  # the last K-1 valid inputs
         kd = self.hk * self.dk
-        q = l2norm(self._heads(qkv[..., :kd], self.hk, self.dk)) * (self.dk ** -0.5)
-        k = l2norm(self._heads(qkv[..., kd:2 * kd], self.hk, self.dk))
+        q = blocks.l2norm(self._heads(qkv[..., :kd], self.hk, self.dk)) * (self.dk ** -0.5)
+        k = blocks.l2norm(self._heads(qkv[..., kd:2 * kd], self.hk, self.dk))
         v = self._heads(qkv[..., 2 * kd:], self.hv, self.dv)
         beta = torch.sigmoid(self.in_proj_b(x)).transpose(1, 2)  # [1,Hv,T]
         g = (self.neg_A * torch.nn.functional.softplus(self.in_proj_a(x) + self.dt_bias)).transpose(1, 2)
