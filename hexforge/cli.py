@@ -1,4 +1,4 @@
-"""The one entry point: ``hexforge build | run | inspect | verify | targets | demo``.
+"""The one entry point: ``hexforge build | run | chat | serve | inspect | verify | targets | demo``.
 
 Every HexforgeError becomes one line on stderr and exit code 2; a failed oracle is exit code 1.
 """
@@ -50,8 +50,7 @@ def cmd_run(a) -> int:
 
     model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target,
                  allow_cpu_fallback=a.allow_cpu_fallback)
-    kw = dict(max_new_tokens=a.n, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-              seed=a.seed, ignore_eos=a.ignore_eos)
+    kw = _sampling(a)
     if a.chat:
         messages = [{"role": "user", "content": a.prompt}]
         if a.json:
@@ -67,6 +66,54 @@ def cmd_run(a) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    return 0
+
+
+def _sampling(a) -> dict:
+    return dict(max_new_tokens=a.n, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed,
+                ignore_eos=a.ignore_eos, stop=a.stop)
+
+
+def cmd_chat(a) -> int:
+    """Interactive terminal chat: streams replies, keeps the state between turns; /reset, /quit."""
+    from . import load
+
+    model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target)
+    session = model.session(system=a.system)
+    kw = _sampling(a)
+    print("hexforge chat: /reset clears the conversation, /quit (or Ctrl-D) leaves",
+          file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/quit", "/exit"):
+            return 0
+        if line.strip() == "/reset":
+            session.reset()
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        if not line.strip():
+            continue
+        try:
+            for piece in session.stream(line, **kw):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            print("\n(interrupted)", file=sys.stderr)
+            session.reset()
+        except HexforgeError as e:
+            print(f"hexforge: error: {e}", file=sys.stderr)
+        sys.stdout.write("\n")
+
+
+def cmd_serve(a) -> int:
+    from .serve import serve
+
+    serve(a.bundle, host=a.host, port=a.port, api_key=a.api_key, backend=a.backend, arch=a.arch)
     return 0
 
 
@@ -158,15 +205,30 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--target", default=None, help="run this bundle target (default: by backend/arch)")
     r.add_argument("--allow-cpu-fallback", action="store_true",
                    help="HTP: let unsupported nodes run on the CPU instead of refusing to load")
-    r.add_argument("--temperature", type=float, default=None)
-    r.add_argument("--top-k", type=int, default=None)
-    r.add_argument("--top-p", type=float, default=None)
-    r.add_argument("--seed", type=int, default=None)
-    r.add_argument("--ignore-eos", action="store_true")
+    _sampling_args(r)
     r.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user turn in the checkpoint's chat template (-it models)")
     r.add_argument("--json", action="store_true", help="print one JSON object with the result")
     r.set_defaults(fn=cmd_run)
+
+    c = sub.add_parser("chat", help="interactive chat in the terminal (streaming, /reset)")
+    c.add_argument("bundle")
+    c.add_argument("--system", default=None, help="a system message")
+    c.add_argument("-n", "--max-new-tokens", dest="n", type=int, default=None)
+    c.add_argument("--backend", default="cpu", choices=("cpu", "qnn", "qnn-sim", "auto"))
+    c.add_argument("--arch", default=None)
+    c.add_argument("--target", default=None)
+    _sampling_args(c)
+    c.set_defaults(fn=cmd_chat)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server for one bundle")
+    s.add_argument("bundle")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--backend", default="cpu", choices=("cpu", "qnn", "qnn-sim", "auto"))
+    s.add_argument("--arch", default=None)
+    s.set_defaults(fn=cmd_serve)
 
     i = sub.add_parser("inspect", help="graphs, shards, state and sizes of a bundle")
     i.add_argument("bundle")
@@ -190,6 +252,17 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt", default="The capital of France is")
     d.set_defaults(fn=cmd_demo)
     return p
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
 
 
 def main(argv: list[str] | None = None) -> int:

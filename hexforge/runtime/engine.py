@@ -134,7 +134,7 @@ class Engine:
         return self.forward(np.array([token], dtype=np.int64), 1, "decode")
 
     # ---- the loop ------------------------------------------------------------------------------
-    def check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+    def check_request(self, prompt_ids: list[int], max_new_tokens: int, past: int = 0) -> None:
         if not prompt_ids:
             raise RequestError("the prompt is empty (0 tokens)")
         if max_new_tokens < 1:
@@ -143,14 +143,18 @@ class Engine:
                                              and 0 <= t < self.vocab_size)]
         if bad:
             raise RequestError(f"token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if len(prompt_ids) + max_new_tokens > self.context:
-            raise ContextOverflowError(len(prompt_ids), max_new_tokens, self.context)
+        if past + len(prompt_ids) + max_new_tokens > self.context:
+            raise ContextOverflowError(past + len(prompt_ids), max_new_tokens, self.context)
 
     def generate_step(self, prompt_ids: list[int], sampler: Sampler, max_new_tokens: int,
-                      prefill_mode: str = "chunked") -> Iterator[tuple[int, np.ndarray]]:
-        """Yield (token, logits it was sampled from) up to max_new_tokens; stop by breaking out."""
-        self.check_request(prompt_ids, max_new_tokens)
-        self.reset()
+                      prefill_mode: str = "chunked", fresh: bool = True
+                      ) -> Iterator[tuple[int, np.ndarray]]:
+        """Yield (token, logits it was sampled from) up to max_new_tokens; stop by breaking out.
+        fresh=False continues from the current state (a chat session's next turn): the ids are
+        appended at self.pos. Every yielded token but the last is in the state afterwards."""
+        self.check_request(prompt_ids, max_new_tokens, 0 if fresh else self.pos)
+        if fresh:
+            self.reset()
         logits = self.prefill(prompt_ids, prefill_mode)
         for i in range(max_new_tokens):
             token = sampler(logits)

@@ -20,11 +20,13 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     prompt_tokens: int
-    finish_reason: str  # "stop" (EOS / stop token) | "length" (max_new_tokens)
+    finish_reason: str  # "stop" (EOS / stop token / stop string) | "length" | "cancelled"
     ttft_ms: float  # prompt in -> first token out (tokenize + prefill + first sample)
     decode_tok_s: float  # tokens after the first / time after the first
     total_ms: float
     timings: dict = field(default_factory=dict)
+    # per generated token, when requested: {"token", "logprob", "top": [(token, logprob), ...]}
+    logprobs: list[dict] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -52,6 +54,40 @@ def pick_target(manifest: Manifest, backend: Backend, target: str | None = None)
     if len(htp) > 1:
         raise BackendError(f"the bundle holds {', '.join(htp)}: say which with --arch")
     return next(iter(htp))
+
+
+class StopStrings:
+    """Releases streamed text, holding back any tail that could still become a stop string; cuts
+    exactly where the first stop string begins (also when it spans tokens or ends inside one)."""
+
+    def __init__(self, stops: list[str]):
+        if any(not isinstance(x, str) or not x for x in stops):
+            raise RequestError("stop strings must be non-empty strings")
+        self.stops, self.text, self.released, self.hit = stops, "", 0, False
+
+    def add(self, piece: str) -> str:
+        if self.hit:  # the output has ended
+            return ""
+        self.text += piece
+        if not self.stops:
+            out, self.released = self.text[self.released:], len(self.text)
+            return out
+        start = max(0, self.released - max(map(len, self.stops)) + 1)
+        found = [i for i in (self.text.find(x, start) for x in self.stops) if i >= 0]
+        if found:
+            cut = min(found)
+            out = self.text[self.released:cut]
+            self.text, self.released, self.hit = self.text[:cut], cut, True
+            return out
+        hold = max((k for x in self.stops for k in range(1, len(x))
+                    if self.text.endswith(x[:k])), default=0)
+        end = max(self.released, len(self.text) - hold)
+        out, self.released = self.text[self.released:end], end
+        return out
+
+    def flush(self) -> str:
+        out, self.released = self.text[self.released:], len(self.text)
+        return out
 
 
 class Model:
@@ -89,6 +125,10 @@ class Model:
         text = self.apply_chat_template(messages)
         return self.stream(self.tokenizer.encode(text, add_special_tokens=False), **kw)
 
+    def session(self, system: str | None = None) -> ChatSession:
+        """A multi-turn chat that keeps the model state between turns (prefills only new text)."""
+        return ChatSession(self, system)
+
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
@@ -99,43 +139,71 @@ class Model:
         raise RequestError("prompt must be a string or a list of token ids")
 
     def _iterate(self, prompt, max_new_tokens=None, temperature=None, top_k=None, top_p=None,
-                 seed=None, ignore_eos=False, prefill_mode="chunked"
+                 seed=None, ignore_eos=False, prefill_mode="chunked", min_p=0.0,
+                 repetition_penalty=1.0, penalty_window=0, stop=None, stop_token_ids=None,
+                 logprobs=None, should_stop=None, steps=None
                  ) -> Iterator[tuple[str, int | None, GenerationResult | None]]:
-        """Yields (text piece, token id, None) per token, then ("", None, result) once."""
+        # steps(ids, sampler, max_new) -> (token, logits) generator; default: a fresh run
+        """Yields (text piece, token id, None) per token, then ("", None, result) once.
+
+        stop: strings that end the output (cut before them); stop_token_ids: extra stop ids;
+        logprobs: None, or how many top alternatives to report per token (0 = the chosen only);
+        should_stop(): polled every token, True cancels (finish_reason "cancelled");
+        steps: (ids, sampler, max_new) -> a (token, logits) generator, instead of a fresh
+        generate_step (chat sessions continue their state through it)."""
         g = self.generation
         max_new = g.max_new_tokens if max_new_tokens is None else max_new_tokens
         if not isinstance(max_new, int) or isinstance(max_new, bool):
             raise RequestError(f"max_new_tokens must be an integer, got {max_new!r}")
-        sampler = make_sampler(g.temperature if temperature is None else temperature,
-                               g.top_k if top_k is None else top_k,
-                               g.top_p if top_p is None else top_p, seed)
         t0 = time.perf_counter()
         ids = self.encode(prompt)
+        history = list(ids)  # the repetition penalty's window reads it live
+        sampler = make_sampler(g.temperature if temperature is None else temperature,
+                               g.top_k if top_k is None else top_k,
+                               g.top_p if top_p is None else top_p, seed, min_p,
+                               repetition_penalty, history, penalty_window)
+        stops = StopStrings(list([stop] if isinstance(stop, str) else stop or []))
         eos = set() if ignore_eos else set(g.eos_token_ids)
+        eos |= set(stop_token_ids or [])
         detok = self.tokenizer.detokenizer()
         tokens: list[int] = []
+        lps: list[dict] | None = [] if logprobs is not None else None
         finish, t_first = "length", None
-        for token, _ in self.engine.generate_step(ids, sampler, max_new, prefill_mode):
+        if steps is None:
+            steps = lambda ids, sampler, n: self.engine.generate_step(  # noqa: E731
+                ids, sampler, n, prefill_mode)
+        for token, logits in steps(ids, sampler, max_new):
             if t_first is None:
                 t_first = time.perf_counter()
             if token in eos:
                 finish = "stop"
                 break
             tokens.append(token)
-            piece = detok.add(token)
+            history.append(token)
+            if lps is not None:
+                lps.append(token_logprobs(logits, token, logprobs))
+            piece = stops.add(detok.add(token))
             if piece:
                 yield piece, token, None
-        tail = detok.flush()
-        if tail:
-            yield tail, None, None
+            if stops.hit:
+                finish = "stop"
+                break
+            if should_stop is not None and should_stop():
+                finish = "cancelled"
+                break
+        if not stops.hit:
+            tail = stops.add(detok.flush()) + (stops.flush() if not stops.hit else "")
+            if tail:
+                yield tail, None, None
         t_end = time.perf_counter()
         t_first = t_first or t_end
         n_after = max(len(tokens) - 1, 0)
         result = GenerationResult(
-            text=self.tokenizer.decode(tokens), token_ids=tokens, prompt_tokens=len(ids),
-            finish_reason=finish, ttft_ms=(t_first - t0) * 1e3,
+            text=stops.text if stops.stops else self.tokenizer.decode(tokens), token_ids=tokens,
+            prompt_tokens=len(ids), finish_reason="stop" if stops.hit else finish,
+            ttft_ms=(t_first - t0) * 1e3,
             decode_tok_s=n_after / (t_end - t_first) if n_after and t_end > t_first else 0.0,
-            total_ms=(t_end - t0) * 1e3,
+            total_ms=(t_end - t0) * 1e3, logprobs=lps,
         )
         yield "", None, result
 
@@ -149,6 +217,69 @@ class Model:
         for piece, _, result in self._iterate(prompt, **kw):
             if result is None:
                 yield piece
+
+
+class ChatSession:
+    """Messages + the token ids the engine state holds. A turn renders the whole conversation
+    with the chat template; if the state's ids are a prefix of it, only the rest is prefilled
+    (KV rows, ring buffers and recurrent states all continue); otherwise it starts over."""
+
+    def __init__(self, model: Model, system: str | None = None):
+        self.model = model
+        self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
+        self.cached: list[int] = []  # ids whose effect is in the engine state
+        self.last_reused = 0  # prompt tokens the last turn did not prefill again
+
+    def reset(self) -> None:
+        self.messages = [m for m in self.messages if m["role"] == "system"]
+        self.cached = []
+        self.model.engine.reset()
+
+    def stream(self, content: str, **kw) -> Iterator[str]:
+        for piece, _, result in self._turn(content, **kw):
+            if result is None:
+                yield piece
+
+    def send(self, content: str, **kw) -> GenerationResult:
+        for _, _, result in self._turn(content, **kw):
+            if result is not None:
+                return result
+        raise AssertionError("unreachable")
+
+    def _turn(self, content: str, **kw):
+        m, eng = self.model, self.model.engine
+        msgs = [*self.messages, {"role": "user", "content": content}]
+        ids = m.tokenizer.encode(m.apply_chat_template(msgs), add_special_tokens=False)
+        n = len(self.cached)
+        reuse = 0 < n < len(ids) and ids[:n] == self.cached and eng.pos == n
+        self.last_reused = n if reuse else 0
+        yielded: list[int] = []
+
+        def steps(_ids, sampler, max_new):
+            gen = eng.generate_step(ids[n:] if reuse else ids, sampler, max_new, fresh=not reuse)
+            for token, logits in gen:
+                yielded.append(token)
+                yield token, logits
+
+        for item in m._iterate(ids, steps=steps, **kw):
+            if item[2] is not None:  # before handing out the result: callers stop reading there
+                self.cached = ids + yielded[:-1]  # every yielded token but the last went in
+                self.messages = [*msgs, {"role": "assistant", "content": item[2].text}]
+            yield item
+
+
+def token_logprobs(logits, token: int, top: int) -> dict:
+    """Log-softmax of the model's raw logits (before sampling processors), as OpenAI reports."""
+    import numpy as np
+
+    from .sampling import log_softmax
+
+    lp = log_softmax(logits)
+    out = {"token": int(token), "logprob": float(lp[token]), "top": []}
+    if top:
+        best = np.argsort(-lp, kind="stable")[:top]
+        out["top"] = [(int(t), float(lp[t])) for t in best]
+    return out
 
 
 def parse_arch(arch: str | int | None) -> int | None:

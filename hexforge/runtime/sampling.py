@@ -49,6 +49,39 @@ def top_p(p: float) -> Processor:
     return apply
 
 
+def min_p(p: float) -> Processor:
+    """Drop tokens whose probability is below p x the top token's (after temperature)."""
+    def apply(logits: np.ndarray) -> np.ndarray:
+        if p <= 0.0:
+            return logits
+        # prob_i / prob_max = exp(l_i - l_max)
+        return np.where(logits - np.max(logits) < np.log(p), -np.inf, logits)
+
+    return apply
+
+
+def repetition_penalty(penalty: float, history: list[int], window: int = 0) -> Processor:
+    """CTRL-style (as transformers): logits of tokens seen in the last ``window`` ids of
+    ``history`` (all if 0; the list is read at call time) are divided by penalty if > 0, else
+    multiplied."""
+    def apply(logits: np.ndarray) -> np.ndarray:
+        if penalty == 1.0 or not history:
+            return logits
+        seen = np.unique(np.asarray(history[-window:] if window else history, dtype=np.int64))
+        out = logits.copy()
+        v = out[seen]
+        out[seen] = np.where(v > 0, v / penalty, v * penalty)
+        return out
+
+    return apply
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = np.max(x)
+    return x - m - np.log(np.exp(x - m).sum())
+
+
 def softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - np.max(x))
     return e / e.sum()
@@ -72,14 +105,21 @@ def chain(processors: Sequence[Processor], sampler: Sampler) -> Sampler:
 
 
 def make_sampler(temperature_: float = 0.0, top_k_: int = 0, top_p_: float = 1.0,
-                 seed: int | None = None) -> Sampler:
+                 seed: int | None = None, min_p_: float = 0.0, repetition_penalty_: float = 1.0,
+                 history: list[int] | None = None, penalty_window: int = 0) -> Sampler:
     if not np.isfinite(temperature_) or temperature_ < 0:
         raise RequestError(f"temperature must be >= 0, got {temperature_}")
     if not 0.0 < top_p_ <= 1.0:
         raise RequestError(f"top_p must be in (0, 1], got {top_p_}")
     if top_k_ < 0:
         raise RequestError(f"top_k must be >= 0, got {top_k_}")
+    if not 0.0 <= min_p_ < 1.0:
+        raise RequestError(f"min_p must be in [0, 1), got {min_p_}")
+    if not (np.isfinite(repetition_penalty_) and repetition_penalty_ > 0):
+        raise RequestError(f"repetition_penalty must be > 0, got {repetition_penalty_}")
+    penalty = ([repetition_penalty(repetition_penalty_, history, penalty_window)]
+               if repetition_penalty_ != 1.0 and history is not None else [])
     if temperature_ == 0.0:
-        return greedy
-    procs = [temperature(temperature_), top_k(top_k_), top_p(top_p_)]
+        return chain(penalty, greedy)
+    procs = [*penalty, temperature(temperature_), top_k(top_k_), top_p(top_p_), min_p(min_p_)]
     return chain(procs, categorical(np.random.default_rng(seed)))

@@ -1,0 +1,267 @@
+"""``hexforge serve BUNDLE``: an OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+    GET  /v1/models             the one bundle
+    POST /v1/chat/completions   messages -> the checkpoint's chat template -> generation
+    POST /v1/completions        a plain prompt
+    stream: true -> server-sent events (``data: {chunk}`` ... ``data: [DONE]``)
+
+Concurrency: one engine per bundle (its state buffers are the model's memory), so requests queue
+on a lock and run one at a time, each in a worker thread; the event loop stays free to accept,
+stream and notice disconnects. A client that disconnects sets its request's cancel flag, which the
+token loop polls every token: the generation stops and the next request gets the engine.
+
+Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with 400 for bad
+requests (context overflow: code ``context_length_exceeded``), 401 for a wrong API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import ContextOverflowError, HexforgeError, RequestError
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0, lt=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    response_format: dict | None = None
+
+    def generation_kwargs(self) -> dict:
+        kw: dict[str, Any] = {"max_new_tokens": self.max_tokens, "temperature": self.temperature,
+                              "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+                              "stop": self.stop}
+        if self.min_p is not None:
+            kw["min_p"] = self.min_p
+        if self.repetition_penalty is not None:
+            kw["repetition_penalty"] = self.repetition_penalty
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise RequestError(f"response_format {self.response_format.get('type')!r} is not "
+                               "supported by this server yet (only 'text')")
+        return kw
+
+
+class ChatRequest(_Request):
+    messages: list[dict]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+def text_of(content: Any) -> str:
+    """A message's content: a string, or OpenAI content parts (text only for text bundles)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                out.append(str(part.get("text", "")))
+            elif kind in ("image_url", "input_audio"):
+                media = "image" if kind == "image_url" else "audio"
+                raise RequestError(f"this bundle has no {media} component: send text only")
+            else:
+                raise RequestError(f"unknown message content part {kind!r}")
+        return "".join(out)
+    raise RequestError("message content must be a string or a list of parts")
+
+
+def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="hexforge", version="1")
+    lock = threading.Lock()
+
+    def error(status: int, message: str, code: str | None = None, kind="invalid_request_error"):
+        return JSONResponse(status_code=status, content={"error": {
+            "message": message, "type": kind, "param": None, "code": code}})
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req, exc):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", [])[1:])
+        return error(400, f"{where}: {first.get('msg', 'invalid request')}")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+            return error(401, "invalid or missing API key", "invalid_api_key",
+                         "authentication_error")
+        return await call_next(request)
+
+    async def run(request: Request, ids: list[int], kw: dict):
+        """Async iterator over model._iterate items, run in a worker thread under the lock."""
+        items: queue.Queue = queue.Queue()
+        cancel = threading.Event()
+
+        def worker():
+            try:
+                with lock:
+                    for item in model._iterate(ids, should_stop=cancel.is_set, **kw):
+                        items.put(item)
+            except BaseException as e:  # handed to the request
+                items.put(e)
+            items.put(None)
+
+        threading.Thread(target=worker, daemon=True).start()
+        try:
+            while True:
+                try:
+                    item = items.get_nowait()
+                except queue.Empty:
+                    if await request.is_disconnected():
+                        cancel.set()
+                    await asyncio.sleep(0.005)
+                    continue
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            cancel.set()  # disconnect / cancelled stream: stop the token loop
+
+    def usage(result) -> dict:
+        n = len(result.token_ids)
+        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n,
+                "total_tokens": result.prompt_tokens + n}
+
+    def finish(result) -> str:
+        return "length" if result.finish_reason == "length" else "stop"
+
+    def logprob_content(result) -> list[dict]:
+        tok = model.tokenizer
+        return [{"token": tok.decode([e["token"]]), "logprob": e["logprob"],
+                 "top_logprobs": [{"token": tok.decode([t]), "logprob": lp}
+                                  for t, lp in e["top"]]} for e in result.logprobs or []]
+
+    async def respond(request: Request, ids: list[int], kw: dict, chat: bool, stream: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        try:
+            model.engine.check_request(ids, kw.get("max_new_tokens") or
+                                       model.generation.max_new_tokens)
+        except ContextOverflowError as e:
+            return error(400, str(e), "context_length_exceeded")
+        except HexforgeError as e:
+            return error(400, str(e))
+
+        def chunk(piece: str | None, reason: str | None, extra: dict | None = None,
+                  role: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant"} if role else {} if piece is None else {"content": piece}
+                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": piece or "", "finish_reason": reason}
+            body = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
+                    "model": model_id, "choices": [choice], **(extra or {})}
+            return f"data: {json.dumps(body)}\n\n"
+
+        if stream:
+            async def events():
+                if chat:
+                    yield chunk(None, None, role=True)
+                try:
+                    async for piece, _, result in run(request, ids, kw):
+                        if result is None:
+                            yield chunk(piece, None)
+                        else:
+                            yield chunk(None if chat else "", finish(result),
+                                        {"usage": usage(result)})
+                except HexforgeError as e:
+                    body = {"error": {"message": str(e), "type": "invalid_request_error"}}
+                    yield f"data: {json.dumps(body)}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        result = None
+        try:
+            async for _, _, r in run(request, ids, kw):
+                result = r if r is not None else result
+        except HexforgeError as e:
+            return error(400, str(e))
+        if result is None:  # the client went away
+            return error(499, "client closed the request", "cancelled")
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                      "finish_reason": finish(result)}
+            if result.logprobs is not None:
+                choice["logprobs"] = {"content": logprob_content(result)}
+        else:
+            choice = {"index": 0, "text": result.text, "finish_reason": finish(result)}
+            if result.logprobs is not None:
+                lp = logprob_content(result)
+                choice["logprobs"] = {"tokens": [e["token"] for e in lp],
+                                      "token_logprobs": [e["logprob"] for e in lp]}
+        return {"id": rid, "object": obj, "created": created, "model": model_id,
+                "choices": [choice], "usage": usage(result)}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model",
+                                            "created": 0, "owned_by": "hexforge"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        try:
+            kw = req.generation_kwargs()
+            kw["max_new_tokens"] = req.max_completion_tokens or req.max_tokens
+            if req.logprobs:
+                kw["logprobs"] = req.top_logprobs or 0
+            messages = [{"role": str(m.get("role")), "content": text_of(m.get("content"))}
+                        for m in req.messages]
+            text = model.apply_chat_template(messages)
+            ids = model.tokenizer.encode(text, add_special_tokens=False)
+        except HexforgeError as e:
+            return error(400, str(e))
+        return await respond(request, ids, kw, chat=True, stream=req.stream)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        try:
+            kw = req.generation_kwargs()
+            if req.logprobs is not None:
+                kw["logprobs"] = req.logprobs
+            ids = model.encode(req.prompt)
+        except HexforgeError as e:
+            return error(400, str(e))
+        return await respond(request, ids, kw, chat=False, stream=req.stream)
+
+    return app
+
+
+def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          backend: str = "cpu", arch: str | None = None) -> None:
+    import uvicorn
+
+    from .runtime.model import load
+
+    model = load(bundle, backend=backend, arch=arch)
+    model_id = model.manifest.model_type + ":" + str(bundle).rstrip("/").split("/")[-1]
+    uvicorn.run(create_app(model, model_id, api_key), host=host, port=port, log_level="warning")
