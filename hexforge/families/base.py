@@ -106,7 +106,9 @@ class DecoderFamily:
         return model.eval()
 
     def text_model(self, hf):
-        return hf.model
+        """The decoder stack: ``hf.model``, or its ``language_model`` in multimodal wrappers."""
+        inner = hf.model
+        return inner if hasattr(inner, "layers") else inner.language_model
 
     def reference_layers(self, hf):
         return list(self.text_model(hf).layers)

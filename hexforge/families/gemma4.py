@@ -112,10 +112,6 @@ class Gemma4Family(DecoderFamily):
             raise UnsupportedModelError("Gemma-4 with a MoE block (enable_moe_block) is not "
                                         "supported yet; the dense E2B/E4B checkpoints are")
 
-    def text_model(self, hf):
-        inner = hf.model
-        return inner if hasattr(inner, "layers") else inner.language_model
-
     # ---- state, masks, host recipe ------------------------------------------------------------
     def mask_groups(self, args: Args, context: int) -> list[MaskGroup]:
         groups = {GROUP[t] for t in args.layer_types}

@@ -93,10 +93,6 @@ class Qwen35Family(DecoderFamily):
         if args.linear_num_value_heads % args.linear_num_key_heads:
             raise UnsupportedModelError("Qwen3.5 value heads must be a multiple of key heads")
 
-    def text_model(self, hf):
-        inner = hf.model
-        return inner if hasattr(inner, "layers") else inner.language_model
-
     def state_spec(self, args: Args, context: int) -> list[StateSpec]:
         out = []
         for i, t in enumerate(args.layer_types):
@@ -235,9 +231,9 @@ class GatedDeltaNet(nn.Module):
 
 
 class Qwen35Layer(nn.Module):
-    def __init__(self, hf_layer: nn.Module, args: Args, seq_len: int):
+    def __init__(self, hf_layer: nn.Module, args: Args, i: int, seq_len: int):
         super().__init__()
-        self.kind = hf_layer.layer_type if hasattr(hf_layer, "layer_type") else hf_layer.block_type
+        self.kind = args.layer_types[i]
         self.in_norm = blocks.RMSNorm.from_hf(hf_layer.input_layernorm, unit_offset=True)
         self.post_norm = blocks.RMSNorm.from_hf(hf_layer.post_attention_layernorm, unit_offset=True)
         self.mlp = blocks.GatedMLP(hf_layer.mlp, args.hidden_act)
@@ -279,7 +275,7 @@ class Qwen35Shard(nn.Module):
         self.args, self.seq_len, self.context = args, seq_len, context
         self.ids = list(range(*layers))
         self.rot_dim = 2 * tm.rotary_emb.inv_freq.numel()  # partial rotary: R < head_dim
-        self.layers = nn.ModuleList([Qwen35Layer(tm.layers[i], args, seq_len) for i in self.ids])
+        self.layers = nn.ModuleList([Qwen35Layer(tm.layers[i], args, i, seq_len) for i in self.ids])
         kinds = {args.layer_types[i] for i in self.ids}
         self.has_full, self.has_linear = FULL in kinds, LINEAR in kinds
         self.padded = self.has_linear and seq_len > 1

@@ -50,8 +50,9 @@ class Engine:
         self.pos = 0
         self.observer: Observer | None = None
         # recurrent-state graphs (conv fifo) keep the last k valid inputs: one-hot "tail:<k>"
-        self.tails = sorted({int(i.bind[5:]) for g in self.target.graphs for i in g.inputs
-                             if i.bind.startswith("tail:")})
+        binds = {i.bind for g in self.target.graphs for i in g.inputs}
+        self.tails = sorted(int(b[5:]) for b in binds if b.startswith("tail:"))
+        self.binds_valid = "valid" in binds
 
     @property
     def vocab_size(self) -> int:
@@ -97,7 +98,8 @@ class Engine:
                 name, positions)
         for name, group in self.state.groups.items():
             inputs[f"mask:{name}"] = group.mask(positions, self.target.mask_value)
-        inputs["valid"] = (np.arange(T) < n_valid).astype(np.float32)[None]  # [1, T]
+        if self.binds_valid:
+            inputs["valid"] = (np.arange(T) < n_valid).astype(np.float32)[None]  # [1, T]
         for k in self.tails:
             inputs[f"tail:{k}"] = tail_selector(k, T, n_valid)
         for shard in self.target.plan.shards:
