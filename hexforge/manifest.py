@@ -20,7 +20,9 @@ How the runtime drives the graphs is fully declarative here: each graph input na
 the last k real rows of [k state rows | T step rows] (conv fifos),
 ``state:<name>`` = the buffer before this step, ``new:<name>`` = rows an earlier graph of this step made)
 and each output its *sink* (``hidden``, ``logits``, ``state:<name>``): the engine never needs to know
-the family.
+the family. Encoder graphs (role vision/audio) also bind ``media:<key>`` (a preprocessed input),
+``soft`` (soft tokens out) and ``deepstack:<i>`` (features a decoder graph may take in). Every bind
+is checked on load against the names the manifest declares (``bind_problem``).
 """
 
 from __future__ import annotations
@@ -143,6 +145,31 @@ class HostRecipe(_Model):
     extra_embeds: list[ExtraEmbedSpec] = Field(default_factory=list)
     ropes: list[RopeSpec] = Field(default_factory=list)
     positions: Literal["1d", "mrope"] = "1d"
+    # host gathers (embed, extra embeds) read this id in place of media placeholder tokens
+    # (Gemma-4 computes its per-layer inputs from the pad token there); None = the placeholder's own
+    media_pad_id: int | None = None
+
+
+class EncoderSpec(_Model):
+    """A media encoder: decoded media -> host preprocessing -> encoder graph -> soft tokens::
+
+        file ─runtime/media.py─▶ image | waveform ─preprocessor(params)─▶ {media:<key>: array}
+             ─graph <name>─▶ soft [1, S, H] (+ deepstack:<i> [1, S, H])
+             ─first n rows─▶ spliced over the n placeholder tokens of the prompt
+
+    The prompt marks each item with ``placeholder_text`` (or it is put before the text); the host
+    expands it to ``[begin_id] placeholder_id * n [end_id]`` with n from the preprocessor.
+    """
+
+    name: str  # the encoder graph's name in every target, e.g. "vision", "audio"
+    modality: Literal["image", "audio"]
+    preprocessor: str  # a key of runtime/multimodal.py PREPROCESSORS, e.g. "gemma4_image"
+    params: dict = Field(default_factory=dict)  # that preprocessor's parameters (it validates them)
+    placeholder_id: int = Field(ge=0)
+    placeholder_text: str  # how a prompt marks where an item goes, e.g. "<|image|>"
+    begin_id: int | None = None
+    end_id: int | None = None
+    max_soft_tokens: int = Field(ge=1)  # rows of the graph's "soft" output
 
 
 class TokenizerSpec(_Model):
@@ -202,6 +229,51 @@ class TargetSpec(_Model):
         return next(g for g in self.graphs if g.name == name)
 
 
+ENCODER_ROLES = ("vision", "audio")
+
+
+def bind_problem(bind: str, names: dict[str, set[str]], encoder: bool, output: bool) -> str | None:
+    """Why ``bind`` is not a known source/sink (module doc), or None. ``names`` holds the manifest's
+    declared names per kind: ``host`` (extra embeds), ``rope``, ``mask``, ``state``. The engine
+    looks binds up by string, so an unknown one would otherwise only fail mid-generation."""
+    kind, colon, arg = bind.partition(":")
+    if not colon:
+        plain_in = {"hidden", "embed", "valid", "soft"} if encoder else {"hidden", "embed", "valid"}
+        plain_out = {"hidden", "logits", "soft"} if encoder else {"hidden", "logits"}
+        if bind in (plain_out if output else plain_in):
+            return None
+        return "is not a known " + ("sink" if output else "source")
+    if kind in ("tail", "deepstack"):
+        # deepstack:<i> features leave an encoder and enter decoder layers (Qwen3-VL)
+        allowed = kind == "deepstack" or not output
+        if allowed and arg.isdigit() and (kind == "deepstack" or int(arg) >= 1):
+            return None
+        return f"needs a {'positive ' if kind == 'tail' else ''}integer after '{kind}:'"
+    if kind == "media":
+        return None if encoder and arg and not output else "media:<key> binds only encoder inputs"
+    by_kind = {"host": "host", "rope_cos": "rope", "rope_sin": "rope", "mask": "mask",
+               "state": "state", "new": "state"}
+    if kind not in by_kind or (output and kind != "state"):
+        return f"has an unknown kind {kind!r}"
+    if arg not in names[by_kind[kind]]:
+        return f"names {by_kind[kind]} {arg!r}, which the manifest does not declare"
+    return None
+
+
+def _graphs_in(value) -> list[GraphSpec]:
+    """Every GraphSpec anywhere in a model (targets today; other graph holders, e.g. encoders,
+    without this check having to know their layout)."""
+    if isinstance(value, GraphSpec):
+        return [value]
+    if isinstance(value, BaseModel):
+        return [g for f in type(value).model_fields for g in _graphs_in(getattr(value, f))]
+    if isinstance(value, dict):
+        return [g for v in value.values() for g in _graphs_in(v)]
+    if isinstance(value, list | tuple):
+        return [g for v in value for g in _graphs_in(v)]
+    return []
+
+
 class Manifest(_Model):
     schema_version: int
     hexforge_version: str
@@ -219,6 +291,7 @@ class Manifest(_Model):
     tokenizer: TokenizerSpec
     generation: GenerationDefaults
     targets: dict[str, TargetSpec]
+    encoders: list[EncoderSpec] = Field(default_factory=list)
     report: RelPath | None = "report.json"
 
     @model_validator(mode="after")
@@ -235,6 +308,15 @@ class Manifest(_Model):
                 raise ValueError(f"state {s.name}: source {s.source} is not a state")
             if s.group and s.group not in groups:
                 raise ValueError(f"state {s.name}: group {s.group} is not a mask group")
+        known = {"host": {e.name for e in self.host.extra_embeds},
+                 "rope": {r.name for r in self.host.ropes}, "mask": groups, "state": names}
+        for g in _graphs_in(self):
+            for specs, output in ((g.inputs, False), (g.outputs, True)):
+                for t in specs:
+                    why = bind_problem(t.bind, known, g.role in ENCODER_ROLES, output)
+                    if why:
+                        raise ValueError(f"graph {g.name} {'output' if output else 'input'} "
+                                         f"{t.name!r}: bind {t.bind!r} {why}")
         return self
 
     def files(self) -> list[str]:
@@ -257,6 +339,22 @@ def confine(bundle: Path, rel: str) -> Path:
     return p
 
 
+def _refuse_symlinks_outside(bundle: Path) -> None:
+    """Any symlink in the bundle that resolves outside it is refused, not only the paths the
+    manifest names: the runtime also reads files by fixed name (tokenizer/chat_template.jinja,
+    tokenizer_config.json, ONNX external data), and a bundle is untrusted input."""
+    root = bundle.resolve()
+    for dirpath, dirnames, filenames in os.walk(bundle):  # does not follow symlinked dirs
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            if p.is_symlink():
+                target = p.resolve()
+                if target != root and root not in target.parents:
+                    rel = p.relative_to(bundle).as_posix()
+                    raise BundleError(f"bundle path {rel!r} is a symlink to {target}, outside the "
+                                      "bundle; refused")
+
+
 def load_manifest(bundle: str | os.PathLike, check_files: bool = True) -> Manifest:
     bundle = Path(bundle)
     mpath = bundle / MANIFEST_NAME
@@ -264,6 +362,9 @@ def load_manifest(bundle: str | os.PathLike, check_files: bool = True) -> Manife
         raise BundleError(f"{bundle} is not a bundle directory")
     if not mpath.is_file():
         raise BundleError(f"{bundle} has no {MANIFEST_NAME}; is it a hexforge bundle?")
+    confine(bundle, MANIFEST_NAME)  # a manifest.json symlinked outside is a read outside
+    if check_files:
+        _refuse_symlinks_outside(bundle)  # also files the runtime reads by fixed name
     size = mpath.stat().st_size
     if size > MAX_MANIFEST_BYTES:
         raise BundleError(f"{mpath} is {size} bytes (> {MAX_MANIFEST_BYTES}); refused")
@@ -271,6 +372,8 @@ def load_manifest(bundle: str | os.PathLike, check_files: bool = True) -> Manife
         raw = json.loads(mpath.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BundleError(f"{mpath} is not valid JSON: {e}") from None
+    except RecursionError:  # found by the fuzzer: "[" * 100000 overflows json's recursion
+        raise BundleError(f"{mpath} nests JSON too deeply; refused") from None
     if not isinstance(raw, dict):
         raise BundleError(f"{mpath} must hold a JSON object")
     if raw.get("schema_version") != SCHEMA_VERSION:

@@ -6,6 +6,7 @@ on an embedded text), so loading them exercises the real loading path. Build-tim
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -59,6 +60,28 @@ TINY_CONFIGS: dict[str, dict] = {
     ),
 }
 
+# Gemma-4 with vision + audio towers (Gemma4ForConditionalGeneration): the text model above, a
+# 2-layer vision tower (patch 4, pooling 3: 70 soft tokens at most = 630 patches) and a 2-layer
+# conformer audio tower. Placeholder / boundary tokens are added to the tokenizer as specials.
+MM_TOKENS = {"image_token_id": "<|image|>", "audio_token_id": "<|audio|>",
+             "boi_token_id": "<start_of_image>", "eoi_token_id": "<end_of_image>",
+             "boa_token_id": "<start_of_audio>", "eoa_token_id": "<end_of_audio>"}
+TINY_CONFIGS["gemma4_mm"] = dict(
+    model_type="gemma4",
+    text_config={k: v for k, v in TINY_CONFIGS["gemma4"].items() if k != "model_type"},
+    vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3,
+        position_embedding_size=256,
+    ),
+    audio_config=dict(
+        # HF sizes the subsampler's projection as (c0 // 4) * c1, i.e. it assumes c0 = 128 mel bins
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[128, 4],
+        conv_kernel_size=5, attention_chunk_size=4, attention_context_left=5,
+        attention_context_right=0, output_proj_dims=48,
+    ),
+)
+
 
 # Weight scales applied after from_config, by parameter-name substring. Gemma-4 at from_config
 # init is chaotic: q/k norms of 1.0 with attention scaling 1.0 give scores of std sqrt(head_dim),
@@ -72,7 +95,8 @@ TEMPER: dict[str, dict[str, float]] = {
 }
 
 
-def make_tokenizer(out_dir: Path, vocab_size: int = 384, add_bos: bool = True):
+def make_tokenizer(out_dir: Path, vocab_size: int = 384, add_bos: bool = True,
+                   extra_specials: list[str] = ()):
     """Train a byte-level BPE on CORPUS; save as a HF fast tokenizer (tokenizer.json + config)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -80,7 +104,7 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 384, add_bos: bool = True):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<pad>", "<s>", "</s>"]
+    specials = ["<pad>", "<s>", "</s>", *extra_specials]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
@@ -106,23 +130,36 @@ def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **over
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg_kwargs = {**TINY_CONFIGS[family], **overrides}
+    cfg_kwargs = copy.deepcopy({**TINY_CONFIGS[family], **overrides})
     add_bos = cfg_kwargs["model_type"] not in ("qwen3", "qwen2", "qwen3_5_text")
-    tok = make_tokenizer(out, add_bos=add_bos)
-    if "hidden_size_per_layer_input" in cfg_kwargs:
-        cfg_kwargs["vocab_size_per_layer_input"] = len(tok)
-    cfg_kwargs.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    multimodal = "text_config" in cfg_kwargs
+    tok = make_tokenizer(out, add_bos=add_bos,
+                         extra_specials=list(MM_TOKENS.values()) if multimodal else [])
+    text_kwargs = cfg_kwargs["text_config"] if multimodal else cfg_kwargs
+    if "hidden_size_per_layer_input" in text_kwargs:
+        text_kwargs["vocab_size_per_layer_input"] = len(tok)
+    ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    text_kwargs.update(ids)
     model_type = cfg_kwargs.pop("model_type")
+    if multimodal:
+        cfg_kwargs.update({k: tok.convert_tokens_to_ids(t) for k, t in MM_TOKENS.items()})
+        cfg_kwargs["eoa_token_index"] = cfg_kwargs["eoa_token_id"]
+        cfg_kwargs.update({k: v for k, v in ids.items() if k != "vocab_size"})
     config = AutoConfig.for_model(model_type, **cfg_kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if multimodal:
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # from_config leaves norms (and Gemma-4's layer_scalar) at 1.0: perturb them so they matter
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-            for key, factor in TEMPER.get(family, {}).items():
+            for key, factor in TEMPER.get(family.removesuffix("_mm"), {}).items():
                 if key in name:
                     p.mul_(factor)
         for name, b in model.named_buffers():

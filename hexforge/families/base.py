@@ -170,3 +170,51 @@ class DecoderFamily:
             hf_layer.self_attn, n_heads=args.num_attention_heads, n_kv=args.num_key_value_heads,
             head_dim=args.head_dim, scaling=args.head_dim**-0.5,
         )
+
+
+class EncoderFamily:
+    """The contract of a media encoder family: ``families/<sub-config model_type>.py`` (e.g.
+    ``gemma4_vision.py`` for config.vision_config.model_type == "gemma4_vision") provides
+    ``ENCODER = <EncoderFamily subclass>()`` with::
+
+      modality                       "image" | "audio"
+      spec(hf, config)     -> EncoderSpec   manifest entry: preprocessor key + params, placeholder
+                                            ids/text, max_soft_tokens (build time)
+      encoder_module(hf, spec) -> torch module with .io (GraphIO): inputs bound "media:<key>" (the
+                                  preprocessor's output keys, batch dim 1, fixed shapes), outputs
+                                  "soft" [1, S, H_text] (+ "deepstack:<i>" [1, S, H_text])  [export]
+      example_inputs(spec) -> {key: ndarray}   a real preprocessed sample (synthetic media through
+                                  the runtime preprocessor) for export, calibration and the oracle
+      reference(hf, inputs) -> {bind: ndarray [n, H]}  HF's own soft tokens (+ deepstack) for the
+                                  same preprocessed inputs, valid rows only (the oracle)
+
+    The host preprocessing is runtime code (numpy, no torch): a class in runtime/vision.py or
+    runtime/audio.py registered in runtime/multimodal.py PREPROCESSORS under ``spec.preprocessor``.
+    """
+
+    modality: str = ""
+
+    def spec(self, hf, config: dict):
+        raise NotImplementedError
+
+    def encoder_module(self, hf, spec):
+        raise NotImplementedError
+
+    def example_inputs(self, spec) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def reference(self, hf, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+
+def encoder_families(config: dict) -> list[EncoderFamily]:
+    """The encoders a multimodal checkpoint carries: one per ``*_config`` sub-config whose
+    model_type has a family file (vision_config, audio_config)."""
+    from . import load_family
+
+    out = []
+    for key in ("vision_config", "audio_config"):
+        sub = config.get(key)
+        if isinstance(sub, dict) and sub.get("model_type"):
+            out.append(load_family(sub["model_type"]).ENCODER)
+    return out

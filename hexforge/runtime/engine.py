@@ -21,6 +21,7 @@ from ..errors import ContextOverflowError, RequestError
 from ..manifest import GraphSpec, Manifest, confine
 from .backends import Backend
 from .host import HostInputs, load_host_tensors
+from .multimodal import MediaRows
 from .sampling import Sampler
 from .state import NP_DTYPES, State
 
@@ -44,6 +45,8 @@ class Engine:
         self.prefill_len = self.target.plan.prefill_len
         tensors = load_host_tensors(confine(bundle, manifest.host_tensors))
         self.host = HostInputs(manifest.host, tensors, self.context + self.prefill_len)
+        self.host.placeholder_ids = [e.placeholder_id for e in manifest.encoders]
+        self.prompt_offset = 0  # index in the prompt of the current step's first row
         self.state = State(manifest)
         self.sessions = {g.name: backend.session(bundle, self.target, g) for g in self.target.graphs}
         self.hidden_dtype = NP_DTYPES[self.target.hidden_dtype]
@@ -53,6 +56,11 @@ class Engine:
         binds = {i.bind for g in self.target.graphs for i in g.inputs}
         self.tails = sorted(int(b[5:]) for b in binds if b.startswith("tail:"))
         self.binds_valid = "valid" in binds
+        # per-token rows the media add inside the decoder (Qwen3-VL deepstack): zeros elsewhere
+        self.row_binds = {i.bind: i.shape[-1] for g in self.target.graphs if g.role in
+                          ("prefill", "decode") for i in g.inputs if i.bind.startswith("deepstack:")}
+        self.media: MediaRows | None = None  # the current prompt's soft tokens (prefill only)
+        self.rope_delta = 0  # M-RoPE: rope position = slot position + delta after the prompt
 
     @property
     def vocab_size(self) -> int:
@@ -61,6 +69,7 @@ class Engine:
     def reset(self) -> None:
         self.state.reset()
         self.pos = 0
+        self.media, self.rope_delta = None, 0
 
     # ---- one step ----------------------------------------------------------------------------
     def _run(self, graph: GraphSpec, inputs: dict[str, np.ndarray],
@@ -89,13 +98,22 @@ class Engine:
         """Run ids [T] (first n_valid real) at self.pos through every shard; -> logits [V]."""
         T = ids.shape[0]
         positions = self.pos + np.arange(T, dtype=np.int64)
-        embeds = self.host.embed(ids).astype(self.hidden_dtype, copy=False)
-        inputs = {"hidden": embeds, "embed": embeds}
-        for name, value in self.host.extra_embeds(ids).items():
+        gather_ids = self.host.media_ids(ids)
+        embeds = self.host.embed(gather_ids)
+        inputs = {}
+        for name, value in self.host.extra_embeds(gather_ids).items():
             inputs[f"host:{name}"] = value
+        rope_pos = positions + self.rope_delta
+        if self.media is not None:  # this step's slice of the prompt's soft tokens
+            embeds, rows, rope_pos = self.media.slice(self.prompt_offset, T, embeds, rope_pos)
+            inputs.update(rows)
+        for bind, dim in self.row_binds.items():
+            inputs.setdefault(bind, np.zeros((1, T, dim), np.float32))
+        embeds = embeds.astype(self.hidden_dtype, copy=False)
+        inputs["hidden"] = inputs["embed"] = embeds
         for name in self.host.rope:
             inputs[f"rope_cos:{name}"], inputs[f"rope_sin:{name}"] = self.host.rope_tables(
-                name, positions)
+                name, rope_pos)
         for name, group in self.state.groups.items():
             inputs[f"mask:{name}"] = group.mask(positions, self.target.mask_value)
         if self.binds_valid:
@@ -116,21 +134,31 @@ class Engine:
         head = self.target.graph(self.target.plan.head)
         return self._run(head, {"hidden": last}, positions[n_valid - 1:n_valid])["logits"][0, -1]
 
-    def prefill(self, ids: list[int], mode: str = "chunked") -> np.ndarray:
-        """Prompt -> logits of its last token. mode "decode" feeds it through the AR-1 graph."""
+    def prefill(self, ids: list[int], mode: str = "chunked", media: MediaRows | None = None
+                ) -> np.ndarray:
+        """Prompt -> logits of its last token. mode "decode" feeds it through the AR-1 graph.
+        media: the soft tokens (and M-RoPE positions) of this prompt's images / audio."""
         ids_arr = np.asarray(ids, dtype=np.int64)
-        if mode == "decode":
-            for i in range(len(ids_arr)):
-                logits = self.forward(ids_arr[i:i + 1], 1, "decode")
+        self.media, self.prompt_offset = media, 0
+        try:
+            if mode == "decode":
+                for i in range(len(ids_arr)):
+                    self.prompt_offset = i
+                    logits = self.forward(ids_arr[i:i + 1], 1, "decode")
+                return logits
+            N = self.prefill_len
+            for start in range(0, len(ids_arr), N):
+                chunk = ids_arr[start:start + N]
+                n = chunk.shape[0]
+                if n < N:
+                    chunk = np.concatenate([chunk, np.zeros(N - n, dtype=np.int64)])
+                self.prompt_offset = start
+                logits = self.forward(chunk, n, "prefill")
             return logits
-        N = self.prefill_len
-        for start in range(0, len(ids_arr), N):
-            chunk = ids_arr[start:start + N]
-            n = chunk.shape[0]
-            if n < N:
-                chunk = np.concatenate([chunk, np.zeros(N - n, dtype=np.int64)])
-            logits = self.forward(chunk, n, "prefill")
-        return logits
+        finally:
+            if media is not None:
+                self.rope_delta = media.rope_delta
+            self.media = None
 
     def decode(self, token: int) -> np.ndarray:
         return self.forward(np.array([token], dtype=np.int64), 1, "decode")
@@ -149,15 +177,15 @@ class Engine:
             raise ContextOverflowError(past + len(prompt_ids), max_new_tokens, self.context)
 
     def generate_step(self, prompt_ids: list[int], sampler: Sampler, max_new_tokens: int,
-                      prefill_mode: str = "chunked", fresh: bool = True
-                      ) -> Iterator[tuple[int, np.ndarray]]:
+                      prefill_mode: str = "chunked", fresh: bool = True,
+                      media: MediaRows | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """Yield (token, logits it was sampled from) up to max_new_tokens; stop by breaking out.
         fresh=False continues from the current state (a chat session's next turn): the ids are
         appended at self.pos. Every yielded token but the last is in the state afterwards."""
         self.check_request(prompt_ids, max_new_tokens, 0 if fresh else self.pos)
         if fresh:
             self.reset()
-        logits = self.prefill(prompt_ids, prefill_mode)
+        logits = self.prefill(prompt_ids, prefill_mode, media)
         for i in range(max_new_tokens):
             token = sampler(logits)
             yield token, logits

@@ -14,12 +14,64 @@ import numpy as np
 from ..errors import BundleError
 from ..manifest import HostRecipe
 
+# safetensors dtype -> bytes per element: the ones safetensors.numpy loads; others are refused
+_ST_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
+                   "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+MAX_ST_HEADER = 100_000_000  # the safetensors format's own header cap
+
+
+def check_safetensors_header(path: Path) -> dict:
+    """Validate a safetensors header against the file's real size *before* the library maps or
+    allocates anything: the 8-byte header length, the JSON header, and every tensor's dtype, shape
+    and [begin, end) offsets (inside the data region, matching shape x dtype size). Returns the
+    parsed header; any lie is a BundleError naming the file."""
+    import json
+    import math
+
+    def bad(why: str) -> BundleError:
+        return BundleError(f"host tensors {path.name} are corrupted: {why}")
+
+    size = path.stat().st_size
+    if size < 8:
+        raise bad(f"{size} bytes is shorter than the 8-byte header length")
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > min(size - 8, MAX_ST_HEADER):
+            raise bad(f"the header claims {n:,} bytes but the file has {size - 8:,} after the length")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError):  # JSONDecodeError / UnicodeDecodeError are ValueErrors
+        raise bad("the header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    data = size - 8 - n
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(t, dict) or set(t) != {"dtype", "shape", "data_offsets"}:
+            raise bad(f"tensor {name!r} has a malformed entry")
+        dtype, shape, offs = t["dtype"], t["shape"], t["data_offsets"]
+        if dtype not in _ST_DTYPE_BYTES:
+            raise bad(f"tensor {name!r} has an unknown dtype {dtype!r}")
+        if not (isinstance(shape, list) and isinstance(offs, list) and len(offs) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                        for x in (*shape, *offs))):
+            raise bad(f"tensor {name!r} has a malformed shape or offsets")
+        begin, end = offs
+        if not begin <= end <= data:
+            raise bad(f"tensor {name!r} spans bytes [{begin}, {end}) of a {data:,}-byte data region")
+        if math.prod(shape) * _ST_DTYPE_BYTES[dtype] != end - begin:
+            raise bad(f"tensor {name!r}: shape {shape} x {dtype} does not fill [{begin}, {end})")
+    return header
+
 
 def load_host_tensors(path: Path) -> dict[str, np.ndarray]:
     """Read safetensors (never pickle); a corrupted header is a BundleError, not a crash."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
+    check_safetensors_header(path)
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
@@ -38,6 +90,7 @@ class HostInputs:
         if self.embed_table.ndim != 2:
             raise BundleError(f"embedding table must be 2-D, got {self.embed_table.shape}")
         self.embed_scale = np.float32(recipe.embed.scale)
+        self.placeholder_ids: list[int] = []  # set by the engine from the manifest's encoders
         # cos/sin tables for every position a (padded) step can touch: [P, R], fp32 as HF computes
         pos = np.arange(max_positions, dtype=np.float32)[:, None]
         self.rope: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -46,6 +99,13 @@ class HostInputs:
             emb = np.concatenate([freqs, freqs], axis=-1)
             scale = np.float32(r.attention_scaling)
             self.rope[r.name] = (np.cos(emb) * scale, np.sin(emb) * scale)
+
+    def media_ids(self, ids: np.ndarray) -> np.ndarray:
+        """ids with media placeholder tokens replaced by the recipe's media_pad_id (if any): the
+        host gathers read it there (the soft tokens replace the embedding rows afterwards)."""
+        if self.recipe.media_pad_id is None or not self.placeholder_ids:
+            return ids
+        return np.where(np.isin(ids, self.placeholder_ids), self.recipe.media_pad_id, ids)
 
     @property
     def vocab_size(self) -> int:
