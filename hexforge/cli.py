@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import HexforgeError
+from .errors import HexforgeError, RequestError
 
 
 def _int_bytes(s: str) -> int:
@@ -51,6 +51,9 @@ def cmd_run(a) -> int:
     model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target,
                  allow_cpu_fallback=a.allow_cpu_fallback)
     kw = _sampling(a)
+    kw["response_format"] = _response_format(a)
+    if a.image or a.audio:
+        kw.update(images=a.image, audios=a.audio)
     if a.chat:
         messages = [{"role": "user", "content": a.prompt}]
         if a.json:
@@ -67,6 +70,21 @@ def cmd_run(a) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+def _response_format(a) -> dict | None:
+    """--json-schema FILE / --regex RE -> a response_format (runtime/constrain.py)."""
+    if a.json_schema and a.regex:
+        raise RequestError("give --json-schema or --regex, not both")
+    if a.regex:
+        return {"type": "regex", "regex": a.regex}
+    if not a.json_schema:
+        return None
+    try:
+        schema = json.loads(Path(a.json_schema).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RequestError(f"--json-schema {a.json_schema}: not a readable JSON file ({e})") from None
+    return {"type": "json_schema", "json_schema": {"schema": schema}}
 
 
 def _sampling(a) -> dict:
@@ -163,6 +181,15 @@ def cmd_targets(a) -> int:
     return 0
 
 
+def cmd_bench(a) -> int:
+    from .bench import bench_bundle, print_bench
+
+    r = bench_bundle(a.bundle, prompt_tokens=a.prompt_tokens, new_tokens=a.n, runs=a.runs,
+                     backend=a.backend, arch=a.arch, prefill_mode=a.prefill_mode)
+    print(json.dumps(r)) if a.json else print_bench(r)
+    return 0
+
+
 def cmd_demo(a) -> int:
     from .demo import run_demo
 
@@ -203,8 +230,14 @@ def parser() -> argparse.ArgumentParser:
                    help="cpu (default) | qnn (Snapdragon HTP) | qnn-sim (x86 HTP simulator) | auto")
     r.add_argument("--arch", default=None, help="the device's Hexagon arch, e.g. v81 (HTP backends)")
     r.add_argument("--target", default=None, help="run this bundle target (default: by backend/arch)")
+    r.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
+    r.add_argument("--regex", metavar="RE", help="constrain the output to this regular expression")
     r.add_argument("--allow-cpu-fallback", action="store_true",
                    help="HTP: let unsupported nodes run on the CPU instead of refusing to load")
+    r.add_argument("--image", action="append", metavar="FILE",
+                   help="an image (jpg/png/webp, any size) for a VLM bundle; repeatable")
+    r.add_argument("--audio", action="append", metavar="FILE",
+                   help="a WAV/FLAC file for a bundle with an audio encoder; repeatable")
     _sampling_args(r)
     r.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user turn in the checkpoint's chat template (-it models)")
@@ -251,6 +284,18 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--family", default="llama")
     d.add_argument("--prompt", default="The capital of France is")
     d.set_defaults(fn=cmd_demo)
+
+    bb = sub.add_parser("bench", help="TTFT, prefill / decode tok/s and peak RSS of a bundle")
+    bb.add_argument("bundle")
+    bb.add_argument("--prompt-tokens", type=int, default=128)
+    bb.add_argument("-n", "--new-tokens", dest="n", type=int, default=32)
+    bb.add_argument("--runs", type=int, default=3)
+    bb.add_argument("--prefill-mode", choices=("chunked", "decode"), default="chunked",
+                    help="chunked: AR-N prefill graphs; decode: the AR-1 graph over the prompt")
+    bb.add_argument("--backend", default="cpu", choices=("cpu", "qnn", "qnn-sim", "auto"))
+    bb.add_argument("--arch", default=None)
+    bb.add_argument("--json", action="store_true")
+    bb.set_defaults(fn=cmd_bench)
     return p
 
 
@@ -265,12 +310,20 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
+def one_line(e: BaseException) -> str:
+    """Errors may quote library text with newlines (ORT, QNN): the CLI prints exactly one line."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.fn(args)
     except HexforgeError as e:
-        print(f"hexforge: error: {e}", file=sys.stderr)
+        print(f"hexforge: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:  # disk full, permission denied, ...: the machine's problem, not a bug
+        print(f"hexforge: error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hexforge: interrupted", file=sys.stderr)

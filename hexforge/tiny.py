@@ -82,6 +82,30 @@ TINY_CONFIGS["gemma4_mm"] = dict(
     ),
 )
 
+# Qwen3-VL (Qwen3VLForConditionalGeneration): a 4-layer Qwen3 text model with interleaved M-RoPE
+# (sections 6/5/5 of 16 frequencies, theta 1e4 so positions turn the rotary angles visibly), a
+# 3-block vision tower (patch 16, merge 2; an 8x8 learned position grid = 128x128 native) with
+# deepstack features from blocks 0 and 2 (added after text layers 0 and 1).
+QWEN_VL_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                  "vision_start_token_id": "<|vision_start|>",
+                  "vision_end_token_id": "<|vision_end|>"}
+TINY_CONFIGS["qwen3_vl"] = dict(
+    model_type="qwen3_vl", tie_word_embeddings=False,
+    text_config=dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[6, 5, 5],
+                             mrope_interleaved=True),
+    ),
+    vision_config=dict(
+        depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+        temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
+        num_position_embeddings=64, deepstack_visual_indexes=[0, 2],
+    ),
+)
+# placeholder / boundary tokens per multimodal family (default: MM_TOKENS, Gemma-4's)
+FAMILY_MM_TOKENS = {"qwen3_vl": QWEN_VL_TOKENS}
+
 
 # Weight scales applied after from_config, by parameter-name substring. Gemma-4 at from_config
 # init is chaotic: q/k norms of 1.0 with attention scaling 1.0 give scores of std sqrt(head_dim),
@@ -123,6 +147,33 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 384, add_bos: bool = True,
     return fast
 
 
+def _save_gemma4_processor_config(out: Path) -> None:
+    """processor_config.json as the Gemma-4 repos carry it: image processor (70 soft tokens at
+    most, patch 4 to match the tiny vision tower) + audio feature extractor settings."""
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    image = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=3)
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Gemma4Processor", "audio_ms_per_token": 40,
+        "image_processor": image.to_dict(),
+        "feature_extractor": Gemma4AudioFeatureExtractor().to_dict(),
+    }, indent=1, default=str))
+
+
+def _save_qwen2vl_processor_config(out: Path, vision: dict) -> None:
+    """preprocessor_config.json as the Qwen3-VL repos carry it (mean/std 0.5), sized to the tiny
+    tower's patch / merge sizes."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    proc = Qwen2VLImageProcessorPil(
+        patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
+        merge_size=vision["spatial_merge_size"], image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    proc.save_pretrained(str(out))
+
+
 def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     """Write a random-weight checkpoint of ``family`` (a TINY_CONFIGS key) to ``out_dir``."""
     import torch
@@ -131,10 +182,11 @@ def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **over
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg_kwargs = copy.deepcopy({**TINY_CONFIGS[family], **overrides})
-    add_bos = cfg_kwargs["model_type"] not in ("qwen3", "qwen2", "qwen3_5_text")
+    add_bos = cfg_kwargs["model_type"] not in ("qwen3", "qwen2", "qwen3_5_text", "qwen3_vl")
     multimodal = "text_config" in cfg_kwargs
+    mm_tokens = FAMILY_MM_TOKENS.get(family, MM_TOKENS)
     tok = make_tokenizer(out, add_bos=add_bos,
-                         extra_specials=list(MM_TOKENS.values()) if multimodal else [])
+                         extra_specials=list(mm_tokens.values()) if multimodal else [])
     text_kwargs = cfg_kwargs["text_config"] if multimodal else cfg_kwargs
     if "hidden_size_per_layer_input" in text_kwargs:
         text_kwargs["vocab_size_per_layer_input"] = len(tok)
@@ -143,8 +195,9 @@ def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **over
     text_kwargs.update(ids)
     model_type = cfg_kwargs.pop("model_type")
     if multimodal:
-        cfg_kwargs.update({k: tok.convert_tokens_to_ids(t) for k, t in MM_TOKENS.items()})
-        cfg_kwargs["eoa_token_index"] = cfg_kwargs["eoa_token_id"]
+        cfg_kwargs.update({k: tok.convert_tokens_to_ids(t) for k, t in mm_tokens.items()})
+        if "eoa_token_id" in cfg_kwargs:
+            cfg_kwargs["eoa_token_index"] = cfg_kwargs["eoa_token_id"]
         cfg_kwargs.update({k: v for k, v in ids.items() if k != "vocab_size"})
     config = AutoConfig.for_model(model_type, **cfg_kwargs)
     torch.manual_seed(seed)
@@ -166,6 +219,10 @@ def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **over
             if name.endswith("layer_scalar"):
                 b.fill_(float(0.5 + torch.rand(1)))
     model.save_pretrained(str(out), safe_serialization=True)
+    if family == "gemma4_mm":
+        _save_gemma4_processor_config(out)
+    if family == "qwen3_vl":
+        _save_qwen2vl_processor_config(out, cfg_kwargs["vision_config"])
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                      pad_token_id=tok.pad_token_id).save_pretrained(str(out))
     (out / "hexforge_tiny.json").write_text(json.dumps({"family": family, "seed": seed}))

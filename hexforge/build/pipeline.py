@@ -21,6 +21,7 @@ from pathlib import Path
 from .. import __version__
 from ..errors import BuildError, ParityGateError
 from ..families import family_name, load_family
+from ..families.base import encoder_families
 from ..manifest import (
     MANIFEST_NAME,
     SCHEMA_VERSION,
@@ -32,8 +33,10 @@ from ..manifest import (
 )
 from ..targets import Target, parse_targets
 from .checkpoint import read_checkpoint
+from .encoders import compile_encoders, export_encoders
 from .graphs import export_float, plan_target
-from .quantize import get_recipe
+from .export import share_weights
+from .quantize import check_cpu_weights, get_recipe, quantize_cpu_graph
 
 Log = Callable[[str], None]
 
@@ -49,6 +52,7 @@ class BuildOptions:
     quant: str = "w8a16"  # HTP targets: fp16 | w8a16 | w4a16 (the cpu target stays fp32)
     calib: str | None = None  # calibration text file (default: a built-in sample)
     share_weights: bool = False  # HTP: one context per shard for prefill + decode (device only)
+    cpu_weights: str = "fp32"  # cpu target: fp32 (oracle-exact) | int8 | int4 (MatMulNBits)
     exporter: str = "torchscript"  # measured: same tiny-model speed, 2.5x faster export
     verify_tokens: int = 64
     force: bool = True  # replace an existing bundle at the output path
@@ -81,7 +85,20 @@ def _build_cpu_target(fam, hf, args, target: Target, opts: BuildOptions, out: Pa
                       log: Log) -> TargetSpec:
     graphs, plan = export_float(fam, hf, args, plan_target(fam, hf, target, opts, log), opts, out,
                                 target.name, log)
-    return TargetSpec(name=target.name, graphs=graphs, plan=plan)
+    nbits = check_cpu_weights(opts.cpu_weights)
+    if nbits:  # weight-only int8/int4: one graph in memory at a time, then re-shared per shard
+        bits, block = nbits
+        t = time.perf_counter()
+        folder = out / target.name
+        for group in [[s.prefill, s.decode] for s in plan.shards] + [[plan.head]]:
+            for name in group:
+                quantize_cpu_graph(folder / f"{name}.onnx", bits, block)
+            share_weights([folder / f"{n}.onnx" for n in group], f"{group[0].split('.')[0]}.weights")
+        for g in graphs:
+            g.bytes = (out / g.file).stat().st_size
+        log(f"[{target.name}] weights {opts.cpu_weights} (MatMulNBits, block {block}) "
+            f"({time.perf_counter() - t:.1f}s)")
+    return TargetSpec(name=target.name, graphs=graphs, plan=plan, quant=opts.cpu_weights)
 
 
 def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None = None,
@@ -91,17 +108,20 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
     ckpt = read_checkpoint(checkpoint)
     targets = parse_targets(opts.targets)
     get_recipe(opts.quant)  # a bad --quant fails before any heavy work
+    check_cpu_weights(opts.cpu_weights)
     if opts.prefill_len < 1 or opts.context < 2:
         raise BuildError("--prefill-len must be >= 1 and --context >= 2")
     fam = load_family(ckpt.model_type).FAMILY
     args = fam.Args.from_config(ckpt.config)
     fam.check_supported(args)
+    encoders = encoder_families(ckpt.config)  # vision / audio towers of a multimodal checkpoint
 
     out = Path(output).absolute()
     if out.exists() and not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
         raise BuildError(f"{out} exists and is not a hexforge bundle; refusing to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    _remove_stale(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -124,6 +144,9 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
 
         t = time.perf_counter()
         cpu = _build_cpu_target(fam, hf, args, targets[0], opts, tmp, log)
+        enc_specs = [e.spec(hf, ckpt.config) for e in encoders]
+        enc_graphs = export_encoders(encoders, enc_specs, hf, tmp, "cpu", opts.exporter, log)
+        cpu.graphs += enc_graphs
         manifest = Manifest(
             schema_version=SCHEMA_VERSION, hexforge_version=__version__,
             family=family_name(ckpt.model_type), model_type=ckpt.model_type, hf_config=ckpt.config,
@@ -134,6 +157,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
             tokenizer=TokenizerSpec(files=ckpt.tokenizer_files,
                                     chat_template=_has_chat_template(ckpt)),
             generation=_generation_defaults(ckpt.generation, ckpt.config), targets={"cpu": cpu},
+            encoders=enc_specs,
             report="report.json" if opts.verify else None,
         )
         htp_targets = [tg for tg in targets if tg.is_htp]
@@ -142,6 +166,9 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
 
             manifest.targets.update(
                 build_htp_targets(fam, hf, args, htp_targets, opts, tmp, manifest, log))
+            for tg in htp_targets:
+                manifest.targets[tg.name].graphs += compile_encoders(
+                    enc_graphs, tmp, tg, tg.default_soc.soc_model, log)
             shutil.rmtree(tmp / "_work", ignore_errors=True)
         opts.timings["export_s"] = time.perf_counter() - t
         save_manifest(tmp, manifest)
@@ -191,6 +218,22 @@ def _has_chat_template(ckpt) -> bool:
         return True
     cfg = ckpt.dir / "tokenizer_config.json"
     return cfg.is_file() and "chat_template" in json.loads(cfg.read_text())
+
+
+def _remove_stale(out: Path) -> None:
+    """Temp dirs of earlier builds of ``out`` that were killed (kill -9, power loss: no ``except``
+    ran) are removed when their process is gone; a live concurrent build keeps its own."""
+    for d in out.parent.glob(f".{out.name}.*-*"):
+        kind, _, pid = d.name[len(out.name) + 2:].rpartition("-")
+        if kind not in ("partial", "old") or not pid.isdigit() or not d.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still running
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            continue
 
 
 def _replace(tmp: Path, out: Path) -> None:

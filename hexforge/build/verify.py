@@ -43,6 +43,10 @@ GATES = {
     # int4 on random-weight tiny models: ~8.5% output error per matmul (quantize.py), 0.97-0.99
     # teacher-forced over 6 layers; the gate catches broken builds (bad scales give cos < 0.5)
     "w4a16": Gate(graph_cos=0.95, tf_cos=0.95, top1=0.5, greedy_exact=False),
+    # cpu target, weight-only MatMulNBits (fp32 activations, int8 activations inside the matmul
+    # at accuracy level 4): teacher-forced cosine, not exact tokens
+    "int8": Gate(graph_cos=0.99, tf_cos=0.995, top1=0.8, greedy_exact=False),
+    "int4": Gate(graph_cos=0.95, tf_cos=0.95, top1=0.5, greedy_exact=False),
 }
 
 
@@ -190,6 +194,13 @@ def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[st
         backend = Backend("cpu") if spec.htp_arch is None else Backend.resolve(
             "qnn" if qnn.is_arm_host() else "qnn-sim", spec.htp_arch)
         engine = Engine(bundle, manifest, name, backend)
-        report[name] = verify_target(family, hf, engine, tok, manifest, name, spec.quant,
-                                     new_tokens=min(new_tokens, manifest.context - 2))
+        report[name] = r = verify_target(family, hf, engine, tok, manifest, name, spec.quant,
+                                         new_tokens=min(new_tokens, manifest.context - 2))
+        if manifest.encoders:
+            from .encoders import verify_encoders
+
+            r["encoders"] = verify_encoders(engine, manifest, hf, htp=spec.htp_arch is not None)
+            r["failures"] += [f"encoder {n}: cos {min(o['cos_min'] for o in e['outputs'].values()):.6f}"
+                              f" < {e['gate']}" for n, e in r["encoders"].items() if not e["passed"]]
+            r["passed"] = not r["failures"]
     return report

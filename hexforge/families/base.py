@@ -20,6 +20,7 @@ This module itself is torch-free; ``families/blocks.py`` holds the torch export 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,10 @@ class DecoderFamily:
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
+        config = json.loads((Path(ckpt_dir) / "config.json").read_text())
+        if any(isinstance(config.get(k), dict) for k in ("vision_config", "audio_config")):
+            # the encoders too: the full image/audio-text-to-text model
+            from transformers import AutoModelForImageTextToText as AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(
             str(ckpt_dir), dtype=torch.float32, use_safetensors=True, attn_implementation="eager"
         )

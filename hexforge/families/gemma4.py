@@ -147,6 +147,8 @@ class Gemma4Family(DecoderFamily):
         return HostRecipe(
             embed=EmbedSpec(table="embed_tokens", scale=float(tm.embed_tokens.embed_scale)),
             extra_embeds=extra,
+            # HF gathers embeddings + per-layer inputs at image/audio placeholders from the pad id
+            media_pad_id=hf.config.get_text_config().pad_token_id,
             ropes=[RopeSpec(name=GROUP[t], inv_freq=f"rope.{GROUP[t]}.inv_freq",
                             attention_scaling=float(getattr(rot, f"{t}_attention_scaling")))
                    for t in sorted(set(args.layer_types))],

@@ -163,6 +163,20 @@ class Engine:
     def decode(self, token: int) -> np.ndarray:
         return self.forward(np.array([token], dtype=np.int64), 1, "decode")
 
+    # ---- media encoders ------------------------------------------------------------------------
+    def encode(self, spec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run encoder ``spec``'s graph on preprocessed inputs; -> {bind: array} ("soft", ...)."""
+        graph = self.target.graph(spec.name)
+        feeds = {}
+        for i in graph.inputs:
+            value = inputs[i.bind.removeprefix("media:")]
+            if list(value.shape) != i.shape:
+                raise RequestError(f"{spec.name} input {i.name}: shape {list(value.shape)} != the "
+                                   f"graph's {i.shape}")
+            feeds[i.name] = value.astype(NP_DTYPES[i.dtype], copy=False)
+        values = self.sessions[graph.name].run(None, feeds)
+        return {o.bind: v for o, v in zip(graph.outputs, values, strict=True)}
+
     # ---- the loop ------------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], max_new_tokens: int, past: int = 0) -> None:
         if not prompt_ids:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from ..errors import BackendError, RequestError
 from ..manifest import Manifest, confine, load_manifest
 from .backends import Backend
+from .constrain import Grammars
 from .engine import Engine
+from .multimodal import prepare_media
 from .sampling import make_sampler
 from .text import ChatTemplate, TextTokenizer
 
@@ -105,6 +108,14 @@ class Model:
         self.chat_template = ChatTemplate.load(tok_dir)
         self.engine = Engine(self.bundle, self.manifest, self.target, self.backend)
         self.generation = self.manifest.generation
+        self._preprocessors: dict = {}  # media preprocessors by encoder name (made on first use)
+
+    @cached_property
+    def grammars(self) -> Grammars:
+        """Constrained decoding's per-model setup (the vocabulary index), made on first use."""
+        tok_json = confine(self.bundle, self.manifest.tokenizer.dir) / "tokenizer.json"
+        return Grammars(tok_json.read_text(), self.manifest.vocab_size,
+                        self.generation.eos_token_ids)
 
     @property
     def context(self) -> int:
@@ -141,7 +152,8 @@ class Model:
     def _iterate(self, prompt, max_new_tokens=None, temperature=None, top_k=None, top_p=None,
                  seed=None, ignore_eos=False, prefill_mode="chunked", min_p=0.0,
                  repetition_penalty=1.0, penalty_window=0, stop=None, stop_token_ids=None,
-                 logprobs=None, should_stop=None, steps=None
+                 logprobs=None, should_stop=None, steps=None, response_format=None,
+                 constraint=None, images=None, audios=None
                  ) -> Iterator[tuple[str, int | None, GenerationResult | None]]:
         # steps(ids, sampler, max_new) -> (token, logits) generator; default: a fresh run
         """Yields (text piece, token id, None) per token, then ("", None, result) once.
@@ -150,18 +162,30 @@ class Model:
         logprobs: None, or how many top alternatives to report per token (0 = the chosen only);
         should_stop(): polled every token, True cancels (finish_reason "cancelled");
         steps: (ids, sampler, max_new) -> a (token, logits) generator, instead of a fresh
-        generate_step (chat sessions continue their state through it)."""
+        generate_step (chat sessions continue their state through it);
+        response_format: OpenAI-style {"type": "json_schema" | "json_object" | "regex" | "lark", ..}
+        or constraint: a ready processor with advance(token) and done (runtime/constrain.py);
+        images / audios: paths or bytes, spliced at the prompt's placeholders (or put first)."""
         g = self.generation
         max_new = g.max_new_tokens if max_new_tokens is None else max_new_tokens
         if not isinstance(max_new, int) or isinstance(max_new, bool):
             raise RequestError(f"max_new_tokens must be an integer, got {max_new!r}")
         t0 = time.perf_counter()
         ids = self.encode(prompt)
+        media = None
+        if images or audios:
+            if steps is not None:
+                raise RequestError("images / audio in a chat session are not supported yet: use "
+                                   "model.generate / model.chat")
+            ids, media = prepare_media(self.engine, self.manifest, ids, images, audios,
+                                       self._preprocessors)
         history = list(ids)  # the repetition penalty's window reads it live
+        if constraint is None and response_format is not None:
+            constraint = self.grammars.constraint(response_format)
         sampler = make_sampler(g.temperature if temperature is None else temperature,
                                g.top_k if top_k is None else top_k,
                                g.top_p if top_p is None else top_p, seed, min_p,
-                               repetition_penalty, history, penalty_window)
+                               repetition_penalty, history, penalty_window, constraint)
         stops = StopStrings(list([stop] if isinstance(stop, str) else stop or []))
         eos = set() if ignore_eos else set(g.eos_token_ids)
         eos |= set(stop_token_ids or [])
@@ -171,7 +195,7 @@ class Model:
         finish, t_first = "length", None
         if steps is None:
             steps = lambda ids, sampler, n: self.engine.generate_step(  # noqa: E731
-                ids, sampler, n, prefill_mode)
+                ids, sampler, n, prefill_mode, media=media)
         for token, logits in steps(ids, sampler, max_new):
             if t_first is None:
                 t_first = time.perf_counter()
@@ -180,12 +204,14 @@ class Model:
                 break
             tokens.append(token)
             history.append(token)
+            if constraint is not None:
+                constraint.advance(token)
             if lps is not None:
                 lps.append(token_logprobs(logits, token, logprobs))
             piece = stops.add(detok.add(token))
             if piece:
                 yield piece, token, None
-            if stops.hit:
+            if stops.hit or (constraint is not None and constraint.done):  # done: only EOS is left
                 finish = "stop"
                 break
             if should_stop is not None and should_stop():

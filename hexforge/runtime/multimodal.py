@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import BundleError
+from ..errors import BundleError, RequestError
 
 # preprocessor key (EncoderSpec.preprocessor) -> "module:Class"; a class takes the spec's params
 # and maps decoded media to ({input key: array with batch dim}, n soft tokens)
@@ -62,3 +62,115 @@ class MediaRows:
             # pad rows past the prompt's end: any position (their outputs are never read)
             rope_pos = self.rope_positions[:, np.minimum(pos, P - 1)]
         return embeds, extra, rope_pos
+
+
+def _items(ids: list[int], spec, n_items: int, bos: int | None) -> list[int]:
+    """ids with one placeholder per item: as written in the prompt, or put first (after BOS)."""
+    marked = ids.count(spec.placeholder_id)
+    if marked == 0:
+        at = 1 if ids and bos is not None and ids[0] == bos else 0
+        return ids[:at] + [spec.placeholder_id] * n_items + ids[at:]
+    if marked != n_items:
+        raise RequestError(f"the prompt marks {marked} {spec.modality} place(s) with "
+                           f"{spec.placeholder_text!r} but {n_items} {spec.modality}(s) were given")
+    return ids
+
+
+def prepare_media(engine, manifest, ids: list[int], images: list | None, audios: list | None,
+                  preps: dict) -> tuple[list[int], MediaRows | None]:
+    """Decode + preprocess + encode the media; -> (ids with each placeholder expanded to
+    [begin] placeholder * n [end], MediaRows of the soft tokens at those indices).
+
+    Bad media fail here, before any decoder work; preps caches preprocessors by encoder name."""
+    from .media import load_audio, load_image
+
+    given = {"image": list(images or []), "audio": list(audios or [])}
+    encoded: dict[int, list[tuple[np.ndarray, dict]]] = {}  # placeholder id -> per item
+    for modality, items in given.items():
+        if not items:
+            continue
+        spec = manifest.encoder(modality)
+        if spec is None:
+            raise RequestError(f"this bundle has no {modality} encoder; {modality} inputs need a "
+                               f"bundle built from a checkpoint with a {modality} tower")
+        if spec.name not in preps:
+            preps[spec.name] = load_preprocessor(spec.preprocessor, spec.params)
+        prep = preps[spec.name]
+        decoded = ([load_image(x) for x in items] if modality == "image" else
+                   [load_audio(x, prep.sampling_rate, prep.max_seconds) for x in items])
+        ids = _items(ids, spec, len(items), manifest.generation.bos_token_id)
+        out = []
+        for media in decoded:
+            inputs, n = prep(media)
+            res = engine.encode(spec, inputs)
+            out.append((res["soft"][0, :n], {b: v[0, :n] for b, v in res.items() if b != "soft"}))
+        encoded[spec.placeholder_id] = out
+    if not encoded:
+        return ids, None
+    specs = {e.placeholder_id: e for e in manifest.encoders}
+    new_ids: list[int] = []
+    index, embeds, extra = [], [], {}
+    taken = {k: 0 for k in encoded}
+    for t in ids:
+        if t not in encoded:
+            new_ids.append(t)
+            continue
+        spec = specs[t]
+        soft, rows = encoded[t][taken[t]]
+        taken[t] += 1
+        if spec.begin_id is not None:
+            new_ids.append(spec.begin_id)
+        index.extend(range(len(new_ids), len(new_ids) + soft.shape[0]))
+        new_ids.extend([t] * soft.shape[0])
+        embeds.append(soft)
+        for bind, v in rows.items():
+            extra.setdefault(bind, []).append(v)
+        if spec.end_id is not None:
+            new_ids.append(spec.end_id)
+    return new_ids, MediaRows(index=np.asarray(index, np.int64),
+                              embeds=np.concatenate(embeds).astype(np.float32),
+                              extra={b: np.concatenate(v).astype(np.float32)
+                                     for b, v in extra.items()})
+
+
+def mrope_positions(ids, spec, grid: tuple[int, int, int] | None = None
+                    ) -> tuple[np.ndarray, int]:
+    """M-RoPE positions of a prompt whose images are already expanded (HF ``get_rope_index``):
+    -> (positions [3, P] int64 (t, h, w), rope_delta).
+
+        text run of n     t = h = w = cur .. cur+n-1;                     cur += n
+        image (t, h, w)   (cur + ti, cur + hi, cur + wi) over the merged grid, row-major;
+                          cur += max(h, w)
+        rope_delta = max + 1 - P: decode position of slot s is s + rope_delta on all axes
+
+    ``grid``: (t, h, w) in patches (HF image_grid_thw); default the spec's fixed build size.
+    Every image must be exactly its t·(h/m)·(w/m) placeholder tokens in a row."""
+    m = int(spec.params["merge_size"])
+    if grid is None:
+        p = int(spec.params["patch_size"])
+        grid = (1, int(spec.params["height"]) // p, int(spec.params["width"]) // p)
+    gt, gh, gw = grid[0], grid[1] // m, grid[2] // m
+    n_img = gt * gh * gw
+    tt, hh, ww = np.meshgrid(np.arange(gt), np.arange(gh), np.arange(gw), indexing="ij")
+    image = np.stack([tt.ravel(), hh.ravel(), ww.ravel()])  # [3, n_img], before the offset
+    ids = np.asarray(ids, np.int64)
+    is_ph = ids == spec.placeholder_id
+    out = np.zeros((3, ids.shape[0]), np.int64)
+    cur, i = 0, 0
+    while i < ids.shape[0]:
+        if is_ph[i]:
+            if not is_ph[i:i + n_img].all() or i + n_img > ids.shape[0]:
+                raise RequestError(f"an image needs {n_img} consecutive {spec.placeholder_text!r} "
+                                   f"tokens at prompt index {i}")
+            out[:, i:i + n_img] = image + cur
+            cur += max(gh, gw)
+            i += n_img
+        else:
+            j = i + 1
+            while j < ids.shape[0] and not is_ph[j]:
+                j += 1
+            out[:, i:j] = np.arange(j - i) + cur
+            cur += j - i
+            i = j
+    delta = int(out.max()) + 1 - ids.shape[0] if ids.shape[0] else 0
+    return out, delta

@@ -1,0 +1,89 @@
+"""Media encoder graphs (vision, audio): float export for cpu, fp16 compile per HTP target, oracle.
+
+    encoder_families(config) ─spec─▶ EncoderSpec (manifest) ─encoder_module─▶ <target>/<name>.onnx
+        cpu: the float graph ships        HTP: the float graph compiled with fp16 precision
+    oracle: the family's example inputs through each target's graph vs HF's own soft tokens
+
+Encoders stay in fp16 on the HTP: they run once per image / clip, so their cost is small next to
+the decoder, and 16-bit activation quantization of attention-heavy towers costs accuracy
+(HTP_NOTES: act x act ops are where A16 loses it).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..manifest import EncoderSpec, GraphSpec
+from .export import export_module, share_weights
+
+# encoder gates (cosine of the valid soft-token rows vs HF): fp32 CPU exact-ish, HTP fp16
+ENCODER_GATES = {"cpu": 0.99999, "htp": 0.999}
+ROLE = {"image": "vision", "audio": "audio"}
+
+
+def example_feeds(encoder, spec: EncoderSpec) -> dict[str, np.ndarray]:
+    return {k: np.ascontiguousarray(v) for k, v in encoder.example_inputs(spec).items()}
+
+
+def export_encoders(encoders: list, specs: list[EncoderSpec], hf, root: Path, rel_folder: str,
+                    exporter: str, log) -> list[GraphSpec]:
+    """Export each encoder's static module as float ONNX into root/rel_folder/<name>.onnx."""
+    import torch
+
+    graphs = []
+    for enc, spec in zip(encoders, specs, strict=True):
+        module = enc.encoder_module(hf, spec)
+        feeds = example_feeds(enc, spec)
+        keys = [bind.removeprefix("media:") for _, bind in module.io.inputs]
+        module.example_inputs = lambda feeds=feeds, keys=keys: tuple(
+            torch.from_numpy(feeds[k]) for k in keys)
+        path = root / rel_folder / f"{spec.name}.onnx"
+        t = time.perf_counter()
+        ins, outs = export_module(module, path, exporter)
+        share_weights([path], f"{spec.name}.weights")
+        log(f"  exported {rel_folder}/{spec.name} ({time.perf_counter() - t:.1f}s)")
+        graphs.append(GraphSpec(name=spec.name, role=ROLE[spec.modality],
+                                file=f"{rel_folder}/{spec.name}.onnx", seq_len=spec.max_soft_tokens,
+                                inputs=ins, outputs=outs, bytes=path.stat().st_size))
+    return graphs
+
+
+def compile_encoders(float_graphs: list[GraphSpec], root: Path, target, soc_model: int,
+                     log) -> list[GraphSpec]:
+    """The float encoder graphs compiled for one HTP target with fp16 precision."""
+    from .compile import compile_graph
+
+    out = []
+    for g in float_graphs:
+        ctx = root / target.name / f"{g.name}.ctx.onnx"
+        res = compile_graph(root / g.file, ctx, target.htp_arch, soc_model, fp16=True)
+        log(f"[{target.name}] compiled {g.name} (fp16): {res['bin_bytes']:,} B "
+            f"({res['seconds']:.1f}s)")
+        out.append(g.model_copy(update={"file": f"{target.name}/{g.name}.ctx.onnx",
+                                        "bytes": res["bin_bytes"] + ctx.stat().st_size}))
+    return out
+
+
+def verify_encoders(engine, manifest, hf, htp: bool) -> dict:
+    """Each encoder's example inputs through the target's graph vs HF: cosine of valid rows."""
+    from ..families.base import encoder_families
+    from .verify import cosine_rows
+
+    gate = ENCODER_GATES["htp" if htp else "cpu"]
+    report = {}
+    for enc, spec in zip(encoder_families(manifest.hf_config), manifest.encoders, strict=True):
+        feeds = example_feeds(enc, spec)
+        ref = enc.reference(hf, feeds)
+        got = engine.encode(spec, feeds)
+        rows = {}
+        for bind, want in ref.items():
+            have = got[bind][0, :want.shape[0]]
+            cos = cosine_rows(have, want)
+            rows[bind] = {"cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
+                          "max_abs": float(np.abs(have - want).max()), "rows": int(want.shape[0])}
+        worst = min(r["cos_min"] for r in rows.values())
+        report[spec.name] = {"outputs": rows, "gate": gate, "passed": worst >= gate}
+    return report

@@ -1,0 +1,163 @@
+"""Gemma-4 with vision + audio towers, end to end: build (encoders exported + oracle-gated),
+image / audio prompts through the Python API and the CLI, greedy tokens vs HF generate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def mm(ckpt, bundle):
+    return ckpt("gemma4_mm"), bundle("gemma4_mm")
+
+
+@pytest.fixture(scope="module")
+def hf(hf_model):
+    return hf_model("gemma4_mm")
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    """A non-square RGB image (png) and a 1.3 s 16 kHz chirp (float WAV) on disk."""
+    import soundfile as sf
+    from PIL import Image
+
+    d = tmp_path_factory.mktemp("media")
+    rng = np.random.default_rng(0)
+    img = Image.fromarray((rng.random((45, 83, 3)) * 255).astype(np.uint8))
+    img.save(d / "photo.png")
+    t = np.arange(int(16000 * 1.3)) / 16000
+    wav = (0.4 * np.sin(2 * np.pi * (300 + 400 * t) * t)).astype(np.float32)
+    sf.write(d / "speech.wav", wav, 16000, subtype="FLOAT")
+    return {"image": d / "photo.png", "audio": d / "speech.wav", "img": img, "wav": wav}
+
+
+def _hf_generate(hf, ids: list[int], **inputs) -> list[int]:
+    import torch
+
+    gen = hf.generation_config
+    saved, gen.eos_token_id = gen.eos_token_id, None
+    try:
+        with torch.no_grad():
+            out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=NEW, do_sample=False,
+                              pad_token_id=0, **inputs)
+    finally:
+        gen.eos_token_id = saved
+    return out[0, len(ids):].tolist()
+
+
+def _hf_image_inputs(ckpt_dir, img):
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    cfg = json.loads((ckpt_dir / "processor_config.json").read_text())["image_processor"]
+    proc = Gemma4ImageProcessorPil(**{k: cfg[k] for k in
+                                      ("patch_size", "max_soft_tokens", "pooling_kernel_size")})
+    out = proc(images=[img], return_tensors="pt")
+    return out, int(out["num_soft_tokens_per_image"][0])
+
+
+def _hf_audio_inputs(wav):
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+
+    return Gemma4AudioFeatureExtractor()([wav], sampling_rate=16000, return_tensors="pt")
+
+
+def test_build_gates_the_encoders_against_hf(mm):
+    _, b = mm
+    manifest = json.loads((b / "manifest.json").read_text())
+    assert {e["modality"] for e in manifest["encoders"]} == {"image", "audio"}
+    report = json.loads((b / "report.json").read_text())["cpu"]
+    for name in ("vision", "audio"):
+        enc = report["encoders"][name]
+        assert enc["passed"] and enc["outputs"]["soft"]["cos_min"] >= 0.99999, enc
+
+
+def test_image_prompt_greedy_equals_hf(mm, hf, media):
+    import hexforge
+
+    ckpt_dir, b = mm
+    model = hexforge.load(b)
+    prompt = "Describe this image."
+    res = model.generate(prompt, images=[media["image"]], max_new_tokens=NEW, ignore_eos=True)
+    inputs, n = _hf_image_inputs(ckpt_dir, media["img"])
+    cfg = hf.config
+    text = model.tokenizer.encode(prompt)
+    ids = text[:1] + [cfg.boi_token_id] + [cfg.image_token_id] * n + [cfg.eoi_token_id] + text[1:]
+    assert res.prompt_tokens == len(ids)
+    want = _hf_generate(hf, ids, pixel_values=inputs["pixel_values"],
+                        image_position_ids=inputs["image_position_ids"])
+    assert res.token_ids == want
+
+
+def test_audio_prompt_greedy_equals_hf(mm, hf, media):
+    import hexforge
+
+    _, b = mm
+    model = hexforge.load(b)
+    prompt = "Transcribe this audio."
+    res = model.generate(prompt, audios=[media["audio"]], max_new_tokens=NEW, ignore_eos=True)
+    feats = _hf_audio_inputs(media["wav"])
+    with __import__("torch").no_grad():
+        n = int(hf.model.get_audio_features(feats["input_features"],
+                                            feats["input_features_mask"]).attention_mask.sum())
+    cfg = hf.config
+    text = model.tokenizer.encode(prompt)
+    ids = text[:1] + [cfg.boa_token_id] + [cfg.audio_token_id] * n + [cfg.eoa_token_index] + text[1:]
+    assert res.prompt_tokens == len(ids)
+    want = _hf_generate(hf, ids, input_features=feats["input_features"],
+                        input_features_mask=feats["input_features_mask"])
+    assert res.token_ids == want
+
+
+def test_text_only_prompt_on_the_multimodal_bundle_equals_hf(mm, hf):
+    import hexforge
+
+    _, b = mm
+    model = hexforge.load(b)
+    res = model.generate("The capital of France is", max_new_tokens=NEW, ignore_eos=True)
+    assert res.token_ids == _hf_generate(hf, model.tokenizer.encode("The capital of France is"))
+
+
+def test_placeholder_count_must_match_the_media(mm, media):
+    import hexforge
+    from hexforge.errors import RequestError
+
+    _, b = mm
+    model = hexforge.load(b)
+    with pytest.raises(RequestError, match="2 image"):
+        model.generate("<|image|> and <|image|>", images=[media["image"]], max_new_tokens=2)
+
+
+def test_cli_transcribes_a_wav_and_describes_an_image_end_to_end(mm, media, tmp_path):
+    import soundfile as sf
+
+    _, b = mm
+    # a 44.1 kHz stereo WAV: resampled to the model's 16 kHz on the host
+    t = np.arange(44100) / 44100
+    tone = 0.3 * np.sin(2 * np.pi * 440 * t)
+    sf.write(tmp_path / "tone.wav", np.stack([tone, tone * 0.5], 1), 44100)
+    for flag, path, prompt in (("--audio", tmp_path / "tone.wav", "Transcribe this audio."),
+                               ("--image", media["image"], "Describe this image.")):
+        r = subprocess.run([sys.executable, "-m", "hexforge", "run", str(b), prompt, flag,
+                            str(path), "-n", "4", "--json"], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert len(out["token_ids"]) >= 1 and out["prompt_tokens"] > 10
+
+
+def test_cli_refuses_a_file_that_is_not_an_image(mm, tmp_path):
+    _, b = mm
+    bad = tmp_path / "notes.jpg"
+    bad.write_text("not an image at all")
+    r = subprocess.run([sys.executable, "-m", "hexforge", "run", str(b), "hi", "--image", str(bad)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and "image" in r.stderr.lower()
