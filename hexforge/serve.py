@@ -7,8 +7,13 @@
 
 Concurrency: one engine per bundle (its state buffers are the model's memory), so requests queue
 on a lock and run one at a time, each in a worker thread; the event loop stays free to accept,
-stream and notice disconnects. A client that disconnects sets its request's cancel flag, which the
-token loop polls every token: the generation stops and the next request gets the engine.
+stream and notice disconnects. A watcher polls each request's connection every 50 ms; a client that
+disconnects sets its request's cancel flag, which the token loop polls every token (and a request
+still queued skips its turn): the generation stops and the next request gets the engine.
+
+``response_format``: json_schema / json_object (and hexforge's regex / lark) constrain the output
+with llguidance (runtime/constrain.py); every finished output parses, finish_reason "length" says
+it was cut by max_tokens.
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with 400 for bad
 requests (context overflow: code ``context_length_exceeded``), 401 for a wrong API key.
@@ -18,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import threading
 import time
 import uuid
@@ -30,6 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ContextOverflowError, HexforgeError, RequestError
+from .runtime.text import check_messages
 
 
 class _Request(BaseModel):
@@ -46,6 +51,7 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     response_format: dict | None = None
+    ignore_eos: bool = False  # as vLLM's extension: run to max_tokens (benchmarks, tests)
 
     def generation_kwargs(self) -> dict:
         kw: dict[str, Any] = {"max_new_tokens": self.max_tokens, "temperature": self.temperature,
@@ -55,9 +61,10 @@ class _Request(BaseModel):
             kw["min_p"] = self.min_p
         if self.repetition_penalty is not None:
             kw["repetition_penalty"] = self.repetition_penalty
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise RequestError(f"response_format {self.response_format.get('type')!r} is not "
-                               "supported by this server yet (only 'text')")
+        if self.ignore_eos:
+            kw["ignore_eos"] = True
+        if self.response_format is not None:
+            kw["response_format"] = self.response_format  # compiled in respond(), off the loop
         return kw
 
 
@@ -92,6 +99,16 @@ def text_of(content: Any) -> str:
     raise RequestError("message content must be a string or a list of parts")
 
 
+async def watch_disconnect(request: Request, cancel: threading.Event, every_s: float = 0.05) -> None:
+    """Sets ``cancel`` when the client goes away. Polled on a timer, not between tokens: a fast
+    token stream must not hide a disconnect, and a request still queued for the lock has none."""
+    while not cancel.is_set():
+        if await request.is_disconnected():
+            cancel.set()
+            return
+        await asyncio.sleep(every_s)
+
+
 def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="hexforge", version="1")
     lock = threading.Lock()
@@ -99,6 +116,19 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
     def error(status: int, message: str, code: str | None = None, kind="invalid_request_error"):
         return JSONResponse(status_code=status, content={"error": {
             "message": message, "type": kind, "param": None, "code": code}})
+
+    def hexforge_error(e: HexforgeError):
+        """A typed error -> its own status (RequestError 400, BackendError 500, ...)."""
+        return error(e.http_status, str(e), kind="invalid_request_error" if e.http_status < 500
+                     else "server_error")
+
+    @app.exception_handler(HexforgeError)
+    async def _typed(_req, exc):
+        return hexforge_error(exc)
+
+    @app.exception_handler(Exception)
+    async def _bug(_req, exc):  # a bug, not the client's fault: still an OpenAI-shaped body
+        return error(500, f"internal error: {type(exc).__name__}", kind="server_error")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req, exc):
@@ -115,35 +145,39 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
 
     async def run(request: Request, ids: list[int], kw: dict):
         """Async iterator over model._iterate items, run in a worker thread under the lock."""
-        items: queue.Queue = queue.Queue()
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
+
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(items.put_nowait, item)
+            except RuntimeError:  # the event loop has closed (server shutdown): nobody listens
+                cancel.set()
 
         def worker():
             try:
                 with lock:
-                    for item in model._iterate(ids, should_stop=cancel.is_set, **kw):
-                        items.put(item)
+                    if not cancel.is_set():  # its client may have left while it queued
+                        for item in model._iterate(ids, should_stop=cancel.is_set, **kw):
+                            put(item)
             except BaseException as e:  # handed to the request
-                items.put(e)
-            items.put(None)
+                put(e)
+            put(None)
 
         threading.Thread(target=worker, daemon=True).start()
+        watch = asyncio.create_task(watch_disconnect(request, cancel))
         try:
             while True:
-                try:
-                    item = items.get_nowait()
-                except queue.Empty:
-                    if await request.is_disconnected():
-                        cancel.set()
-                    await asyncio.sleep(0.005)
-                    continue
+                item = await items.get()
                 if item is None:
                     return
                 if isinstance(item, BaseException):
                     raise item
                 yield item
         finally:
-            cancel.set()  # disconnect / cancelled stream: stop the token loop
+            cancel.set()  # disconnect / cancelled stream: stop the token loop (polled every token)
+            watch.cancel()
 
     def usage(result) -> dict:
         n = len(result.token_ids)
@@ -169,7 +203,13 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
         except ContextOverflowError as e:
             return error(400, str(e), "context_length_exceeded")
         except HexforgeError as e:
-            return error(400, str(e))
+            return hexforge_error(e)
+        if kw.get("response_format") is not None:
+            try:  # a big schema can take a while to compile: not on the event loop
+                kw["constraint"] = await asyncio.to_thread(model.grammars.constraint,
+                                                           kw.pop("response_format"))
+            except HexforgeError as e:
+                return hexforge_error(e)
 
         def chunk(piece: str | None, reason: str | None, extra: dict | None = None,
                   role: bool = False) -> str:
@@ -205,7 +245,7 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
             async for _, _, r in run(request, ids, kw):
                 result = r if r is not None else result
         except HexforgeError as e:
-            return error(400, str(e))
+            return hexforge_error(e)
         if result is None:  # the client went away
             return error(499, "client closed the request", "cancelled")
         if chat:
@@ -234,12 +274,13 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
             kw["max_new_tokens"] = req.max_completion_tokens or req.max_tokens
             if req.logprobs:
                 kw["logprobs"] = req.top_logprobs or 0
+            check_messages(req.messages)  # a message without a role is a 400, not role "None"
             messages = [{"role": str(m.get("role")), "content": text_of(m.get("content"))}
                         for m in req.messages]
             text = model.apply_chat_template(messages)
             ids = model.tokenizer.encode(text, add_special_tokens=False)
         except HexforgeError as e:
-            return error(400, str(e))
+            return hexforge_error(e)
         return await respond(request, ids, kw, chat=True, stream=req.stream)
 
     @app.post("/v1/completions")
@@ -250,7 +291,7 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
                 kw["logprobs"] = req.logprobs
             ids = model.encode(req.prompt)
         except HexforgeError as e:
-            return error(400, str(e))
+            return hexforge_error(e)
         return await respond(request, ids, kw, chat=False, stream=req.stream)
 
     return app

@@ -106,7 +106,10 @@ def chain(processors: Sequence[Processor], sampler: Sampler) -> Sampler:
 
 def make_sampler(temperature_: float = 0.0, top_k_: int = 0, top_p_: float = 1.0,
                  seed: int | None = None, min_p_: float = 0.0, repetition_penalty_: float = 1.0,
-                 history: list[int] | None = None, penalty_window: int = 0) -> Sampler:
+                 history: list[int] | None = None, penalty_window: int = 0,
+                 constraint: Processor | None = None) -> Sampler:
+    """constraint: a grammar mask (runtime/constrain.py), applied first so that top-k / top-p /
+    min-p choose among allowed tokens only (the other way round they could keep none)."""
     if not np.isfinite(temperature_) or temperature_ < 0:
         raise RequestError(f"temperature must be >= 0, got {temperature_}")
     if not 0.0 < top_p_ <= 1.0:
@@ -117,9 +120,10 @@ def make_sampler(temperature_: float = 0.0, top_k_: int = 0, top_p_: float = 1.0
         raise RequestError(f"min_p must be in [0, 1), got {min_p_}")
     if not (np.isfinite(repetition_penalty_) and repetition_penalty_ > 0):
         raise RequestError(f"repetition_penalty must be > 0, got {repetition_penalty_}")
-    penalty = ([repetition_penalty(repetition_penalty_, history, penalty_window)]
-               if repetition_penalty_ != 1.0 and history is not None else [])
+    first = [constraint] if constraint is not None else []
+    if repetition_penalty_ != 1.0 and history is not None:
+        first.append(repetition_penalty(repetition_penalty_, history, penalty_window))
     if temperature_ == 0.0:
-        return chain(penalty, greedy)
-    procs = [*penalty, temperature(temperature_), top_k(top_k_), top_p(top_p_), min_p(min_p_)]
+        return chain(first, greedy)
+    procs = [*first, temperature(temperature_), top_k(top_k_), top_p(top_p_), min_p(min_p_)]
     return chain(procs, categorical(np.random.default_rng(seed)))
