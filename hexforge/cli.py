@@ -40,7 +40,7 @@ def cmd_build(a) -> int:
     opts = BuildOptions(targets=a.target, context=a.context, prefill_len=a.prefill_len,
                         max_shard_bytes=a.max_shard_bytes, verify=not a.no_verify,
                         exporter=a.exporter, quant=a.quant, calib=a.calib,
-                        share_weights=a.share_weights)
+                        share_weights=a.share_weights, audio_seconds=a.audio_seconds)
     build(a.checkpoint, a.output, opts, log=lambda m: print(m, file=sys.stderr))
     return 0
 
@@ -220,6 +220,9 @@ def parser() -> argparse.ArgumentParser:
                         "only: the x86 simulator cannot load them; the oracle runs unshared twins)")
     b.add_argument("--no-verify", action="store_true", help="skip the HF oracle and its gates")
     b.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript")
+    b.add_argument("--audio-seconds", type=float, default=None,
+                   help="audio models: the encoder's fixed window in seconds (default: the "
+                        "model's maximum, 30 s on Gemma-4); longer clips are refused at run time")
     b.set_defaults(fn=cmd_build)
 
     r = sub.add_parser("run", help="generate from a bundle")

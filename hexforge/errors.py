@@ -48,6 +48,11 @@ class ContextOverflowError(RequestError):
         )
 
 
+class MediaError(RequestError):
+    """An image or audio input that is not one, is empty, too big or too long (refused before
+    its pixels / frames are decoded)."""
+
+
 class BackendError(HexforgeError):
     """A backend that is unavailable or does not fit the bundle (arch/SoC/SDK mismatch, OOM)."""
 

@@ -120,11 +120,26 @@ class MaskGroup(_Model):
 
 
 class RopeSpec(_Model):
-    """cos/sin = cat(f, f) * scaling, f = position x inv_freq  ([T, rot_dim]); host-made in fp32."""
+    """cos/sin = cat(f, f) * scaling, f = position x inv_freq  ([T, rot_dim]); host-made in fp32.
+
+    M-RoPE (``mrope_section`` = [t, h, w] frequency counts, summing to rot_dim / 2): positions are
+    [3, T] (t, h, w) and frequency j takes its position from one axis. Interleaved (Qwen3-VL,
+    Qwen3.5): j % 3 == 1 and j < 3h -> h, j % 3 == 2 and j < 3w -> w, else t; contiguous
+    (Qwen2-VL): the first t frequencies t, the next h h, the last w w. 1-D positions = all axes."""
 
     name: str
     inv_freq: str  # host tensor name, shape [rot_dim / 2]
     attention_scaling: float = 1.0
+    mrope_section: list[int] | None = None
+    mrope_interleaved: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> RopeSpec:
+        if self.mrope_section is not None and (
+                len(self.mrope_section) != 3 or min(self.mrope_section) < 0):
+            raise ValueError(f"rope {self.name}: mrope_section must be 3 counts, got "
+                             f"{self.mrope_section}")
+        return self
 
 
 class EmbedSpec(_Model):
@@ -317,7 +332,14 @@ class Manifest(_Model):
                     if why:
                         raise ValueError(f"graph {g.name} {'output' if output else 'input'} "
                                          f"{t.name!r}: bind {t.bind!r} {why}")
+        for enc in self.encoders:
+            for t in self.targets.values():
+                if enc.name not in {g.name for g in t.graphs}:
+                    raise ValueError(f"encoder {enc.name}: target {t.name} has no such graph")
         return self
+
+    def encoder(self, modality: str) -> EncoderSpec | None:
+        return next((e for e in self.encoders if e.modality == modality), None)
 
     def files(self) -> list[str]:
         """Every bundle-relative file the manifest references (graphs' external data excluded)."""

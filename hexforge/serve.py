@@ -80,8 +80,40 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
-def text_of(content: Any) -> str:
-    """A message's content: a string, or OpenAI content parts (text only for text bundles)."""
+MAX_MEDIA_BYTES = 32 * 1024 * 1024  # one image / audio clip in a request, decoded from base64
+
+
+def _b64(data: Any, what: str) -> bytes:
+    import base64
+    import binascii
+
+    if not isinstance(data, str) or len(data) > MAX_MEDIA_BYTES * 4 // 3 + 4:
+        raise RequestError(f"{what}: expected base64 data of at most {MAX_MEDIA_BYTES} bytes")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(f"{what}: not valid base64") from None
+
+
+def media_of(part: dict, kind: str) -> bytes:
+    """OpenAI content parts -> file bytes: image_url {"url": "data:image/...;base64,..."} and
+    input_audio {"data": base64, "format": "wav"}. Remote URLs are refused: no fetching."""
+    if kind == "image_url":
+        ref = part.get("image_url")
+        url = ref.get("url") if isinstance(ref, dict) else ref
+        if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
+            raise RequestError("image_url must be a data URL (data:image/png;base64,...); this "
+                               "server does not fetch remote images")
+        return _b64(url.partition(";base64,")[2], "image_url")
+    ref = part.get("input_audio")
+    return _b64(ref.get("data") if isinstance(ref, dict) else None, "input_audio")
+
+
+def text_of(content: Any, placeholders: dict[str, str] | None = None,
+            media: dict[str, list[bytes]] | None = None) -> str:
+    """A message's content: a string, or OpenAI content parts. Image / audio parts become the
+    bundle's placeholder text (``placeholders``: modality -> text) and their bytes go to
+    ``media`` (modality -> list), in order."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -91,12 +123,28 @@ def text_of(content: Any) -> str:
             if kind == "text":
                 out.append(str(part.get("text", "")))
             elif kind in ("image_url", "input_audio"):
-                media = "image" if kind == "image_url" else "audio"
-                raise RequestError(f"this bundle has no {media} component: send text only")
+                modality = "image" if kind == "image_url" else "audio"
+                if not placeholders or modality not in placeholders or media is None:
+                    raise RequestError(f"this bundle has no {modality} encoder: send text only")
+                media.setdefault(modality, []).append(media_of(part, kind))
+                out.append(placeholders[modality])
             else:
                 raise RequestError(f"unknown message content part {kind!r}")
         return "".join(out)
     raise RequestError("message content must be a string or a list of parts")
+
+
+def check_media(model, media: dict[str, list[bytes]]) -> None:
+    """Decode each item's header (cheap) so bad media fail before the response starts."""
+    from .runtime.media import load_audio, load_image
+
+    for data in media.get("image", []):
+        load_image(data)
+    if media.get("audio"):
+        spec = model.manifest.encoder("audio")
+        rate, limit = spec.params.get("sampling_rate", 16000), spec.params.get("max_seconds", 30.0)
+        for data in media["audio"]:
+            load_audio(data, rate, limit)
 
 
 async def watch_disconnect(request: Request, cancel: threading.Event, every_s: float = 0.05) -> None:
@@ -262,6 +310,8 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
         return {"id": rid, "object": obj, "created": created, "model": model_id,
                 "choices": [choice], "usage": usage(result)}
 
+    placeholders = {e.modality: e.placeholder_text for e in model.manifest.encoders}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model",
@@ -275,10 +325,14 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
             if req.logprobs:
                 kw["logprobs"] = req.top_logprobs or 0
             check_messages(req.messages)  # a message without a role is a 400, not role "None"
-            messages = [{"role": str(m.get("role")), "content": text_of(m.get("content"))}
+            media: dict[str, list[bytes]] = {}
+            messages = [{"role": str(m.get("role")),
+                         "content": text_of(m.get("content"), placeholders, media)}
                         for m in req.messages]
             text = model.apply_chat_template(messages)
             ids = model.tokenizer.encode(text, add_special_tokens=False)
+            kw.update(images=media.get("image"), audios=media.get("audio"))
+            check_media(model, media)  # bad media: a 400 now, not an error mid-stream
         except HexforgeError as e:
             return hexforge_error(e)
         return await respond(request, ids, kw, chat=True, stream=req.stream)

@@ -147,6 +147,20 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 384, add_bos: bool = True,
     return fast
 
 
+def _condition_gemma4_vision(model) -> None:
+    """from_config leaves the vision position table at ones (every patch gets the same position
+    embedding) and input_proj at std 0.02: the tower's output then barely depends on the image or
+    the positions (HF's soft-token rows are cos >= 0.996 to one another; dropping RoPE still
+    scored 0.999998), so no gate could see a bug. A random table and 10x input_proj make it see
+    one (dropping RoPE: cos 0.96; x/y swapped: -0.08; no key mask: 0.97)."""
+    import torch
+
+    pe = model.model.vision_tower.patch_embedder
+    table = pe.position_embedding_table
+    table.copy_(torch.randn(table.shape, generator=torch.Generator().manual_seed(0)))
+    pe.input_proj.weight.mul_(10.0)
+
+
 def _save_gemma4_processor_config(out: Path) -> None:
     """processor_config.json as the Gemma-4 repos carry it: image processor (70 soft tokens at
     most, patch 4 to match the tiny vision tower) + audio feature extractor settings."""
@@ -215,6 +229,8 @@ def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **over
             for key, factor in TEMPER.get(family.removesuffix("_mm"), {}).items():
                 if key in name:
                     p.mul_(factor)
+        if family == "gemma4_mm":
+            _condition_gemma4_vision(model)
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.fill_(float(0.5 + torch.rand(1)))

@@ -15,7 +15,7 @@ NEW = 32
 
 @pytest.fixture(scope="module")
 def mm(ckpt, bundle):
-    return ckpt("gemma4_mm"), bundle("gemma4_mm")
+    return ckpt("gemma4_mm"), bundle("gemma4_mm", audio_seconds=4.0)
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,8 @@ def _read_json(path: Path) -> dict:
         data = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:  # deeply nested arrays overflow json's recursion
+        raise CheckpointError(f"{path} nests JSON too deeply") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} must hold a JSON object")
     return data

@@ -34,8 +34,8 @@ from ..manifest import (
 from ..targets import Target, parse_targets
 from .checkpoint import read_checkpoint
 from .encoders import compile_encoders, export_encoders
-from .graphs import export_float, plan_target
 from .export import share_weights
+from .graphs import export_float, plan_target
 from .quantize import check_cpu_weights, get_recipe, quantize_cpu_graph
 
 Log = Callable[[str], None]
@@ -55,6 +55,7 @@ class BuildOptions:
     cpu_weights: str = "fp32"  # cpu target: fp32 (oracle-exact) | int8 | int4 (MatMulNBits)
     exporter: str = "torchscript"  # measured: same tiny-model speed, 2.5x faster export
     verify_tokens: int = 64
+    audio_seconds: float | None = None  # the audio encoder's fixed window (default: the model's)
     force: bool = True  # replace an existing bundle at the output path
     timings: dict = field(default_factory=dict)
 
@@ -144,7 +145,9 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
 
         t = time.perf_counter()
         cpu = _build_cpu_target(fam, hf, args, targets[0], opts, tmp, log)
-        enc_specs = [e.spec(hf, ckpt.config) for e in encoders]
+        enc_specs = [e.spec(hf, ckpt.config, **({"max_seconds": opts.audio_seconds}
+                                                if e.modality == "audio" and opts.audio_seconds
+                                                else {})) for e in encoders]
         enc_graphs = export_encoders(encoders, enc_specs, hf, tmp, "cpu", opts.exporter, log)
         cpu.graphs += enc_graphs
         manifest = Manifest(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,13 @@ def check_external_data(bundle: Path, graph_file: Path) -> None:
                                   "bundle; refused")
             if not p.is_file():
                 raise BundleError(f"graph {graph_file.name}: external data {loc!r} is missing")
+            # a truncated weight file must be named here, not found by ORT mid-read
+            info = ExternalDataInfo(t)
+            offset, length = int(info.offset or 0), int(info.length or 0)
+            if offset < 0 or length < 0 or offset + length > p.stat().st_size:
+                raise BundleError(f"graph {graph_file.name}: tensor {t.name} needs bytes "
+                                  f"[{offset}, {offset + length}) of {loc!r}, which has "
+                                  f"{p.stat().st_size:,}; the file is truncated or corrupted")
 
 
 def cpu_threads() -> int:
@@ -86,10 +94,19 @@ class Backend:
             so.intra_op_num_threads = cpu_threads()
             so.inter_op_num_threads = 1
             so.log_severity_level = 3
+            # spinning off: a step runs shard -> shard -> head, each session with its own pool;
+            # a pool left spinning after its run steals the cores the next session needs
+            so.add_session_config_entry("session.intra_op.allow_spinning",
+                                        os.environ.get("HEXFORGE_CPU_SPIN", "0"))
             try:
-                return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+                sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
             except Exception as e:  # ORT raises its own Fail/InvalidGraph types
                 raise BundleError(f"graph {graph.file} cannot be loaded by onnxruntime: {e}") from None
+            if os.environ.get("HEXFORGE_CPU_IOBINDING", "1") == "0":
+                return sess
+            from .bound import BoundSession  # IO binding: no per-call binding of the state
+
+            return BoundSession(sess, graph)
         return self._htp_session(bundle, target, graph, path)
 
     def _htp_session(self, bundle: Path, target: TargetSpec, graph: GraphSpec, path: Path):
@@ -103,26 +120,76 @@ class Backend:
             raise BackendError(f"target {target.name} holds weight-shared contexts (--share-weights), "
                                "which the x86 HTP simulator cannot load; run it on a device "
                                "(--backend qnn) or rebuild without --share-weights to simulate")
-        soc = next((s for s in get_target(target.name).socs if s.soc_model == target.soc_model), None)
+        spec = get_target(target.name)
+        soc = next((s for s in spec.socs if s.soc_model == target.soc_model), None)
+        if soc is None or spec.htp_arch != target.htp_arch:
+            known = ", ".join(f"{s.name} (soc_model {s.soc_model})" for s in spec.socs)
+            raise BundleError(f"target {target.name} says v{target.htp_arch} / soc_model "
+                              f"{target.soc_model}, which is not a {target.name} SoC ({known}); "
+                              "the bundle is inconsistent: rebuild it")
+        installed = qnn.sdk_version()
+        if target.qnn_sdk and qnn.version_tuple(target.qnn_sdk) > qnn.version_tuple(installed):
+            raise BackendError(f"target {target.name} was built with QNN SDK {target.qnn_sdk}, newer "
+                               f"than the installed {installed}; upgrade onnxruntime-qnn or rebuild")
         bin_path = confine(bundle, str(Path(graph.file).parent / qnn.context_binary_of(path).name))
-        qnn.check_binary(bin_path, target.htp_arch, soc.name if soc else None, self.device_arch)
+        qnn.check_binary(bin_path, target.htp_arch, soc.name, self.device_arch)
         opts = qnn.provider_options(target.htp_arch, target.soc_model, target.quant == "fp16")
-        so = qnn.session_options(opts, {}, self.allow_cpu_fallback)
+        record = {"session.record_ep_graph_assignment_info": "1"}  # to name any CPU split
+        so = qnn.session_options(opts, record, self.allow_cpu_fallback)
         try:
             with qnn.native_stdout_to_stderr():
-                return ort.InferenceSession(str(path), so)
+                sess = ort.InferenceSession(str(path), so)
         except Exception as e:
-            raise explain_qnn_error(e, graph.file, bin_path) from None
+            err = explain_qnn_error(e, graph.file, bin_path, graph.bytes, spec.max_context_bytes)
+            if FALLBACK_DISABLED in str(e):  # load it once more, split allowed, to name the nodes
+                so = qnn.session_options(opts, record, allow_cpu_fallback=True)
+                try:
+                    with qnn.native_stdout_to_stderr():
+                        split = describe_split(ort.InferenceSession(str(path), so))
+                except Exception:
+                    split = None
+                if split:
+                    err = BackendError(f"{graph.file}: {split}; CPU fallback is disabled: rebuild "
+                                       "so the HTP claims every node, or pass --allow-cpu-fallback "
+                                       "to run split")
+            raise err from None
+        split = describe_split(sess)
+        if split:  # only reachable with --allow-cpu-fallback
+            warnings.warn(f"{graph.file}: {split} (--allow-cpu-fallback)", stacklevel=2)
+        return sess
 
 
-def explain_qnn_error(e: Exception, what: str, bin_path: Path | None = None) -> BackendError:
+FALLBACK_DISABLED = "fallback to CPU EP has been explicitly disabled"
+
+
+def describe_split(sess) -> str | None:
+    """'would run 1 of 2 nodes on the CPU (Trilu x1), 1 on the HTP' from a session made with
+    ``session.record_ep_graph_assignment_info``; None when the HTP runs everything."""
+    on: dict[str, list[str]] = {}
+    for sub in sess.get_provider_graph_assignment_info():
+        on.setdefault(sub.ep_name, []).extend(n.op_type for n in sub.get_nodes())
+    cpu = [op for ep, ops in on.items() if ep != qnn.EP for op in ops]
+    if not cpu:
+        return None
+    total = sum(len(ops) for ops in on.values())
+    kinds = ", ".join(f"{op} x{cpu.count(op)}" for op in sorted(set(cpu)))
+    return (f"the HTP does not support every node: it would run {len(cpu)} of {total} nodes on "
+            f"the CPU ({kinds}), {total - len(cpu)} on the HTP")
+
+
+def explain_qnn_error(e: Exception, what: str, bin_path: Path | None = None,
+                      graph_bytes: int | None = None, ceiling: int | None = None) -> BackendError:
     msg = str(e)
-    if "fallback to CPU EP has been explicitly disabled" in msg:
+    if FALLBACK_DISABLED in msg:
         return BackendError(f"{what}: some nodes are not supported by the HTP and would run on the CPU "
                             "(CPU fallback is disabled); pass --allow-cpu-fallback to run split")
-    if re.search(r"MEM_ALLOC|1002|0x3ea", msg):
-        size = f" (context binary {bin_path.stat().st_size:,} B)" if bin_path else ""
-        return BackendError(f"{what}: the HTP could not allocate the context{size}; rebuild with a "
-                            "smaller --max-shard-bytes so each context fits")
+    if re.search(r"MEM_ALLOC|\b1002\b|0x3ea", msg):
+        sizes = [f"context binary {bin_path.stat().st_size:,} B" if bin_path else "",
+                 f"graph + weights {graph_bytes:,} B" if graph_bytes else "",
+                 f"target ceiling {ceiling:,} B per context" if ceiling else ""]
+        detail = "; ".join(x for x in sizes if x)
+        return BackendError(f"{what}: the HTP ran out of memory creating the context (QNN 1002 / "
+                            f"0x3ea{'; ' + detail if detail else ''}); rebuild with a smaller "
+                            "--max-shard-bytes so each context fits")
     first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
     return BackendError(f"{what}: QNN could not load the graph: {first}")

@@ -99,6 +99,10 @@ class HostInputs:
             emb = np.concatenate([freqs, freqs], axis=-1)
             scale = np.float32(r.attention_scaling)
             self.rope[r.name] = (np.cos(emb) * scale, np.sin(emb) * scale)
+        # M-RoPE: which position axis (0 t, 1 h, 2 w) each of the R rotary columns reads
+        self.mrope_axis = {r.name: mrope_axes(r.mrope_section, r.mrope_interleaved,
+                                              inv[r.name].shape[0])
+                           for r in recipe.ropes if r.mrope_section is not None}
 
     def media_ids(self, ids: np.ndarray) -> np.ndarray:
         """ids with media placeholder tokens replaced by the recipe's media_pad_id (if any): the
@@ -124,5 +128,32 @@ class HostInputs:
                 for e in self.recipe.extra_embeds}
 
     def rope_tables(self, name: str, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """positions [T] (1-D, or M-RoPE text rows: t = h = w) or [3, T] (M-RoPE t, h, w)
+        -> cos, sin [1, T, R]. Column j of an M-RoPE table depends only on its own axis'
+        position, so it is a gather from the 1-D table: out[t, j] = table[pos[axis[j], t], j]."""
         cos, sin = self.rope[name]
-        return cos[positions][None], sin[positions][None]
+        if positions.ndim == 1:
+            return cos[positions][None], sin[positions][None]
+        axis = self.mrope_axis.get(name)
+        if axis is None:
+            raise BundleError(f"rope {name!r} got 3-D positions but declares no mrope_section")
+        rows = positions[axis].T  # [T, R]: each column's own position
+        cols = np.arange(axis.shape[0])[None]
+        return cos[rows, cols][None], sin[rows, cols][None]
+
+
+def mrope_axes(section: list[int], interleaved: bool, n_freq: int) -> np.ndarray:
+    """[2 n_freq] axis (0 t, 1 h, 2 w) of each rotary column cat(f, f) (see RopeSpec).
+
+    Interleaved is HF Qwen3-VL ``recomposition_frequencies``: start from t everywhere, then
+    columns 1, 4, 7 .. < 3 h take h and 2, 5, 8 .. < 3 w take w."""
+    if sum(section) != n_freq:
+        raise BundleError(f"mrope_section {section} does not sum to the {n_freq} rope frequencies")
+    axis = np.zeros(n_freq, dtype=np.int64)
+    if interleaved:
+        for a in (1, 2):
+            axis[a:section[a] * 3:3] = a
+    else:
+        axis[section[0]:section[0] + section[1]] = 1
+        axis[section[0] + section[1]:] = 2
+    return np.concatenate([axis, axis])

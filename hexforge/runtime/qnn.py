@@ -126,8 +126,12 @@ def context_binary_of(ctx_onnx: Path) -> Path:
     raise BundleError(f"{ctx_onnx.name} has no EPContext node; not a compiled HTP graph")
 
 
-def _ver(v: str) -> tuple[int, ...]:
+def version_tuple(v: str) -> tuple[int, ...]:
+    """'2.51.0' / 'v2.51.0.260929' -> (2, 51, 0)."""
     return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+
+
+_ver = version_tuple
 
 
 def check_binary(bin_path: Path, want_arch: int, want_soc_name: str | None,

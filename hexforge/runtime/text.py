@@ -62,24 +62,26 @@ class StreamingDetokenizer:
 class ChatTemplate:
     """The checkpoint's chat template, rendered the way transformers renders it (jinja2's
     ImmutableSandboxedEnvironment, trim_blocks/lstrip_blocks, ``raise_exception``), so a template
-    cannot reach Python attributes or import anything."""
+    cannot reach Python attributes or import anything; plus loop / size budgets
+    (``_BoundedSandbox``) and every failure mapped to a RequestError."""
 
     MAX_BYTES = 1 << 20
 
     def __init__(self, source: str, bos_token: str | None, eos_token: str | None):
         from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                              extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
+        env.globals["range"] = env.budget_range
         try:
             self._template = env.from_string(source)
-        except TemplateError as e:
+        except (TemplateError, RecursionError, MemoryError) as e:
             raise BundleError(f"the chat template does not parse: {e}") from None
+        self._env = env
         self.bos_token, self.eos_token = bos_token, eos_token
 
     @classmethod
@@ -116,6 +118,7 @@ class ChatTemplate:
         from jinja2.exceptions import SecurityError
 
         check_messages(messages)
+        self._env.spent = 0
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "",
@@ -124,6 +127,46 @@ class ChatTemplate:
             raise RequestError(f"the chat template tried something the sandbox forbids: {e}") from None
         except TemplateError as e:
             raise RequestError(f"the chat template refused the messages: {e}") from None
+        except Exception as e:  # {% include %} without a loader (TypeError), RecursionError, ...
+            raise RequestError(f"the chat template failed on these messages: "
+                               f"{type(e).__name__}: {e}") from None
+
+
+def _BoundedSandbox(**kw):
+    """jinja2's ImmutableSandboxedEnvironment plus two budgets the sandbox lacks, so a hostile
+    template cannot hang or exhaust the server: ``range`` draws from one per-render budget of
+    RENDER_BUDGET iterations (nested loops multiply otherwise), and ``*`` / ``**`` refuse
+    results bigger than the budget ('a' * 10**10, 10**10**10)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+    budget = RENDER_BUDGET
+
+    class Env(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**"])
+        spent = 0
+
+        def budget_range(self, *args):
+            r = range(*args)
+            self.spent += len(r)
+            if self.spent > budget:
+                raise SecurityError(f"the template iterates more than {budget:,} times")
+            return r
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "**":
+                big = isinstance(left, int) and left.bit_length() * abs(right) > 64 * budget
+                if isinstance(right, int) and (abs(right) > 64 or big):
+                    raise SecurityError("'**' with an exponent over 64 or a huge result is refused")
+            elif isinstance(left, str | list | tuple) or isinstance(right, str | list | tuple):
+                seq, n = (left, right) if isinstance(right, int) else (right, left)
+                if isinstance(n, int) and hasattr(seq, "__len__") and len(seq) * n > budget:
+                    raise SecurityError(f"'*' would make a sequence over {budget:,} items")
+            return super().call_binop(context, operator, left, right)
+
+    return Env(**kw)
+
+
+RENDER_BUDGET = 1_000_000
 
 
 def check_messages(messages) -> None:
