@@ -161,3 +161,23 @@ def test_cli_refuses_a_file_that_is_not_an_image(mm, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "image" in r.stderr.lower()
+
+
+def test_v81_fp16_build_gates_the_encoders_and_runs_media_on_the_simulator(htp_bundle, media):
+    """One cpu + v81 fp16 build: the decoder and both encoders pass their gates on qnn-sim, and
+    image / audio prompts run there (the encoders compiled in fp16, CPU fallback disabled)."""
+    import hexforge
+    from tests.test_htp import QUANT_THRESHOLDS
+
+    b = htp_bundle("gemma4_mm", "fp16", audio_seconds=4.0)
+    rep = json.loads((b / "report.json").read_text())["v81"]
+    assert rep["passed"], rep["failures"]
+    assert rep["teacher_forced"]["cos_min"] >= QUANT_THRESHOLDS["fp16"]
+    for name in ("vision", "audio"):
+        assert rep["encoders"][name]["outputs"]["soft"]["cos_min"] >= 0.999
+    cpu, sim = hexforge.load(b), hexforge.load(b, backend="qnn-sim")
+    for kw in ({"images": [media["image"]]}, {"audios": [media["audio"]]}):
+        want = cpu.generate("Describe it.", max_new_tokens=4, ignore_eos=True, **kw)
+        got = sim.generate("Describe it.", max_new_tokens=4, ignore_eos=True, **kw)
+        assert got.prompt_tokens == want.prompt_tokens
+        assert got.token_ids[0] == want.token_ids[0]

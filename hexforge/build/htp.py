@@ -32,9 +32,11 @@ CALIB_DECODE_STEPS = 64  # decode samples (each holds the whole KV cache: keep i
 
 
 def calibrate(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: RunPlan,
-              recipe: QuantRecipe, text: str):
+              recipe: QuantRecipe, text: str, hf=None):
     """Run the float graphs on the CPU EP; -> ({graph: [feeds]}, {graph: {output: absmax}})."""
-    spec = TargetSpec(name="_calib", graphs=graphs, plan=plan, mask_value=recipe.mask_value)
+    encoders = [g for g in manifest.targets["cpu"].graphs if g.role in ("vision", "audio")]
+    spec = TargetSpec(name="_calib", graphs=graphs + encoders, plan=plan,
+                      mask_value=recipe.mask_value)
     m = manifest.model_copy(deep=True)
     m.targets = {"_calib": spec}
     engine = Engine(root, m, "_calib", Backend("cpu"))
@@ -57,7 +59,33 @@ def calibrate(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: Run
     engine.reset()
     engine.observer = lambda g, *a: record(g, *a) if g.role != "prefill" else None
     engine.prefill(ids[:CALIB_DECODE_STEPS], mode="decode")
+    for media_ids, rows in _media_prompts(engine, m, ids, hf) if hf is not None else []:
+        # soft tokens (and deepstack rows) have their own ranges: text alone would calibrate
+        # the deepstack inputs on zeros and clip them (Qwen3-VL image logits cos 0.93 -> 0.999)
+        engine.reset()
+        engine.observer = record
+        engine.prefill(media_ids, media=rows)
+        engine.reset()
+        engine.observer = lambda g, *a: record(g, *a) if g.role != "prefill" else None
+        engine.prefill(media_ids[:CALIB_DECODE_STEPS], mode="decode", media=rows)
     return feeds, absmax
+
+
+def _media_prompts(engine: Engine, manifest: Manifest, ids: list[int], hf):
+    """One prompt per encoder: its example item (the family's synthetic image / clip) first,
+    then calibration text; -> [(expanded ids, MediaRows)]."""
+    from ..families.base import encoder_families
+    from ..runtime.multimodal import encode_items, splice
+    from .encoders import example_feeds
+
+    out = []
+    for enc, spec in zip(encoder_families(manifest.hf_config), manifest.encoders, strict=True):
+        feeds = example_feeds(enc, spec)
+        n = enc.reference(hf, feeds)["soft"].shape[0]  # the item's valid soft tokens
+        encoded = {spec.placeholder_id: encode_items(engine, spec, [feeds], [n])}
+        text = ids[: max(1, manifest.context - n - 2)]
+        out.append(splice(manifest, [spec.placeholder_id, *text], encoded))
+    return out
 
 
 def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, manifest: Manifest,
@@ -76,7 +104,7 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
             if recipe.activations:
                 t = time.perf_counter()
                 text = calibration_text(opts.calib)
-                feeds, absmax = calibrate(root, manifest, graphs, plan, recipe, text)
+                feeds, absmax = calibrate(root, manifest, graphs, plan, recipe, text, hf)
                 hessians = pooled_hessians([(root / g.file, feeds[g.name]) for g in graphs
                                             if g.role != "head"])
                 for g in graphs:

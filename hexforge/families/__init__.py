@@ -13,7 +13,8 @@ from types import ModuleType
 
 from ..errors import UnsupportedModelError
 
-REMAP = {"qwen2": "llama", "mistral": "llama", "gemma4_text": "gemma4", "qwen3_5_text": "qwen3_5"}
+REMAP = {"qwen2": "llama", "mistral": "llama", "gemma4_text": "gemma4", "qwen3_5_text": "qwen3_5",
+         "qwen3_vl_text": "qwen3_vl"}
 
 
 def family_name(model_type: str) -> str:

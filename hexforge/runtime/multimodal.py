@@ -76,6 +76,19 @@ def _items(ids: list[int], spec, n_items: int, bos: int | None) -> list[int]:
     return ids
 
 
+Encoded = dict[int, list[tuple[np.ndarray, dict[str, np.ndarray]]]]  # placeholder id -> items
+
+
+def encode_items(engine, spec, inputs: list[dict[str, np.ndarray]], counts: list[int]
+                 ) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+    """Run the encoder graph per item; keep its first n rows: (soft [n, H], {bind: [n, H]})."""
+    out = []
+    for feeds, n in zip(inputs, counts, strict=True):
+        res = engine.encode(spec, feeds)
+        out.append((res["soft"][0, :n], {b: v[0, :n] for b, v in res.items() if b != "soft"}))
+    return out
+
+
 def prepare_media(engine, manifest, ids: list[int], images: list | None, audios: list | None,
                   preps: dict) -> tuple[list[int], MediaRows | None]:
     """Decode + preprocess + encode the media; -> (ids with each placeholder expanded to
@@ -85,7 +98,7 @@ def prepare_media(engine, manifest, ids: list[int], images: list | None, audios:
     from .media import load_audio, load_image
 
     given = {"image": list(images or []), "audio": list(audios or [])}
-    encoded: dict[int, list[tuple[np.ndarray, dict]]] = {}  # placeholder id -> per item
+    encoded: Encoded = {}
     for modality, items in given.items():
         if not items:
             continue
@@ -99,38 +112,43 @@ def prepare_media(engine, manifest, ids: list[int], images: list | None, audios:
         decoded = ([load_image(x) for x in items] if modality == "image" else
                    [load_audio(x, prep.sampling_rate, prep.max_seconds) for x in items])
         ids = _items(ids, spec, len(items), manifest.generation.bos_token_id)
-        out = []
-        for media in decoded:
-            inputs, n = prep(media)
-            res = engine.encode(spec, inputs)
-            out.append((res["soft"][0, :n], {b: v[0, :n] for b, v in res.items() if b != "soft"}))
-        encoded[spec.placeholder_id] = out
+        feeds, counts = zip(*(prep(media) for media in decoded), strict=True)
+        encoded[spec.placeholder_id] = encode_items(engine, spec, list(feeds), list(counts))
     if not encoded:
         return ids, None
+    return splice(manifest, ids, encoded)
+
+
+def splice(manifest, ids: list[int], encoded: Encoded) -> tuple[list[int], MediaRows]:
+    """Expand each placeholder to [begin] placeholder * n [end] (begin / end only where the prompt
+    does not already have them: chat templates like Qwen's write them) and collect the rows."""
     specs = {e.placeholder_id: e for e in manifest.encoders}
     new_ids: list[int] = []
     index, embeds, extra = [], [], {}
-    taken = {k: 0 for k in encoded}
-    for t in ids:
+    taken = dict.fromkeys(encoded, 0)
+    for i, t in enumerate(ids):
         if t not in encoded:
             new_ids.append(t)
             continue
         spec = specs[t]
         soft, rows = encoded[t][taken[t]]
         taken[t] += 1
-        if spec.begin_id is not None:
+        if spec.begin_id is not None and (not new_ids or new_ids[-1] != spec.begin_id):
             new_ids.append(spec.begin_id)
         index.extend(range(len(new_ids), len(new_ids) + soft.shape[0]))
         new_ids.extend([t] * soft.shape[0])
         embeds.append(soft)
         for bind, v in rows.items():
             extra.setdefault(bind, []).append(v)
-        if spec.end_id is not None:
+        if spec.end_id is not None and (i + 1 == len(ids) or ids[i + 1] != spec.end_id):
             new_ids.append(spec.end_id)
-    return new_ids, MediaRows(index=np.asarray(index, np.int64),
-                              embeds=np.concatenate(embeds).astype(np.float32),
-                              extra={b: np.concatenate(v).astype(np.float32)
-                                     for b, v in extra.items()})
+    rows = MediaRows(index=np.asarray(index, np.int64),
+                     embeds=np.concatenate(embeds).astype(np.float32),
+                     extra={b: np.concatenate(v).astype(np.float32) for b, v in extra.items()})
+    if manifest.host.positions == "mrope":  # Qwen-VL: 3-D positions over each image's grid
+        image = manifest.encoder("image")
+        rows.rope_positions, rows.rope_delta = mrope_positions(new_ids, image)
+    return new_ids, rows
 
 
 def mrope_positions(ids, spec, grid: tuple[int, int, int] | None = None

@@ -1,0 +1,212 @@
+"""Qwen3-VL vision tower (vision_config.model_type qwen3_vl_vision) as one fixed-resolution graph.
+
+HF's tower is data-dependent (grid_thw -> interpolation taps, rotary ids, cu_seqlens splits); for
+one image at a resolution fixed at build time every one of those is a constant, so the build
+computes them with HF's own helpers (``transformers.vision_utils``) and bakes the results::
+
+    pixel_values [1, N, 3*tp*p*p]   (host: resize to H x W, normalize, temporal duplicate,
+       │                             patchify in merge order; runtime/vision.py Qwen2VLImagePrep)
+       ├─ patch embed: Conv3d with kernel = stride = patch  ==  one MatMul on the flat patch
+       ├─ + pos      [N, C] const   learned 2-D table resampled bilinearly to the grid (baked)
+       ├─ blocks x depth: LN ─ attention (2-D axial rope, cos/sin [N, hd] baked; one image = one
+       │                   cu_seqlens segment = full attention, no mask) ─ + ─ LN ─ MLP ─ +
+       │    └─ after block deepstack_visual_indexes[i]: deepstack merger i ─▶ deepstack:<i>
+       └─ merger: LN(C) ─ view [N/m², m²C] ─ fc1 ─ GELU ─ fc2 ─▶ soft [1, S, H_text]
+
+N = (H/p)(W/p) patches, S = N/m² soft tokens (m = spatial_merge_size). The merge order (each m x m
+block's patches adjacent) is the host's patchify order, so the mergers are plain reshapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from transformers.vision_utils import (
+    get_vision_interpolation_indices_and_weights,
+    get_vision_position_ids,
+)
+
+from ..manifest import EncoderSpec
+from . import blocks
+from .base import EncoderFamily, GraphIO
+
+DEFAULT_SIZE = 512  # px per side, unless the learned position grid is natively smaller
+# a prompt marks an image with the pad token; the host expands it to
+# <|vision_start|> <|image_pad|> x S <|vision_end|> (begin_id / end_id), as HF's processor does
+PLACEHOLDER_TEXT = "<|image_pad|>"
+
+
+def _processor_config(hf) -> dict:
+    """The checkpoint's preprocessor_config.json (mean/std, patch sizes), {} if it has none."""
+    path = Path(getattr(hf, "name_or_path", "") or "") / "preprocessor_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def default_size(vcfg, unit: int) -> tuple[int, int]:
+    """512 x 512, or the learned position grid's native resolution if smaller (beyond it the
+    table is upsampled); snapped down to a multiple of patch x merge."""
+    native = math.isqrt(vcfg.num_position_embeddings) * vcfg.patch_size
+    side = max(unit, min(DEFAULT_SIZE, native) // unit * unit)
+    return side, side
+
+
+class Qwen3VLVisionEncoder(EncoderFamily):
+    modality = "image"
+
+    def spec(self, hf, config: dict, image_size: int | tuple[int, int] | None = None
+             ) -> EncoderSpec:
+        """image_size: the fixed H x W every image is resized to (int = square); default
+        ``default_size``. Must be a multiple of patch_size x spatial_merge_size."""
+        from ..errors import UnsupportedModelError
+
+        v = hf.model.visual.config
+        m, p, tp = v.spatial_merge_size, v.patch_size, v.temporal_patch_size
+        proc = _processor_config(hf)
+        for key, want in (("patch_size", p), ("merge_size", m), ("temporal_patch_size", tp)):
+            if key in proc and proc[key] != want:
+                raise UnsupportedModelError(f"preprocessor_config.json {key}={proc[key]} differs "
+                                            f"from the vision tower's {want}")
+        unit = p * m
+        if image_size is None:
+            h, w = default_size(v, unit)
+        else:
+            h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
+        if h % unit or w % unit or h <= 0 or w <= 0:
+            raise UnsupportedModelError(f"Qwen3-VL image size {h}x{w} must be a positive multiple "
+                                        f"of patch x merge = {unit}")
+        params = {
+            "height": h, "width": w, "patch_size": p, "temporal_patch_size": tp, "merge_size": m,
+            # the Qwen3-VL repos ship mean = std = 0.5 (not the Qwen2-VL processor's CLIP default)
+            "image_mean": [float(x) for x in proc.get("image_mean", [0.5] * 3)],
+            "image_std": [float(x) for x in proc.get("image_std", [0.5] * 3)],
+            "rescale_factor": float(proc.get("rescale_factor", 1 / 255)),
+        }
+        return EncoderSpec(
+            name="vision", modality="image", preprocessor="qwen2vl_image", params=params,
+            placeholder_id=int(config["image_token_id"]), placeholder_text=PLACEHOLDER_TEXT,
+            begin_id=config.get("vision_start_token_id"), end_id=config.get("vision_end_token_id"),
+            max_soft_tokens=(h // unit) * (w // unit))
+
+    def encoder_module(self, hf, spec: EncoderSpec):
+        return VisionGraph(hf.model.visual, spec)
+
+    def example_inputs(self, spec: EncoderSpec) -> dict[str, np.ndarray]:
+        """A synthetic non-square RGB image (smooth gradients + a checkerboard: every patch
+        differs) through the runtime preprocessor."""
+        from PIL import Image
+
+        from ..runtime.vision import Qwen2VLImagePrep
+
+        h, w = 3 * spec.params["height"] // 4 + 5, spec.params["width"] + 37
+        y, x = np.mgrid[0:h, 0:w]
+        rgb = np.stack([255 * x / w, 255 * y / h, 127 + 120 * ((x // 9 + y // 7) % 2 - 0.5)], -1)
+        inputs, _ = Qwen2VLImagePrep(spec.params)(Image.fromarray(rgb.astype(np.uint8)))
+        return inputs
+
+    def reference(self, hf, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """HF's tower on the same pixels: merged embeddings + each deepstack feature, [S, H]."""
+        with torch.no_grad():
+            out = hf.model.visual(torch.from_numpy(inputs["pixel_values"][0]),
+                                  grid_thw=torch.from_numpy(inputs["image_grid_thw"]))
+        ref = {"soft": out.pooler_output.float().numpy()}
+        for i, feat in enumerate(out.deepstack_features):
+            ref[f"deepstack:{i}"] = feat.float().numpy()
+        return ref
+
+
+# ---- export module (torch) -----------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """HF Qwen3VLVisionBlock on its own modules; full attention over the N patches."""
+
+    def __init__(self, hf_blk: nn.Module, heads: int, act):
+        super().__init__()
+        self.norm1, self.norm2 = hf_blk.norm1, hf_blk.norm2
+        self.qkv, self.proj = hf_blk.attn.qkv, hf_blk.attn.proj
+        self.fc1, self.fc2 = hf_blk.mlp.linear_fc1, hf_blk.mlp.linear_fc2
+        self.heads, self.scaling, self.act = heads, hf_blk.attn.scaling, act
+
+    def forward(self, x, cos, sin):  # x [1, N, C]; cos/sin [1, 1, N, hd]
+        N, C = x.shape[1], x.shape[2]
+        qkv = self.qkv(self.norm1(x)).view(1, N, 3, self.heads, C // self.heads)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # [1, nh, N, hd]
+        q, k = blocks.apply_rope(q, cos, sin), blocks.apply_rope(k, cos, sin)
+        probs = torch.softmax(torch.matmul(q, k.transpose(2, 3)) * self.scaling, dim=-1)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(1, N, C)
+        x = x + self.proj(out)
+        return x + self.fc2(self.act(self.fc1(self.norm2(x))))
+
+
+class Merger(nn.Module):
+    """HF Qwen3VLVisionPatchMerger: m² adjacent patches -> one text-width token. The main merger
+    normalizes per patch before the view, the deepstack ones after it (use_postshuffle_norm)."""
+
+    def __init__(self, hf_merger: nn.Module):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = hf_merger.norm, hf_merger.linear_fc1, hf_merger.linear_fc2
+        self.post = hf_merger.use_postshuffle_norm
+        self.width = hf_merger.hidden_size  # m² C
+
+    def forward(self, x):  # [1, N, C] -> [1, S, H_text]
+        if not self.post:
+            x = self.norm(x)
+        x = x.reshape(1, -1, self.width)
+        if self.post:
+            x = self.norm(x)
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))  # HF nn.GELU(): exact erf
+
+
+class VisionGraph(nn.Module):
+    """The tower for one image of spec's fixed size: pixel_values [1, N, D] -> soft [1, S, H],
+    deepstack_<i> [1, S, H]."""
+
+    def __init__(self, visual: nn.Module, spec: EncoderSpec):
+        super().__init__()
+        p = spec.params
+        m, patch = p["merge_size"], p["patch_size"]
+        gh, gw = p["height"] // patch, p["width"] // patch
+        grid = torch.tensor([[1, gh, gw]])
+        with torch.no_grad():  # the grid-derived inputs, once, with HF's own helpers
+            idx, w = get_vision_interpolation_indices_and_weights(
+                grid, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+                align_corners=visual.interpolation_align_corners, spatial_merge_size=m)
+            pos = (visual.pos_embed(idx) * w[:, :, None]).sum(1)  # [N, C], merge order
+            cos, sin = visual.rotary_pos_emb(pos, get_vision_position_ids(grid, m))  # [N, hd]
+        self.register_buffer("pos", pos[None].float().clone())
+        self.register_buffer("cos", cos[None, None].float().clone())
+        self.register_buffer("sin", sin[None, None].float().clone())
+        conv = visual.patch_embed.proj  # Conv3d, kernel = stride: a Linear on the flat patch
+        self.patch_w = nn.Parameter(conv.weight.detach().reshape(conv.weight.shape[0], -1),
+                                    requires_grad=False)  # [C, 3 tp p p], (c, t, y, x) order
+        self.patch_b = conv.bias
+        cfg = visual.config
+        act = blocks.ACTIVATIONS.get(cfg.hidden_act) or visual.blocks[0].mlp.act_fn
+        self.blocks = nn.ModuleList([Block(b, cfg.num_heads, act) for b in visual.blocks])
+        self.merger = Merger(visual.merger)
+        self.deepstack = {int(layer): i for i, layer in enumerate(visual.deepstack_visual_indexes)}
+        self.ds_mergers = nn.ModuleList([Merger(x) for x in visual.deepstack_merger_list])
+        self.n_patches, self.patch_dim = gh * gw, self.patch_w.shape[1]
+        self.io = GraphIO(inputs=[("pixel_values", "media:pixel_values")],
+                          outputs=[("soft", "soft")] + [(f"deepstack_{i}", f"deepstack:{i}")
+                                                        for i in range(len(self.ds_mergers))])
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        return (torch.randn(1, self.n_patches, self.patch_dim),)
+
+    def forward(self, pixel_values):
+        x = torch.nn.functional.linear(pixel_values, self.patch_w, self.patch_b) + self.pos
+        feats = []
+        for layer, blk in enumerate(self.blocks):
+            x = blk(x, self.cos, self.sin)
+            if layer in self.deepstack:
+                feats.append(self.ds_mergers[self.deepstack[layer]](x))
+        return (self.merger(x), *feats)
+
+
+ENCODER = Qwen3VLVisionEncoder()
