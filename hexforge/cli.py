@@ -34,13 +34,26 @@ def _shard_bytes(s: str) -> int | dict[str, int]:
     return out
 
 
+def _image_size(s: str) -> tuple[int, int]:
+    """'512x384' (H x W) or '448' (square) -> (H, W)."""
+    parts = s.lower().replace("*", "x").split("x")
+    try:
+        hw = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an image size: {s!r} (e.g. 512x512)") from None
+    if len(hw) not in (1, 2) or min(hw) < 1:
+        raise argparse.ArgumentTypeError(f"not an image size: {s!r} (e.g. 512x512)")
+    return (hw[0], hw[-1])
+
+
 def cmd_build(a) -> int:
     from .build.pipeline import BuildOptions, build
 
     opts = BuildOptions(targets=a.target, context=a.context, prefill_len=a.prefill_len,
                         max_shard_bytes=a.max_shard_bytes, verify=not a.no_verify,
                         exporter=a.exporter, quant=a.quant, calib=a.calib,
-                        share_weights=a.share_weights, audio_seconds=a.audio_seconds)
+                        share_weights=a.share_weights, audio_seconds=a.audio_seconds,
+                        cpu_weights=a.cpu_weights)
     build(a.checkpoint, a.output, opts, log=lambda m: print(m, file=sys.stderr))
     return 0
 
@@ -213,13 +226,19 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--max-shard-bytes", type=_shard_bytes, default=None,
                    help="per-graph weight ceiling (default: the target's): 1.8G, or cpu=3G,v81=1.8G")
     b.add_argument("--quant", choices=("fp16", "w8a16", "w4a16"), default="w8a16",
-                   help="HTP targets' precision (the cpu target is always fp32)")
+                   help="HTP targets' precision (the cpu target: see --cpu-weights)")
+    b.add_argument("--cpu-weights", choices=("fp32", "int8", "int4"), default="fp32",
+                   help="cpu target weights: fp32 (greedy-exact vs HF) or weight-only int8 / int4 "
+                        "(onnxruntime MatMulNBits; gated on teacher-forced cosine)")
     b.add_argument("--calib", default=None, help="calibration text file (default: built-in sample)")
     b.add_argument("--share-weights", action="store_true",
                    help="HTP: one weight-shared context per shard for prefill + decode (device "
                         "only: the x86 simulator cannot load them; the oracle runs unshared twins)")
     b.add_argument("--no-verify", action="store_true", help="skip the HF oracle and its gates")
     b.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript")
+    b.add_argument("--image-size", type=_image_size, default=None, metavar="HxW",
+                   help="fixed-resolution vision graphs (Qwen-VL): the build resolution, e.g. "
+                        "512x512 (default) or 448; images are resized to it")
     b.add_argument("--audio-seconds", type=float, default=None,
                    help="audio models: the encoder's fixed window in seconds (default: the "
                         "model's maximum, 30 s on Gemma-4); longer clips are refused at run time")

@@ -181,3 +181,51 @@ def test_v81_fp16_build_gates_the_encoders_and_runs_media_on_the_simulator(htp_b
         got = sim.generate("Describe it.", max_new_tokens=4, ignore_eos=True, **kw)
         assert got.prompt_tokens == want.prompt_tokens
         assert got.token_ids[0] == want.token_ids[0]
+
+
+def test_server_takes_images_and_audio_as_data_urls(mm, media):
+    """OpenAI content parts: image_url data URL + input_audio base64 -> the same tokens as the
+    Python API with the files; a remote URL and a non-image payload are 400s."""
+    import base64
+
+    from fastapi.testclient import TestClient
+
+    import hexforge
+    from hexforge.serve import create_app
+
+    _, b = mm
+    model = hexforge.load(b)
+    client = TestClient(create_app(model, "mm"))
+    png = base64.b64encode(media["image"].read_bytes()).decode()
+    wav = base64.b64encode(media["audio"].read_bytes()).decode()
+    content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
+               {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}},
+               {"type": "text", "text": "What is this?"}]
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": content}], "max_tokens": 6, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    image_text = model.manifest.encoder("image").placeholder_text
+    audio_text = model.manifest.encoder("audio").placeholder_text
+    want = model.chat([{"role": "user", "content": f"{image_text}{audio_text}What is this?"}],
+                      images=[media["image"]], audios=[media["audio"]], max_new_tokens=6,
+                      ignore_eos=True)
+    assert r.json()["choices"][0]["message"]["content"] == want.text
+    assert r.json()["usage"]["prompt_tokens"] == want.prompt_tokens
+    for bad in ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                    + base64.b64encode(b"no image").decode()}}):
+        r = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": [bad]}], "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text
+
+
+def test_encoder_build_options_are_checked_before_export(mm, tmp_path):
+    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.errors import BuildError, CheckpointError
+
+    ckpt_dir, _ = mm
+    with pytest.raises(BuildError, match="--image-size does not apply"):
+        build(ckpt_dir, tmp_path / "b1", BuildOptions(image_size=(64, 64)), log=lambda m: None)
+    with pytest.raises(CheckpointError, match="audio window"):
+        build(ckpt_dir, tmp_path / "b2", BuildOptions(audio_seconds=99.0), log=lambda m: None)
+    assert not any(tmp_path.iterdir())  # nothing half-written

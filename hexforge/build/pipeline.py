@@ -56,6 +56,7 @@ class BuildOptions:
     exporter: str = "torchscript"  # measured: same tiny-model speed, 2.5x faster export
     verify_tokens: int = 64
     audio_seconds: float | None = None  # the audio encoder's fixed window (default: the model's)
+    image_size: tuple[int, int] | None = None  # fixed-resolution vision graphs (Qwen-VL): H, W
     force: bool = True  # replace an existing bundle at the output path
     timings: dict = field(default_factory=dict)
 
@@ -130,6 +131,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         t = time.perf_counter()
         hf = fam.load_hf(ckpt.dir)
         opts.timings["load_hf_s"] = time.perf_counter() - t
+        enc_specs = [_encoder_spec(e, hf, ckpt.config, opts) for e in encoders]  # bad options fail
         from ..families.blocks import calibrate_norm_scales
         from ..runtime.text import TextTokenizer
         from .calib import calibration_text
@@ -145,9 +147,6 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
 
         t = time.perf_counter()
         cpu = _build_cpu_target(fam, hf, args, targets[0], opts, tmp, log)
-        enc_specs = [e.spec(hf, ckpt.config, **({"max_seconds": opts.audio_seconds}
-                                                if e.modality == "audio" and opts.audio_seconds
-                                                else {})) for e in encoders]
         enc_graphs = export_encoders(encoders, enc_specs, hf, tmp, "cpu", opts.exporter, log)
         cpu.graphs += enc_graphs
         manifest = Manifest(
@@ -201,6 +200,22 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
     opts.timings["total_s"] = time.perf_counter() - t_start
     log(f"wrote {out} in {opts.timings['total_s']:.1f}s")
     return out
+
+
+def _encoder_spec(encoder, hf, config: dict, opts: BuildOptions):
+    """The encoder's manifest entry with the build's encoder options for its modality."""
+    kw = {"audio": {"max_seconds": opts.audio_seconds},
+          "image": {"image_size": opts.image_size}}[encoder.modality]
+    kw = {k: v for k, v in kw.items() if v is not None}
+    try:
+        return encoder.spec(hf, config, **kw)
+    except TypeError as e:
+        if not kw or "unexpected keyword" not in str(e):
+            raise
+        flag = "--" + next(iter(kw)).replace("_", "-").replace("max-seconds", "audio-seconds")
+        raise BuildError(f"{flag} does not apply to this checkpoint's {encoder.modality} encoder "
+                         f"({type(encoder).__name__} sizes its inputs from the processor config)"
+                         ) from None
 
 
 def _drop_verify_twins(root: Path, manifest: Manifest) -> None:
