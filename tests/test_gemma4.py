@@ -120,3 +120,51 @@ def test_fp16_htp_build_meets_the_gate_and_runs_on_the_simulator(htp_bundle):
     model = hexforge.load(b, backend="qnn-sim")
     r = model.generate(prompt_ids(W + 12), max_new_tokens=8, ignore_eos=True)
     assert len(r.token_ids) == 8
+
+
+def test_htp_activation_matmul_input1_keeps_16_bits(tmp_path):
+    """The HTP held input 1 of a uint16 x uint16 activation MatMul (QK^T keys, probs.V values) at 8
+    bits: HTP vs the same QDQ graph on the CPU EP cos 0.99997, which took tiny Gemma-4 w8a16 on
+    v81 from 0.989 (CPU-QDQ) to 0.878. quantize.int16_matmul_rhs makes input 1 int16: exact."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from hexforge.build.quantize import int16_matmul_rhs
+    from hexforge.runtime import qnn
+
+    if not qnn.available():
+        pytest.skip("onnxruntime-qnn is not installed")
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(1, 1, 8, 64)).astype(np.float32)
+    b = rng.normal(size=(1, 1, 64, 24)).astype(np.float32)
+    inits, nodes = [], []
+
+    def qdq(x: str, absmax: float) -> str:
+        inits.extend([numpy_helper.from_array(np.array(2 * absmax / 65535, np.float32), f"{x}_s"),
+                      numpy_helper.from_array(np.array(32768, np.uint16), f"{x}_z")])
+        nodes.extend([helper.make_node("QuantizeLinear", [x, f"{x}_s", f"{x}_z"], [f"{x}_q"]),
+                      helper.make_node("DequantizeLinear", [f"{x}_q", f"{x}_s", f"{x}_z"], [f"{x}_d"])])
+        return f"{x}_d"
+
+    nodes.append(helper.make_node("MatMul", [qdq("a", 5.0), qdq("b", 5.0)], ["y"]))
+    nodes.append(helper.make_node("Identity", [qdq("y", 40.0)], ["out"]))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, a.shape),
+                                       helper.make_tensor_value_info("b", TensorProto.FLOAT, b.shape)],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)
+
+    def htp_vs_cpu(model) -> float:
+        path = tmp_path / "m.onnx"
+        onnx.save(model, str(path))
+        feeds = {"a": a, "b": b}
+        cpu = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        so = qnn.session_options(qnn.provider_options(81, 87, False), {})
+        with qnn.native_stdout_to_stderr():
+            htp = ort.InferenceSession(str(path), so).run(None, feeds)[0]
+        x, y = cpu.ravel().astype(np.float64), htp.ravel().astype(np.float64)
+        return float(x @ y / np.linalg.norm(x) / np.linalg.norm(y))
+
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    assert htp_vs_cpu(m) < 0.99999  # the HTP's 8-bit input 1 (if this passes, the EP was fixed)
+    assert int16_matmul_rhs(m) == 1
+    assert htp_vs_cpu(m) > 0.9999999

@@ -36,6 +36,9 @@ class QuantRecipe:
     range_margin: float = 3.0  # calibrated activation ranges widened x this: unseen prompts exceed
     # MinMax ranges and clipping, not 16-bit resolution, dominated the error (measured: x1 cos 0.9942,
     # x1.5 0.9980, x3 0.99983 teacher-forced on tiny llama w8a16)
+    rhs_int16: bool = True  # input 1 of activation x activation MatMuls (QK^T keys, probs.V
+    # values) as symmetric int16: the HTP holds a dynamic uint16 input 1 at 8 bits (see
+    # int16_matmul_rhs); tiny Gemma-4 w8a16 on v81 went 0.878 -> 0.987 (= its CPU-QDQ 0.989)
 
 
 RECIPES = {
@@ -104,7 +107,7 @@ def quantize_graph(float_path: Path, out_path: Path, feeds: list[dict[str, np.nd
         root_log.setLevel(level)
     bits = recipe.head_bits if role == "head" and recipe.head_bits else recipe.weight_bits
     requantize_weights(out_path, float_path, bits, recipe.block_size, recipe.range_margin,
-                       hessians or {})
+                       hessians or {}, rhs_int16=recipe.rhs_int16)
 
 
 def _quantize(float_path: Path, out_path: Path, feeds, output_absmax, model) -> None:
@@ -269,8 +272,10 @@ def int4_blocks(w: np.ndarray, B: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: int | None,
-                       range_margin: float, hessians: dict[str, np.ndarray] | None = None) -> int:
-    """Replace each MatMul weight's DequantizeLinear with the recipe's format; -> weights changed."""
+                       range_margin: float, hessians: dict[str, np.ndarray] | None = None,
+                       rhs_int16: bool = False) -> int:
+    """Replace each MatMul weight's DequantizeLinear with the recipe's format (and, with
+    ``rhs_int16``, give activation x activation MatMuls an int16 input 1); -> weights changed."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -318,6 +323,8 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
         node.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
         changed += 1
     widen_activation_ranges(qm, inits, range_margin)
+    if rhs_int16:
+        int16_matmul_rhs(qm)
     # 16-bit Q/DQ and block_size are standard at opset 21: leave the com.microsoft twins behind
     for node in qm.graph.node:
         if node.op_type in ("QuantizeLinear", "DequantizeLinear") and node.domain == "com.microsoft":
@@ -371,3 +378,98 @@ def widen_activation_ranges(qm, inits: dict, factor: float) -> None:
     keep = [t for t in qm.graph.initializer if t.name in used]
     del qm.graph.initializer[:]
     qm.graph.initializer.extend(keep)
+
+
+def int16_matmul_rhs(qm) -> int:
+    """Input 1 of every MatMul of two dynamic uint16 tensors -> symmetric int16; -> MatMuls changed.
+
+    Why: the QNN EP (onnxruntime-qnn 2.7 / QNN 2.51, v81) runs such a MatMul with input 1 held at 8
+    bits — measured: HTP vs the same QDQ graph on the CPU EP cos 0.99997 (error ~0.9% of the output
+    range) and exact once input 1 lies on an 8-bit grid; with input 1 int16 symmetric (uint16 x
+    int16) the HTP matched the CPU EP exactly (cos 1.0000000). Here that is QK^T (keys) and
+    probs.V (values) of every attention layer. The uint16 tensor keeps its range: a fresh
+    DequantizeLinear of it feeds an int16 Q/DQ pair (DQ -> Q becomes one QNN Convert) spanning the
+    same range symmetrically, so at most 1 bit of its 16 is spent on the sign."""
+    from onnx import helper, numpy_helper
+
+    inits = {t.name: t for t in qm.graph.initializer}
+    consts = set(inits) | {o for n in qm.graph.node if n.op_type == "Constant" for o in n.output}
+    producer = {o: n for n in qm.graph.node for o in n.output}
+
+    def dynamic_u16(name: str):
+        n = producer.get(name)
+        if (n is None or n.op_type != "DequantizeLinear" or n.input[0] in consts
+                or len(n.input) < 3 or n.input[2] not in inits):
+            return None
+        return n if numpy_helper.to_array(inits[n.input[2]]).dtype == np.uint16 else None
+
+    inserts = []
+    for node in qm.graph.node:
+        if node.op_type != "MatMul" or not dynamic_u16(node.input[0]):
+            continue
+        dq = dynamic_u16(node.input[1])
+        if dq is None:
+            continue
+        s = float(numpy_helper.to_array(inits[dq.input[1]]))
+        z = float(numpy_helper.to_array(inits[dq.input[2]]))
+        absmax = max(z * s, (65535.0 - z) * s)
+        base = f"{node.name or node.output[0]}_rhs_s16"
+        qm.graph.initializer.extend([
+            numpy_helper.from_array(np.array(absmax / 32767.0, np.float32), f"{base}_scale"),
+            numpy_helper.from_array(np.array(0, np.int16), f"{base}_zp")])
+        q_args = [f"{base}_scale", f"{base}_zp"]
+        inserts.append((node, [
+            helper.make_node("DequantizeLinear", list(dq.input), [f"{base}_u16"], name=f"{base}_dq16u"),
+            helper.make_node("QuantizeLinear", [f"{base}_u16", *q_args], [f"{base}_q"], name=f"{base}_q"),
+            helper.make_node("DequantizeLinear", [f"{base}_q", *q_args], [f"{base}_dq"],
+                             name=f"{base}_dq")]))
+        node.input[1] = f"{base}_dq"
+    for node, extra in inserts:  # right before their MatMul: the graph stays topologically sorted
+        i = list(qm.graph.node).index(node)
+        for k, e in enumerate(extra):
+            qm.graph.node.insert(i + k, e)
+    return len(inserts)
+
+
+# ---- cpu target: weight-only int8 / int4 through onnxruntime's MatMulNBits ----------------------
+# name -> (bits, block size along K). accuracy_level 4: the activations are quantized to int8 per
+# block at run time and the product runs on the int8 dot-product kernels (AVX512-VNNI / AVX-VNNI);
+# the float fallback (level 0/1) dequantizes every weight block each call and is slower.
+CPU_WEIGHTS: dict[str, tuple[int, int] | None] = {"fp32": None, "int8": (8, 32), "int4": (4, 32)}
+CPU_ACCURACY_LEVEL = 4
+
+
+def check_cpu_weights(name: str) -> tuple[int, int] | None:
+    if name not in CPU_WEIGHTS:
+        raise BuildError(f"unknown --cpu-weights {name!r}; choose from {', '.join(CPU_WEIGHTS)}")
+    return CPU_WEIGHTS[name]
+
+
+def quantize_cpu_graph(path: Path, bits: int, block_size: int,
+                       accuracy_level: int = CPU_ACCURACY_LEVEL) -> int:
+    """Every MatMul with an initializer weight -> com.microsoft MatMulNBits (symmetric, blocks of
+    ``block_size`` along K), in place; the result is saved with its weights inline (the caller
+    moves them out again with ``share_weights``). -> MatMuls quantized."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        MatMulNBitsQuantizer,
+    )
+
+    model = onnx.load(str(path))  # with its external weights: one graph at a time in memory
+    cfg = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True,
+                                       accuracy_level=accuracy_level, bits=bits)
+    root_log = logging.getLogger()
+    level = root_log.level
+    root_log.setLevel(logging.ERROR)  # the quantizer logs every node at INFO
+    try:
+        q = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True,
+                                 accuracy_level=accuracy_level, algo_config=cfg)
+        q.process()
+    finally:
+        root_log.setLevel(level)
+    out = q.model.model
+    del model, q
+    n = sum(1 for node in out.graph.node if node.op_type == "MatMulNBits")
+    onnx.save(out, str(path))
+    return n
