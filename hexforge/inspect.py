@@ -69,7 +69,8 @@ def inspect_bundle(bundle: Path) -> dict:
     if m.report and confine(bundle, m.report).is_file():
         raw = json.loads(confine(bundle, m.report).read_text())
         report = {n: {"passed": r["passed"], "teacher_forced": r["teacher_forced"],
-                      "greedy": {k: r["greedy"][k] for k in ("matching_prefix", "new_tokens")}}
+                      "greedy": {k: r["greedy"][k] for k in ("matching_prefix", "new_tokens")},
+                      "encoders": r.get("encoders")}
                   for n, r in raw.items()}
     return {
         "bundle": str(bundle), "family": m.family, "model_type": m.model_type,
@@ -77,6 +78,8 @@ def inspect_bundle(bundle: Path) -> dict:
         "context": m.context, "state": dict(Counter(s.kind for s in m.state)),
         "state_bytes": state_bytes, "host_tensors_bytes": confine(bundle, m.host_tensors).stat().st_size,
         "targets": targets, "report": report,
+        "encoders": [e.model_dump(include={"name", "modality", "max_soft_tokens", "placeholder_text",
+                                           "preprocessor"}) for e in m.encoders],
     }
 
 
@@ -90,6 +93,9 @@ def print_inspection(info: dict) -> None:
             f"context {info['context']}")
     c.print(f"state: {info['state']}  {info['state_bytes'] / 1e6:.2f} MB   host tensors "
             f"{info['host_tensors_bytes'] / 1e6:.2f} MB")
+    for e in info.get("encoders", []):
+        c.print(f"encoder {e['name']}: {e['modality']} -> up to {e['max_soft_tokens']} soft tokens "
+                f"at {e['placeholder_text']!r} (preprocessor {e['preprocessor']})")
     for name, t in info["targets"].items():
         arch = f"v{t['htp_arch']} soc {t['soc_model']} QNN {t['qnn_sdk']}" if t["htp_arch"] else "CPU EP"
         tab = Table(title=f"target {name}: {arch}, {t['quant']}, AR-{t['prefill_len']} prefill, "
@@ -109,3 +115,6 @@ def print_inspection(info: dict) -> None:
         c.print(f"oracle \\[{name}]: {'PASS' if r['passed'] else 'FAIL'}  logits cos min "
                 f"{tf['cos_min']:.6f}, top-1 {tf['top1']:.3f}, greedy {g['matching_prefix']}/"
                 f"{g['new_tokens']}")
+        for enc, e in (r.get("encoders") or {}).items():
+            c.print(f"  encoder {enc}: {'PASS' if e['passed'] else 'FAIL'}  soft cos min "
+                    f"{e['outputs']['soft']['cos_min']:.6f} (gate {e['gate']})")

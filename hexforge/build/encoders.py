@@ -47,7 +47,9 @@ def export_encoders(encoders: list, specs: list[EncoderSpec], hf, root: Path, re
         log(f"  exported {rel_folder}/{spec.name} ({time.perf_counter() - t:.1f}s)")
         graphs.append(GraphSpec(name=spec.name, role=ROLE[spec.modality],
                                 file=f"{rel_folder}/{spec.name}.onnx", seq_len=spec.max_soft_tokens,
-                                inputs=ins, outputs=outs, bytes=path.stat().st_size))
+                                inputs=ins, outputs=outs,
+                                bytes=sum(f.stat().st_size for f in (path, path.with_name(
+                                    f"{spec.name}.weights")) if f.is_file())))
     return graphs
 
 
