@@ -26,17 +26,6 @@ def test_greedy_equals_hf(bundle, hf_greedy, length):
     assert got.token_ids == hf_greedy("gemma4", ids, 64)
 
 
-def test_first_step_logits_within_1e4(bundle, hf_model):
-    ids = prompt_ids(W + N + 3)
-    model = hexforge.load(bundle("gemma4"))
-    model.engine.reset()
-    ours = model.engine.prefill(ids)
-    with torch.no_grad():
-        x = torch.tensor([ids])
-        ref = hf_model("gemma4")(x, attention_mask=torch.ones_like(x)).logits[0, -1].numpy()
-    assert np.abs(ours - ref).max() < 1e-4
-
-
 def test_manifest_state_has_shared_kv_and_a_ring_buffer(bundle):
     m = json.loads((bundle("gemma4") / "manifest.json").read_text())
     state = {s["name"]: s for s in m["state"]}

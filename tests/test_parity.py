@@ -44,6 +44,23 @@ def test_cli_greedy_equals_hf(bundle, hf_greedy, family):
             assert key in res
 
 
+# prompt lengths past the chunk size (and past Gemma-4's sliding window W=8)
+@pytest.mark.parametrize("family,length", [("llama", 2 * N + 3), ("gemma4", 8 + N + 3),
+                                           ("qwen3_5", 2 * N + 3)])
+def test_first_step_logits_within_1e4(bundle, hf_model, family, length):
+    import numpy as np
+    import torch
+
+    ids = prompt_ids(length)
+    model = hexforge.load(bundle(family))
+    model.engine.reset()
+    ours = model.engine.prefill(ids)
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        ref = hf_model(family)(x, attention_mask=torch.ones_like(x)).logits[0, -1].numpy()
+    assert np.abs(ours - ref).max() < 1e-4
+
+
 def test_three_shards_equal_one_shard(bundle, hf_greedy):
     one = bundle("llama")
     three = bundle("llama", max_shard_bytes=300_000)  # 2 tiny llama layers = 295,936 B

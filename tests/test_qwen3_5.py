@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 import hexforge
 from hexforge.runtime.engine import tail_selector
@@ -21,17 +20,6 @@ def test_greedy_equals_hf(bundle, hf_greedy, length):
     ids = prompt_ids(length)
     got = hexforge.load(bundle("qwen3_5")).generate(ids, max_new_tokens=64, ignore_eos=True)
     assert got.token_ids == hf_greedy("qwen3_5", ids, 64)
-
-
-def test_first_step_logits_within_1e4(bundle, hf_model):
-    ids = prompt_ids(2 * N + 3)
-    model = hexforge.load(bundle("qwen3_5"))
-    model.engine.reset()
-    ours = model.engine.prefill(ids)
-    with torch.no_grad():
-        x = torch.tensor([ids])
-        ref = hf_model("qwen3_5")(x, attention_mask=torch.ones_like(x)).logits[0, -1].numpy()
-    assert np.abs(ours - ref).max() < 1e-4
 
 
 def test_manifest_state_has_conv_fifo_ssm_and_kv(bundle):

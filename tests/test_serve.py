@@ -16,23 +16,11 @@ import openai
 import pytest
 
 import hexforge
+from tests.test_generation import PET
 
 KEY = "sekret"
 MSGS = [{"role": "user", "content": "Tell me a story."}]
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 10},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "kind": {"enum": ["cat", "dog", "fox"]},
-        "pos": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -99,
-                                                       "maximum": 99}, "ok": {"type": "boolean"}},
-                "required": ["x", "ok"], "additionalProperties": False},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
-    },
-    "required": ["name", "age", "kind", "pos", "tags"],
-    "additionalProperties": False,
-}
+SCHEMA = PET  # the nested schema the generation tests constrain to
 
 
 def free_port() -> int:
