@@ -118,6 +118,34 @@ TEMPER: dict[str, dict[str, float]] = {
                "post_feedforward_layernorm": 0.3, "post_per_layer_input_norm": 0.3},
 }
 
+# Gemma-4's text decoder only (TEMPER's post-norm keys also reach the vision tower; these do not).
+# TEMPER alone still left the fixture chaotic for weight error: HF fp32 with int8 per-channel
+# weights reached only logits cos 0.987 vs itself, 1% weight noise 0.957, int4 block-64 0.12 (tiny
+# llama: 0.99986 / 0.99977 / 0.968). Cause: the token embedding (std 0.02 x sqrt(H) = RMS 0.17) was
+# smaller than each of the 3 RMS-0.3 writes per layer (attention, MLP, PLE), and layer_scalar down
+# to 0.5 shrank the residual further, so every layer replaced ~half the residual stream with a
+# fresh nonlinear function of it and errors compounded over depth (int8 on layer 0 alone: 0.992,
+# on layer 9 alone: 0.99997). A trained model's residual stream carries the token and each block
+# writes a small update onto it: embedding std 1/sqrt(H) (x6.25; sqrt(H) then gives RMS 1 and the
+# tied logits std ~1 instead of 0.16), post-norm gains 0.12 (update/residual ~0.1-0.3),
+# layer_scalar in 0.8-1.2. That alone makes a tied model degenerate, though: with the input
+# embedding dominating h, h.E^T peaks at the input token (greedy repeated it 24/24 steps); a trained
+# model's last hidden state predicts the next token, not the current one. Zero-mean final-norm gains
+# (N(0, 1) less its mean, ZERO_MEAN_GAINS) decorrelate the readout from the input embedding
+# (teacher-forced argmax == input: 0.02; greedy no longer repeats the last token). Measured (seed 0,
+# HF fp32 activations, teacher-forced logits cos_min vs fp32): fp16 forward 0.999996, int8
+# per-channel 0.99994, int4 block-64 0.990, 1% noise 0.99989 (seeds 1 / 2: int4 0.953 / 0.988).
+# Still not degenerate: ablating any one attention sublayer moves the logits to cos 0.95-0.99, all
+# PLE 0.87, the KV-shared layers' attention 0.94; tokens beyond the sliding window move them (0.996)
+# through the full layers only; attention entropy 0.70-0.80 of uniform; logits std 0.9.
+DECODER_TEMPER: dict[str, dict[str, float]] = {
+    "gemma4": {"embed_tokens.weight": 6.25, "post_attention_layernorm": 0.4,
+               "post_feedforward_layernorm": 0.4, "post_per_layer_input_norm": 0.4},
+}
+ZERO_MEAN_GAINS: dict[str, tuple[str, ...]] = {"gemma4": ("model.norm.weight",)}
+LAYER_SCALAR_RANGE = (0.8, 1.2)  # Gemma-4's per-layer residual scale (was 0.5-1.5: see above)
+_ENCODERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")
+
 
 def make_tokenizer(out_dir: Path, vocab_size: int = 384, add_bos: bool = True,
                    extra_specials: list[str] = ()):
@@ -223,17 +251,27 @@ def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **over
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # from_config leaves norms (and Gemma-4's layer_scalar) at 1.0: perturb them so they matter
     with torch.no_grad():
+        base = family.removesuffix("_mm")
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-            for key, factor in TEMPER.get(family.removesuffix("_mm"), {}).items():
+            for key, factor in TEMPER.get(base, {}).items():
                 if key in name:
                     p.mul_(factor)
+            if any(e in name for e in _ENCODERS):
+                continue
+            for key, factor in DECODER_TEMPER.get(base, {}).items():
+                if key in name:
+                    p.mul_(factor)
+            if name.replace("language_model.", "") in ZERO_MEAN_GAINS.get(base, ()):
+                p.normal_()
+                p.sub_(p.mean())
         if family == "gemma4_mm":
             _condition_gemma4_vision(model)
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
-                b.fill_(float(0.5 + torch.rand(1)))
+                lo, hi = LAYER_SCALAR_RANGE
+                b.fill_(float(lo + (hi - lo) * torch.rand(1)))
     model.save_pretrained(str(out), safe_serialization=True)
     if family == "gemma4_mm":
         _save_gemma4_processor_config(out)

@@ -97,15 +97,27 @@ def test_tiny_fixture_is_well_conditioned(hf_model):
         ref = model(x).logits[0].double()
         half = copy.deepcopy(model).to(torch.float16)(x).logits[0].double()
     cos = torch.nn.functional.cosine_similarity(ref, half, dim=-1)
-    assert cos.min() > 0.9999
+    assert cos.min() > 0.99996
+    # weight error (tiny.DECODER_TEMPER): HF fp32 with int8 per-channel RTN weights (lm_head untied,
+    # int8 too) tracks itself, so the w8a16 gate (0.999) is reachable; 0.99994 measured
+    w8 = copy.deepcopy(model)
+    w8.lm_head.weight = torch.nn.Parameter(w8.lm_head.weight.detach().clone())
+    with torch.no_grad():
+        for mod in w8.modules():
+            if isinstance(mod, torch.nn.Linear):
+                s = mod.weight.abs().amax(1, keepdim=True).clamp_min(1e-8) / 127
+                mod.weight.copy_((mod.weight / s).round().clamp(-127, 127) * s)
+        quant = w8(x).logits[0].double()
+    assert torch.nn.functional.cosine_similarity(ref, quant, dim=-1).min() > 0.9995
 
 
-def test_fp16_htp_build_meets_the_gate_and_runs_on_the_simulator(htp_bundle):
+@pytest.mark.parametrize("quant", ["fp16", "w8a16", "w4a16"])
+def test_htp_build_meets_the_gate_and_runs_on_the_simulator(htp_bundle, quant):
     from tests.test_htp import QUANT_THRESHOLDS, report
 
-    b = htp_bundle("gemma4", "fp16")
+    b = htp_bundle("gemma4", quant)
     rep = report(b)["v81"]
-    assert rep["passed"] and rep["teacher_forced"]["cos_min"] >= QUANT_THRESHOLDS["fp16"]
+    assert rep["passed"] and rep["teacher_forced"]["cos_min"] >= QUANT_THRESHOLDS[quant]
     model = hexforge.load(b, backend="qnn-sim")
     r = model.generate(prompt_ids(W + 12), max_new_tokens=8, ignore_eos=True)
     assert len(r.token_ids) == 8
