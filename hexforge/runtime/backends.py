@@ -52,8 +52,19 @@ def check_external_data(bundle: Path, graph_file: Path) -> None:
                                   f"{p.stat().st_size:,}; the file is truncated or corrupted")
 
 
-def cpu_threads() -> int:
+def cpu_threads(role: str | None = None) -> int:
+    """Intra-op threads of a cpu session: HEXFORGE_CPU_THREADS, else the cores this process may
+    use — except AR-1 decode steps and the head on a machine of <= 2 cores, which get one thread:
+    a GEMV per op is too little work to split over 2 threads, and a second thread that is
+    descheduled (shared cores) stalls every op. Measured on 2 shared cores, real-shape Qwen3-0.6B
+    (bench/session_options.py and engine A/B runs, issue 10): decode 1 thread vs 2 +13% int4,
+    +8% int8, +-0 fp32; AR-N prefill 2 threads 1.75x faster than 1, so it keeps every core."""
+    env = os.environ.get("HEXFORGE_CPU_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if role in ("decode", "head") and n <= 2:
+        return 1
     return max(1, n)
 
 
@@ -91,7 +102,7 @@ class Backend:
                                    "the 'cpu' target")
             so = ort.SessionOptions()
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            so.intra_op_num_threads = cpu_threads()
+            so.intra_op_num_threads = cpu_threads(graph.role)
             so.inter_op_num_threads = 1
             so.log_severity_level = 3
             # spinning off: a step runs shard -> shard -> head, each session with its own pool;

@@ -1,0 +1,82 @@
+"""Wall time and peak RSS per build stage of a (real-size) checkpoint.
+
+    python bench/build_profile.py CKPT OUT [--target cpu] [--context 1024] [--cpu-weights int8]
+                                  [--no-verify] [--json FILE]
+
+Every build log line closes a stage: its wall time and the process's peak RSS since the previous
+line (Linux VmHWM, reset through /proc/self/clear_refs after each line) are recorded next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoint")
+    ap.add_argument("output")
+    ap.add_argument("--target", default="cpu")
+    ap.add_argument("--quant", default="w8a16")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--prefill-len", type=int, default=64)
+    ap.add_argument("--cpu-weights", default="fp32")
+    ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument("--verify-tokens", type=int, default=16)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+
+    from hexforge.build.pipeline import BuildOptions, build
+
+    stages: list[dict] = []
+    t0 = last = time.perf_counter()
+    overall_peak = 0
+
+    def log(msg: str) -> None:
+        nonlocal last, overall_peak
+        now = time.perf_counter()
+        peak = _status_kb("VmHWM")
+        overall_peak = max(overall_peak, peak)
+        stages.append({"stage": msg, "wall_s": round(now - last, 1),
+                       "peak_rss_gb": round(peak / 2**20, 2),
+                       "rss_gb": round(_status_kb("VmRSS") / 2**20, 2)})
+        print(f"[{now - t0:7.1f}s +{now - last:6.1f}s peak {peak / 2**20:5.2f} GB] {msg}",
+              file=sys.stderr, flush=True)
+        last = now
+        _reset_peak()
+
+    kw = {"cpu_weights": a.cpu_weights} if a.cpu_weights != "fp32" else {}
+    opts = BuildOptions(targets=a.target, quant=a.quant, context=a.context,
+                        prefill_len=a.prefill_len, verify=not a.no_verify,
+                        verify_tokens=a.verify_tokens, **kw)
+    build(a.checkpoint, a.output, opts, log=log)
+    log("end")
+    out = {"checkpoint": a.checkpoint, "target": a.target, "cpu_weights": a.cpu_weights,
+           "context": a.context, "total_s": round(time.perf_counter() - t0, 1),
+           "peak_rss_gb": round(overall_peak / 2**20, 2),
+           "timings": {k: round(v, 1) for k, v in opts.timings.items()}, "stages": stages}
+    print(json.dumps(out, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""hexforge CPU backend vs HF transformers eager vs onnxruntime-genai vs the bandwidth roofline, on
+one real-shape random-weight checkpoint, interleaved in one run (2 shared cores: noisy, so every
+contender is measured in turn, `--runs` times, and medians + min-max are reported).
+
+    python bench/compare.py --work /work/perf [--shape qwen3-0.6b] [--context 1024]
+        [--cpu-weights fp32,int8,int4] [--prompt 32] [--tokens 32] [--runs 5]
+        [--ttft-prompt 512] [--ttft-runs 2] [--genai fp32,int4] [--no-hf]
+
+Stages (each reused when its output exists under --work):
+  checkpoint  bench/realshape.py (bf16 safetensors, made once, one copy in memory)
+  hexforge    hexforge build -> <work>/hf-<shape>-<w>   per --cpu-weights (fp32 = the oracle-exact one)
+  genai       python -m onnxruntime_genai.models.builder -i CKPT -o <work>/genai-<shape>-<p>
+              -p <p> -e cpu   per --genai (its own builder, same checkpoint; fp32 = same precision
+              as hexforge fp32 and HF eager; int4 = its MatMulNBits, vs hexforge --cpu-weights int4)
+Decode tok/s: a --prompt token prompt prefilled, then --tokens greedy tokens; only the tokens after
+the first are timed. HF eager runs its own KV-cache loop (model(next, past_key_values=...)), which
+is faster than generate() (no logits processors): the generous baseline.
+Roofline: decode weight bytes per token / copy bandwidth (numpy copy of a 512 MiB array, STREAM
+convention: read + write bytes; the best of 1 and 2 threads); also / the read bandwidth of a
+float32 GEMV over 512 MiB (the decode access pattern; higher than copy on this machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def stats(xs: list[float], digits: int = 2) -> dict:
+    return {"median": round(statistics.median(xs), digits), "min": round(min(xs), digits),
+            "max": round(max(xs), digits), "n": len(xs)}
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 29, reps: int = 5) -> dict:
+    """STREAM-style copy bandwidth (2 x bytes / s) with 1 and 2 threads (numpy releases the GIL)."""
+    src = np.ones(nbytes // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    out = {}
+    for threads in (1, 2):
+        parts = np.array_split(np.arange(src.size), threads)
+        bounds = [(int(p[0]), int(p[-1]) + 1) for p in parts]
+
+        def work(a, b, src=src, dst=dst):
+            np.copyto(dst[a:b], src[a:b])
+
+        best = []
+        for _ in range(reps):
+            ts = [threading.Thread(target=work, args=ab) for ab in bounds]
+            t = time.perf_counter()
+            for th in ts:
+                th.start()
+            for th in ts:
+                th.join()
+            best.append(2 * nbytes / (time.perf_counter() - t) / 1e9)
+        out[f"{threads}_thread"] = stats(best)
+    del src, dst
+    return out
+
+
+def gemv_bandwidth_gbs(nbytes: int = 1 << 29, reps: int = 5) -> dict:
+    """Read bandwidth of a float32 matrix-vector product (numpy's BLAS, its default threads): the
+    access pattern of a decode step's weights (read once, nothing written back)."""
+    w = np.ones((nbytes // 4 // 1024, 1024), dtype=np.float32)
+    x = np.ones(1024, dtype=np.float32)
+    w @ x
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        w @ x
+        out.append(nbytes / (time.perf_counter() - t) / 1e9)
+    del w
+    return stats(out)
+
+
+# ---- contenders: each has .prefill(ids) -> first token, .decode_timed(token, n) -> seconds ----
+class Hexforge:
+    def __init__(self, bundle: Path):
+        import hexforge
+
+        self.name = f"hexforge-{bundle.name}"
+        self.model = hexforge.load(bundle)
+        self.eng = self.model.engine
+
+    def prefill(self, ids: list[int], mode: str = "chunked") -> int:
+        self.eng.reset()
+        return int(np.argmax(self.eng.prefill(ids, mode)))
+
+    def decode_timed(self, token: int, n: int) -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            token = int(np.argmax(self.eng.decode(token)))
+        return time.perf_counter() - t
+
+
+class HFEager:
+    def __init__(self, ckpt: Path, threads: int):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.name = "hf-eager-fp32"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(ckpt), dtype=torch.float32, attn_implementation="eager").eval()
+        self.past = None
+
+    def prefill(self, ids: list[int], mode: str = "chunked") -> int:
+        from transformers import DynamicCache
+
+        with self.torch.inference_mode():
+            self.past = DynamicCache(config=self.model.config)
+            out = self.model(self.torch.tensor([ids]), past_key_values=self.past, use_cache=True)
+        self.past = out.past_key_values
+        return int(out.logits[0, -1].argmax())
+
+    def decode_timed(self, token: int, n: int) -> float:
+        torch = self.torch
+        t = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(n):
+                out = self.model(torch.tensor([[token]]), past_key_values=self.past, use_cache=True)
+                self.past = out.past_key_values
+                token = int(out.logits[0, -1].argmax())
+        return time.perf_counter() - t
+
+
+class GenAI:
+    def __init__(self, folder: Path, max_length: int, precision: str):
+        import onnxruntime_genai as og
+
+        self.og, self.name, self.max_length = og, f"ort-genai-{precision}", max_length
+        self.model = og.Model(str(folder))
+        self.gen = None
+
+    def prefill(self, ids: list[int], mode: str = "chunked") -> int:
+        og = self.og
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(max_length=self.max_length, do_sample=False)
+        self.gen = None
+        gc.collect()
+        self.gen = og.Generator(self.model, params)
+        self.gen.append_tokens(np.asarray([ids], dtype=np.int32))
+        return int(self.gen.get_next_tokens()[0])
+
+    def decode_timed(self, token: int, n: int) -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            self.gen.generate_next_token()
+        return time.perf_counter() - t
+
+
+def build_genai(ckpt: Path, out: Path, precision: str, log) -> dict:
+    if (out / "genai_config.json").is_file():
+        return {"reused": True}
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o",
+           str(out), "-p", precision, "-e", "cpu", "-c", str(out.parent / f"genai-cache-{precision}")]
+    t = time.perf_counter()
+    r = subprocess.run(["/usr/bin/time", "-f", "%M", "nice", "-n", "10", *cmd],
+                       capture_output=True, text=True)
+    info = {"cmd": " ".join(cmd), "rc": r.returncode, "build_s": round(time.perf_counter() - t, 1)}
+    try:
+        info["peak_rss_gb"] = round(int(r.stderr.strip().splitlines()[-1]) / 2**20, 2)
+    except (ValueError, IndexError):
+        pass
+    if r.returncode:
+        info["error_tail"] = (r.stderr or r.stdout)[-2000:]
+    log(f"genai build: {info}")
+    return info
+
+
+def build_hexforge(ckpt: Path, out: Path, context: int, weights: str, log) -> dict:
+    if (out / "manifest.json").is_file():
+        return {"reused": True}
+    from hexforge.build.pipeline import BuildOptions, build
+
+    kw = {} if weights == "fp32" else {"cpu_weights": weights}
+    opts = BuildOptions(context=context, verify=False, **kw)
+    build(ckpt, out, opts, log=log)
+    return {"build_s": round(opts.timings["total_s"], 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--cpu-weights", default="fp32")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--ttft-prompt", type=int, default=512)
+    ap.add_argument("--ttft-runs", type=int, default=2)
+    ap.add_argument("--genai", default="fp32", help="onnxruntime-genai precisions ('' = none)")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+
+    from realshape import make_checkpoint
+
+    from hexforge.bench import peak_rss_mb
+    from hexforge.inspect import inspect_bundle
+    from hexforge.runtime.backends import cpu_threads
+
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    threads = a.threads or cpu_threads()
+    ckpt = work / a.shape
+    if not (ckpt / "config.json").is_file():
+        make_checkpoint(a.shape, ckpt)
+    result: dict = {"shape": a.shape, "context": a.context, "threads": threads,
+                    "prompt": a.prompt, "tokens": a.tokens, "runs": a.runs, "builds": {}}
+
+    contenders = []
+    for w in a.cpu_weights.split(","):
+        out = work / f"hf-{a.shape}-{w}-c{a.context}"
+        result["builds"][out.name] = build_hexforge(ckpt, out, a.context, w, log)
+        c = Hexforge(out)
+        c.weight_bytes = inspect_bundle(out)["targets"]["cpu"]["decode_weight_bytes_per_token"]
+        contenders.append(c)
+    for precision in filter(None, a.genai.split(",")):
+        gdir = work / f"genai-{a.shape}-{precision}"
+        result["builds"][gdir.name] = build_genai(ckpt, gdir, precision, log)
+        if (gdir / "genai_config.json").is_file():
+            contenders.append(GenAI(gdir, max(a.prompt + a.tokens + 1, a.ttft_prompt + 2),
+                                    precision))
+    if not a.no_hf:
+        contenders.append(HFEager(ckpt, threads))
+    result["rss_after_load_mb"] = round(peak_rss_mb())
+
+    rng = np.random.default_rng(0)
+    vocab = contenders[0].eng.vocab_size
+    ids = [int(x) for x in rng.integers(3, vocab, a.prompt)]
+    for c in contenders:  # warm-up (arenas, page cache, lazy init)
+        c.decode_timed(c.prefill(ids), 2)
+    decode = {c.name: [] for c in contenders}
+    for r in range(a.runs):
+        # rotate who goes first: a contender's leftover threads (torch's OpenMP, ORT spinning)
+        # should not always slow the same next one down
+        k = r % len(contenders)
+        for c in contenders[k:] + contenders[:k]:
+            first = c.prefill(ids)
+            decode[c.name].append((a.tokens - 1) / c.decode_timed(first, a.tokens - 1))
+        log(f"run {r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in decode.items()))
+    bw = copy_bandwidth_gbs()
+    best_bw = max(v["median"] for v in bw.values())
+    result["copy_bandwidth_gbs"] = bw
+    gemv = gemv_bandwidth_gbs()
+    result["gemv_read_bandwidth_gbs"] = gemv
+    result["decode_tok_s"] = {k: stats(v) for k, v in decode.items()}
+    ref = {k: statistics.median(v) for k, v in decode.items()}
+    result["ratios"] = {}
+    for c in contenders:
+        if isinstance(c, Hexforge):
+            roof = best_bw * 1e9 / c.weight_bytes
+            roof_read = gemv["median"] * 1e9 / c.weight_bytes
+            row = {"weight_bytes_per_token": c.weight_bytes, "roofline_tok_s": round(roof, 2),
+                   "of_roofline": round(ref[c.name] / roof, 3),
+                   "roofline_gemv_read_tok_s": round(roof_read, 2),
+                   "of_roofline_gemv_read": round(ref[c.name] / roof_read, 3)}
+            for other in contenders:
+                if not isinstance(other, Hexforge):
+                    row[f"vs_{other.name}"] = round(ref[c.name] / ref[other.name], 3)
+            result["ratios"][c.name] = row
+
+    # TTFT of a long prompt: AR-N prefill vs decode-over-prompt (hexforge), + peers' prefill
+    if a.ttft_prompt and a.ttft_runs:
+        long_ids = [int(x) for x in rng.integers(3, vocab, a.ttft_prompt)]
+        ttft: dict[str, list[float]] = {}
+        for _ in range(a.ttft_runs):
+            for c in contenders:
+                modes = ["chunked", "decode"] if c is contenders[0] else ["chunked"]
+                for mode in modes:
+                    t = time.perf_counter()
+                    c.prefill(long_ids, mode)
+                    key = c.name + ("-decode-over-prompt" if mode == "decode" else "")
+                    ttft.setdefault(key, []).append(time.perf_counter() - t)
+            log("ttft: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in ttft.items()))
+        result["ttft_s"] = {k: stats(v, 3) for k, v in ttft.items()}
+        h = contenders[0].name
+        result["ttft_speedup_ar_n_vs_decode"] = round(
+            statistics.median(ttft[h + "-decode-over-prompt"]) / statistics.median(ttft[h]), 1)
+    result["peak_rss_mb"] = round(peak_rss_mb())
+    print(json.dumps(result, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Real-shape random-weight checkpoints (speed does not depend on the weights' values).
+
+    python bench/realshape.py qwen3-0.6b OUT_DIR [--dtype bfloat16|float32]
+
+Shapes are the published configs' numbers (hidden, layers, heads, head_dim, intermediate, vocab,
+tying). The model is made once in the saved dtype and written with ``save_pretrained``: one copy
+in memory (Qwen3-0.6B: 2.4 GB fp32, 1.2 GB bf16). Tokenizer: hexforge's tiny byte-level BPE (the
+benchmarks feed token ids; only the vocab size of the *model* matters for speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+SHAPES: dict[str, dict] = {
+    # Qwen/Qwen3-0.6B config.json
+    "qwen3-0.6b": dict(
+        model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
+    # Qwen/Qwen3.5-0.8B text_config (the text decoder of the multimodal checkpoint)
+    "qwen3.5-0.8b": dict(
+        model_type="qwen3_5_text", hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, vocab_size=248320,
+        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        attn_output_gate=True, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        max_position_embeddings=262144,
+        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                             mrope_interleaved=True, mrope_section=[11, 11, 10]),
+    ),
+}
+
+
+def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from hexforge.tiny import make_tokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dict(SHAPES[shape])
+    tok = make_tokenizer(out, add_bos=False)
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                  **cfg)
+    torch.manual_seed(seed)
+    t = time.perf_counter()
+    # made directly in the saved dtype: never two full copies
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():  # from_config leaves norms at 1.0; perturb so they are not trivial
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.pad_token_id).save_pretrained(str(out))
+    n = sum(p.numel() for p in model.parameters())
+    (out / "hexforge_realshape.json").write_text(json.dumps(
+        {"shape": shape, "dtype": dtype, "params": n, "make_s": time.perf_counter() - t}))
+    del model
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("out")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    a = ap.parse_args()
+    print(make_checkpoint(a.shape, a.out, a.dtype))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The cpu backend's speed options are correct (speed itself is measured in bench/, never here):
+weight-only int8 / int4 cpu graphs (MatMulNBits) pass their teacher-forced gates, and the IO-binding
+session path gives exactly the plain ``session.run`` results."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
+    import onnx
+
+    b = bundle("qwen3", cpu_weights=weights)
+    report = json.loads((b / "report.json").read_text())["cpu"]
+    assert report["passed"], report["failures"]
+    assert report["quant"] == weights
+    floor = 0.9995 if weights == "int8" else 0.97
+    assert report["teacher_forced"]["cos_min"] > floor
+    manifest = json.loads((b / "manifest.json").read_text())
+    assert manifest["targets"]["cpu"]["quant"] == weights
+    # every projection became MatMulNBits, and prefill + decode still share one weight file
+    for name in ("s0.prefill", "s0.decode", "head"):
+        m = onnx.load(str(b / "cpu" / f"{name}.onnx"), load_external_data=False)
+        ops = [n.op_type for n in m.graph.node]
+        assert "MatMulNBits" in ops
+        weights_const = {t.name for t in m.graph.initializer}
+        assert not [n for n in m.graph.node if n.op_type == "MatMul" and n.input[1] in weights_const]
+    assert sorted(p.name for p in (b / "cpu").glob("*.weights")) == ["head.weights", "s0.weights"]
+
+
+def test_unknown_cpu_weights_fail_before_any_work(ckpt, tmp_path):
+    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.errors import BuildError
+
+    with pytest.raises(BuildError, match="--cpu-weights"):
+        build(ckpt("qwen3"), tmp_path / "b", BuildOptions(cpu_weights="int3"), log=lambda m: None)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_io_binding_matches_plain_session_run(bundle, family, monkeypatch):
+    """Same logits, bit for bit, through prefill chunks (incl. a padded last one) and decode."""
+    import hexforge
+    from hexforge.runtime.bound import BoundSession
+
+    b = bundle(family)
+    monkeypatch.setenv("HEXFORGE_CPU_IOBINDING", "0")
+    plain = hexforge.load(b).engine
+    monkeypatch.setenv("HEXFORGE_CPU_IOBINDING", "1")
+    bound = hexforge.load(b).engine
+    assert all(isinstance(s, BoundSession) for s in bound.sessions.values())
+    assert not any(isinstance(s, BoundSession) for s in plain.sessions.values())
+    prompt = [int(x) for x in np.random.default_rng(1).integers(3, plain.vocab_size, 21)]
+    for _ in range(2):  # twice: the second run reuses every binding from the first
+        got = [e.prefill(prompt) for e in (plain, bound)]
+        np.testing.assert_array_equal(got[0], got[1])
+        kept = []
+        for _ in range(12):
+            tok = int(np.argmax(got[0]))
+            got = [e.decode(tok) for e in (plain, bound)]
+            np.testing.assert_array_equal(got[0], got[1])
+            kept.append(got[1])
+        # returned logits are the caller's: a later step must not overwrite an earlier one
+        assert not any(np.shares_memory(kept[0], k) for k in kept[1:])
+        for e in (plain, bound):
+            e.reset()
+
+
+def test_bench_cli_reports_every_number(bundle, capsys):
+    from hexforge.cli import main
+
+    b = bundle("qwen3")
+    assert main(["bench", str(b), "--prompt-tokens", "12", "-n", "4", "--runs", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for key in ("ttft_ms", "prefill_tok_s", "decode_tok_s"):
+        assert r[key]["min"] <= r[key]["median"] <= r[key]["max"] and r[key]["min"] > 0
+    assert r["peak_rss_mb"] > 0 and r["prompt_tokens"] == 12 and r["runs"] == 2
