@@ -4,12 +4,15 @@
              state buffers, which live as long as the engine; the previous shard's preallocated
              hidden output) is not bound again — ORT reads its memory in place, so in-place
              updates between calls are seen. New arrays (mask, rope rows, embeds) are rebound.
-    outputs  ``hidden`` and ``state:*`` outputs are preallocated once per graph and written in
-             place (the engine consumes them within the step: the next shard, ``_commit``);
-             anything else (logits, which callers may keep) is allocated by ORT per call.
+    outputs  preallocated once per graph and written in place. ``hidden`` and ``state:*`` are
+             returned as they are (the engine consumes them within the step: the next shard, the
+             state commit); anything else (logits, which callers may keep) is returned as a copy
+             — one copy, as ORT's own output buffer had to be copied too, without its allocation.
 
-Measured (bench/loop_overhead.py, tiny qwen3, interleaved): 307.5 vs 311.2 us per decode token
-(~1%; real-size steps are bound by weight traffic, where it changes nothing measurable).
+Measured (bench/loop_overhead.py --runs 31 --tokens 32, tiny qwen3, interleaved): 237 vs 266 us
+per decode token with the engine's AR-1 paths, which keep the per-step arrays (mask row, embed and
+rope rows) the same objects so that nothing is rebound (before them: 307.5 vs 311.2). Real-size
+steps are bound by weight traffic, where it changes nothing measurable.
 ``HEXFORGE_CPU_IOBINDING=0`` turns it off (plain ``InferenceSession.run``) for A/B runs.
 """
 
@@ -22,7 +25,8 @@ from .state import NP_DTYPES
 
 
 def preallocated(bind: str) -> bool:
-    """Outputs the engine consumes before the same graph runs again."""
+    """Outputs returned as the preallocated array itself, not a copy: the engine consumes them
+    before the same graph runs again."""
     return bind == "hidden" or bind.startswith("state:")
 
 
@@ -34,15 +38,20 @@ class BoundSession:
         self._names = [o.name for o in sess.get_outputs()]
         specs = {o.name: o for o in graph.outputs}
         self._fixed: dict[str, np.ndarray] = {}
+        self._kept: list[bool] = []  # per output: returned as is (True) or as a copy
         for name in self._names:
             spec = specs.get(name)
-            if spec is not None and preallocated(spec.bind):
+            self._kept.append(spec is not None and preallocated(spec.bind))
+            if spec is not None:
                 arr = np.empty(spec.shape, dtype=NP_DTYPES[spec.dtype])
                 self._io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
                 self._fixed[name] = arr
             else:
                 self._io.bind_output(name, "cpu")
         self._all_fixed = len(self._fixed) == len(self._names)
+        # a graph whose outputs are all returned as they are (a decoder shard) returns the same
+        # list every call
+        self._same = [self._fixed[n] for n in self._names] if all(self._kept) else None
 
     def __getattr__(self, name: str):  # get_inputs(), get_outputs(), ... of the session
         return getattr(self.sess, name)
@@ -61,8 +70,11 @@ class BoundSession:
                 io.bind_cpu_input(name, np.ascontiguousarray(arr))
                 bound.pop(name, None)
         self.sess.run_with_iobinding(io, run_options)
-        if self._all_fixed:
-            return [self._fixed[n] for n in self._names]
-        outs = io.get_outputs()  # .numpy() is a view of a buffer ORT reuses next call: copy
-        return [self._fixed[n] if n in self._fixed else outs[i].numpy().copy()
-                for i, n in enumerate(self._names)]
+        if self._same is not None:
+            return self._same
+        # ORT-allocated outputs (none unless the graph spec misses one): .numpy() is a view of a
+        # buffer ORT reuses next call, so they are copied like the other unkept ones
+        outs = None if self._all_fixed else io.get_outputs()
+        return [self._fixed[n] if kept else
+                self._fixed[n].copy() if n in self._fixed else outs[i].numpy().copy()
+                for i, (n, kept) in enumerate(zip(self._names, self._kept, strict=True))]

@@ -38,6 +38,11 @@ def tail_selector(k: int, T: int, n_valid: int) -> np.ndarray:
     return sel
 
 
+def step_key(bind: str) -> str:
+    """Where an output goes in the step's inputs: "state:<name>" -> "new:<name>", else its bind."""
+    return "new:" + bind[6:] if bind.startswith("state:") else bind
+
+
 class Engine:
     def __init__(self, bundle: Path, manifest: Manifest, target: str, backend: Backend):
         self.manifest, self.target = manifest, manifest.targets[target]
@@ -61,6 +66,24 @@ class Engine:
                           ("prefill", "decode") for i in g.inputs if i.bind.startswith("deepstack:")}
         self.media: MediaRows | None = None  # the current prompt's soft tokens (prefill only)
         self.rope_delta = 0  # M-RoPE: rope position = slot position + delta after the prompt
+        # resolved once, not per call (issue 10: the per-token Python cost on a tiny model):
+        # the graphs of a step, and per graph where each input comes from — a state buffer (it
+        # lives as long as the engine) or a key of the step's inputs — and where each output goes
+        plan = self.target.plan
+        self.step_graphs = {"prefill": [self.target.graph(s.prefill) for s in plan.shards],
+                            "decode": [self.target.graph(s.decode) for s in plan.shards]}
+        self.head = self.target.graph(plan.head)
+        self.feeds_of = {g.name: [(i.name, *self._source(i.bind)) for i in g.inputs]
+                         for g in self.target.graphs}
+        self.outputs_of = {g.name: [step_key(o.bind) for o in g.outputs] for g in self.target.graphs}
+        # the state each step writes: {"new:<state>": state}, committed after every graph ran
+        self.step_writes = {role: {step_key(o.bind): o.bind[6:] for g in graphs for o in g.outputs
+                                   if o.bind.startswith("state:")}
+                            for role, graphs in self.step_graphs.items()}
+        self._constants_of: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        self.row_keys = ["hidden", *(f"host:{e.name}" for e in manifest.host.extra_embeds),
+                         *(f"rope_{f}:{name}" for name in self.host.rope for f in ("cos", "sin"))]
+        self._kept_rows: dict[str, np.ndarray] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -72,67 +95,92 @@ class Engine:
         self.media, self.rope_delta = None, 0
 
     # ---- one step ----------------------------------------------------------------------------
-    def _run(self, graph: GraphSpec, inputs: dict[str, np.ndarray],
-             positions: np.ndarray) -> dict[str, np.ndarray]:
-        """One session call. State outputs go to ``inputs["new:<state>"]`` (later graphs of the
-        step may bind them, e.g. a KV-shared layer reading its donor's new rows) and are written
-        to the state buffers only when the step ends (``_commit``)."""
-        feeds = {}
-        for spec in graph.inputs:
-            kind, _, arg = spec.bind.partition(":")
-            feeds[spec.name] = self.state.buffer(arg) if kind == "state" else inputs[spec.bind]
+    def _source(self, bind: str) -> tuple[str | None, np.ndarray | None]:
+        """(key in the step's inputs, None) or, for "state:<name>", (None, its buffer)."""
+        kind, _, arg = bind.partition(":")
+        return (None, self.state.buffer(arg)) if kind == "state" else (bind, None)
+
+    def _run(self, graph: GraphSpec, inputs: dict[str, np.ndarray], positions: np.ndarray) -> None:
+        """One session call; its outputs go into ``inputs``: "hidden" (the next graph's input),
+        "logits", and state outputs as "new:<state>" (later graphs of the step may bind them, e.g.
+        a KV-shared layer reading its donor's new rows; forward() writes them to the state
+        buffers when the step ends)."""
+        feeds = {name: inputs[key] if buf is None else buf
+                 for name, key, buf in self.feeds_of[graph.name]}
         values = self.sessions[graph.name].run(None, feeds)
-        out = {}
-        for spec, value in zip(graph.outputs, values, strict=True):
-            kind, _, arg = spec.bind.partition(":")
-            if kind == "state":
-                inputs[f"new:{arg}"] = value
-            else:
-                out[spec.bind] = value
+        for key, value in zip(self.outputs_of[graph.name], values, strict=True):
+            inputs[key] = value
         if self.observer:
             outputs = {s.bind: v for s, v in zip(graph.outputs, values, strict=True)}
             self.observer(graph, feeds, outputs, positions)
-        return out
 
-    def forward(self, ids: np.ndarray, n_valid: int, role: str) -> np.ndarray:
-        """Run ids [T] (first n_valid real) at self.pos through every shard; -> logits [V]."""
+    def _constants(self, T: int, n_valid: int) -> dict[str, np.ndarray]:
+        """The inputs that depend on (T, n_valid) only: valid [1, T], the tail:<k> one-hots,
+        zero deepstack rows. Made once per (T, n_valid) — a decode step is always (1, 1) — and
+        shared by every step of that shape, so nothing may write them."""
+        c = self._constants_of.get((T, n_valid))
+        if c is None:
+            c = {bind: np.zeros((1, T, dim), np.float32) for bind, dim in self.row_binds.items()}
+            if self.binds_valid:
+                c["valid"] = (np.arange(T) < n_valid).astype(np.float32)[None]  # [1, T]
+            for k in self.tails:
+                c[f"tail:{k}"] = tail_selector(k, T, n_valid)
+            self._constants_of[(T, n_valid)] = c
+        return c
+
+    def _step_inputs(self, ids: np.ndarray, positions: np.ndarray, n_valid: int
+                     ) -> dict[str, np.ndarray]:
+        """The host-made inputs of a step at positions [T]: {bind: array}."""
         T = ids.shape[0]
-        positions = self.pos + np.arange(T, dtype=np.int64)
         gather_ids = self.host.media_ids(ids)
         embeds = self.host.embed(gather_ids)
-        inputs = {}
-        for name, value in self.host.extra_embeds(gather_ids).items():
-            inputs[f"host:{name}"] = value
+        inputs = {f"host:{name}": value
+                  for name, value in self.host.extra_embeds(gather_ids).items()}
+        inputs.update(self._constants(T, n_valid))
         rope_pos = positions + self.rope_delta
         if self.media is not None:  # this step's slice of the prompt's soft tokens
             embeds, rows, rope_pos = self.media.slice(self.prompt_offset, T, embeds, rope_pos)
-            inputs.update(rows)
-        for bind, dim in self.row_binds.items():
-            inputs.setdefault(bind, np.zeros((1, T, dim), np.float32))
-        embeds = embeds.astype(self.hidden_dtype, copy=False)
-        inputs["hidden"] = inputs["embed"] = embeds
+            inputs.update(rows)  # replaces the zero rows
+        inputs["hidden"] = inputs["embed"] = embeds.astype(self.hidden_dtype, copy=False)
         for name in self.host.rope:
             inputs[f"rope_cos:{name}"], inputs[f"rope_sin:{name}"] = self.host.rope_tables(
                 name, rope_pos)
-        for name, group in self.state.groups.items():
-            inputs[f"mask:{name}"] = group.mask(positions, self.target.mask_value)
-        if self.binds_valid:
-            inputs["valid"] = (np.arange(T) < n_valid).astype(np.float32)[None]  # [1, T]
-        for k in self.tails:
-            inputs[f"tail:{k}"] = tail_selector(k, T, n_valid)
-        for shard in self.target.plan.shards:
-            graph = self.target.graph(shard.prefill if role == "prefill" else shard.decode)
-            inputs["hidden"] = self._run(graph, inputs, positions[:n_valid])["hidden"]
+        mask_value = self.target.mask_value
+        for name, group in self.state.groups.items():  # decode: the group's persistent row
+            inputs[f"mask:{name}"] = (group.decode_mask(self.pos, mask_value) if T == 1
+                                      else group.mask(positions, mask_value))
+        if T == 1:  # AR-1: the per-step rows go into arrays kept across steps, which IO binding
+            # then binds once (a bind costs ~1 us, copying one row ~0.2 us)
+            for key in self.row_keys:
+                inputs[key] = self._kept_row(key, inputs[key])
+            inputs["embed"] = inputs["hidden"]
+        return inputs
+
+    def _kept_row(self, key: str, value: np.ndarray) -> np.ndarray:
+        """value copied into the array kept for key (made on first use)."""
+        kept = self._kept_rows.get(key)
+        if kept is None or kept.shape != value.shape or kept.dtype != value.dtype:
+            kept = self._kept_rows[key] = np.empty_like(value)
+        kept[...] = value
+        return kept
+
+    def forward(self, ids: np.ndarray, n_valid: int, role: str) -> np.ndarray:
+        """Run ids [T] (first n_valid real) at self.pos through every shard; -> logits [V]."""
+        positions = np.arange(self.pos, self.pos + ids.shape[0], dtype=np.int64)
         valid = positions[:n_valid]
-        for key, value in inputs.items():  # the step's state writes, after every graph read
-            if key.startswith("new:"):
-                self.state.update(key[4:], value, valid)
-        for group in self.state.groups.values():
-            group.commit(valid)
+        inputs = self._step_inputs(ids, positions, n_valid)
+        for graph in self.step_graphs[role]:
+            self._run(graph, inputs, valid)  # hidden -> hidden, state -> new:<state>
+        # the state writes, once every graph has read the old rows
+        self.state.commit({name: inputs[key] for key, name in self.step_writes[role].items()}, valid)
         self.pos += n_valid
-        last = inputs["hidden"][:, n_valid - 1:n_valid]
-        head = self.target.graph(self.target.plan.head)
-        return self._run(head, {"hidden": last}, positions[n_valid - 1:n_valid])["logits"][0, -1]
+        # the head reads the last valid row; an AR-1 step's hidden is that row already, and the
+        # shard's own output array (not a new view of it) is one IO binding has bound before
+        hidden = inputs["hidden"]
+        last = hidden if hidden.shape[1] == 1 else hidden[:, n_valid - 1:n_valid]
+        out = {"hidden": last}
+        self._run(self.head, out, valid[-1:])
+        return out["logits"][0, -1]
 
     def prefill(self, ids: list[int], mode: str = "chunked", media: MediaRows | None = None
                 ) -> np.ndarray:

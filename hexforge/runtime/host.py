@@ -133,6 +133,9 @@ class HostInputs:
         position, so it is a gather from the 1-D table: out[t, j] = table[pos[axis[j], t], j]."""
         cos, sin = self.rope[name]
         if positions.ndim == 1:
+            p = int(positions[0]) if positions.shape[0] == 1 else -1
+            if 0 <= p < cos.shape[0]:  # a decode step: views of one row, no gather
+                return cos[p:p + 1][None], sin[p:p + 1][None]
             return cos[positions][None], sin[positions][None]
         axis = self.mrope_axis.get(name)
         if axis is None:

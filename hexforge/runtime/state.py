@@ -7,6 +7,11 @@
 
 A ``SlotGroup`` tracks which position each cache row holds, for every cache of its group at once,
 and turns that into the additive attention mask of a step.
+
+Decode steps (T = 1) have their own cheap paths, same values as the general ones: the mask is one
+persistent row that each commit moves on by one or two elements (``decode_mask``), and a KV write is
+one row by basic indexing. Rebuilding the mask and fancy-indexed writes cost ~65 us of a ~300 us
+tiny-model token (bench/loop_overhead.py, issue 10).
 """
 
 from __future__ import annotations
@@ -24,9 +29,14 @@ class SlotGroup:
         self.capacity, self.window = spec.capacity, spec.window
         self.ring = spec.window is not None
         self.slot_pos = np.full(self.capacity, -1, dtype=np.int64)  # position held by each row
+        # decode_mask's row: mask([row_q]), kept in place (IO binding then never rebinds it);
+        # row_q = -1: stale, rebuilt on the next decode_mask
+        self.row = np.zeros((1, 1, 1, self.capacity + 1), dtype=np.float32)
+        self.row_q, self.row_value = -1, None
 
     def reset(self) -> None:
         self.slot_pos.fill(-1)
+        self.row_q = -1
 
     def surviving(self, positions: np.ndarray) -> np.ndarray:
         """The positions a write keeps: a ring holds only the last `capacity` of them."""
@@ -35,6 +45,9 @@ class SlotGroup:
     def slots(self, positions: np.ndarray) -> np.ndarray:
         """Rows that (surviving) positions go to."""
         return positions % self.capacity if self.ring else positions
+
+    def slot(self, position: int) -> int:
+        return position % self.capacity if self.ring else position
 
     def mask(self, q_pos: np.ndarray, mask_value: float) -> np.ndarray:
         """Additive mask [1, 1, T, capacity + T] for queries at q_pos [T] (consecutive)."""
@@ -50,9 +63,37 @@ class SlotGroup:
         ok = np.concatenate([cache_ok, rel], axis=1)
         return np.where(ok, np.float32(0), np.float32(mask_value))[None, None].astype(np.float32)
 
+    def decode_mask(self, q: int, mask_value: float) -> np.ndarray:
+        """``mask([q])`` [1, 1, 1, capacity + 1] as the persistent ``row``: rebuilt only when it
+        is stale (after a reset or a prefill chunk), else commit() has already moved it to q.
+        Valid until the next commit; callers must not write it."""
+        if self.row_q != q or self.row_value != mask_value:
+            self.row[...] = self.mask(np.array([q]), mask_value)
+            self.row_q, self.row_value = q, mask_value
+        return self.row
+
     def commit(self, positions: np.ndarray) -> None:
-        kept = self.surviving(positions)
-        self.slot_pos[self.slots(kept)] = kept
+        if positions.shape[0] == 1:  # a decode step
+            p = int(positions[0])
+            self.slot_pos[self.slot(p)] = p
+            if p == self.row_q:
+                self._advance_row()
+                return
+        else:
+            kept = self.surviving(positions)
+            self.slot_pos[self.slots(kept)] = kept
+        self.row_q = -1
+
+    def _advance_row(self) -> None:
+        """The row was mask([q]) and q was just written: make it mask([q + 1]). Slot(q) becomes
+        visible; in a window, the one position that leaves it (q + 1 - W) is hidden if still held."""
+        q = self.row_q
+        self.row[0, 0, 0, self.slot(q)] = 0.0
+        if self.window is not None:
+            gone = q + 1 - self.window
+            if gone >= 0 and self.slot_pos[self.slot(gone)] == gone:
+                self.row[0, 0, 0, self.slot(gone)] = self.row_value
+        self.row_q = q + 1
 
 
 def write_rows(buf: np.ndarray, new: np.ndarray, slots: np.ndarray) -> None:
@@ -74,6 +115,9 @@ class State:
             s.name: np.zeros([1, *s.shape], dtype=NP_DTYPES[s.dtype])
             for s in manifest.state if s.kind != "kv_shared"
         }
+        # KV caches: (buffer, slot group), looked up once per write
+        self.kv = {s.name: (self.buffers[s.name], self.groups[s.group])
+                   for s in manifest.state if s.kind in ("kv_full", "kv_sliding")}
 
     def reset(self) -> None:
         for b in self.buffers.values():
@@ -87,15 +131,32 @@ class State:
             spec = self.specs[spec.source]
         return self.buffers[spec.name]
 
+    def commit(self, new: dict[str, np.ndarray], positions: np.ndarray) -> None:
+        """The end of a step at positions [n] (its valid rows): the state outputs {state: value}
+        go to the buffers, then every slot group records the positions."""
+        if positions.shape[0] == 1:  # a decode step: one row per cache, by basic indexing
+            p = int(positions[0])
+            for name, value in new.items():
+                if name in self.kv:
+                    buf, group = self.kv[name]
+                    buf[0, :, group.slot(p)] = value[0, :, 0]
+                else:
+                    self.update(name, value, positions)
+        else:
+            for name, value in new.items():
+                self.update(name, value, positions)
+        for group in self.groups.values():
+            group.commit(positions)
+
     def update(self, name: str, value: np.ndarray, positions: np.ndarray) -> None:
         """Apply a graph's state output: KV rows at their slots, other kinds replaced whole."""
-        spec = self.specs[name]
-        if spec.kind in ("kv_full", "kv_sliding"):
-            group = self.groups[spec.group]
+        kv = self.kv.get(name)
+        if kv is not None:
+            buf, group = kv
             kept = group.surviving(positions)
             skip = positions.shape[0] - kept.shape[0]
-            write_rows(self.buffers[name], value[:, :, skip:], group.slots(kept))
-        elif spec.kind == "kv_shared":
+            write_rows(buf, value[:, :, skip:], group.slots(kept))
+        elif self.specs[name].kind == "kv_shared":
             raise ValueError(f"state {name} is kv_shared: graphs must not write it")
         else:
             self.buffers[name][...] = value
