@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ContextOverflowError, HexforgeError, RequestError
+from .runtime.multimodal import decode_media
 from .runtime.text import check_messages
 
 
@@ -132,19 +133,6 @@ def text_of(content: Any, placeholders: dict[str, str] | None = None,
                 raise RequestError(f"unknown message content part {kind!r}")
         return "".join(out)
     raise RequestError("message content must be a string or a list of parts")
-
-
-def check_media(model, media: dict[str, list[bytes]]) -> None:
-    """Decode each item's header (cheap) so bad media fail before the response starts."""
-    from .runtime.media import load_audio, load_image
-
-    for data in media.get("image", []):
-        load_image(data)
-    if media.get("audio"):
-        spec = model.manifest.encoder("audio")
-        rate, limit = spec.params.get("sampling_rate", 16000), spec.params.get("max_seconds", 30.0)
-        for data in media["audio"]:
-            load_audio(data, rate, limit)
 
 
 async def watch_disconnect(request: Request, cancel: threading.Event, every_s: float = 0.05) -> None:
@@ -331,8 +319,10 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
                         for m in req.messages]
             text = model.apply_chat_template(messages)
             ids = model.tokenizer.encode(text, add_special_tokens=False)
-            kw.update(images=media.get("image"), audios=media.get("audio"))
-            check_media(model, media)  # bad media: a 400 now, not an error mid-stream
+            # decoded now: bad media is a 400 before the response starts, not an error mid-stream
+            decoded = decode_media(model.manifest, media.get("image"), media.get("audio"),
+                                   model._preprocessors)
+            kw.update({f"{m}s": items for m, (_, _, items) in decoded.items()})
         except HexforgeError as e:
             return hexforge_error(e)
         return await respond(request, ids, kw, chat=True, stream=req.stream)

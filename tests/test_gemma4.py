@@ -133,9 +133,6 @@ def test_htp_activation_matmul_input1_keeps_16_bits(tmp_path):
 
     from hexforge.build.quantize import int16_matmul_rhs
     from hexforge.runtime import qnn
-
-    if not qnn.available():
-        pytest.skip("onnxruntime-qnn is not installed")
     rng = np.random.default_rng(0)
     a = rng.normal(size=(1, 1, 8, 64)).astype(np.float32)
     b = rng.normal(size=(1, 1, 64, 24)).astype(np.float32)

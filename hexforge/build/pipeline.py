@@ -202,20 +202,23 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
     return out
 
 
+# the build option each modality's encoders may take: (spec keyword, BuildOptions field, CLI flag)
+ENCODER_OPTIONS = {"audio": ("max_seconds", "audio_seconds", "--audio-seconds"),
+                   "image": ("image_size", "image_size", "--image-size")}
+
+
 def _encoder_spec(encoder, hf, config: dict, opts: BuildOptions):
-    """The encoder's manifest entry with the build's encoder options for its modality."""
-    kw = {"audio": {"max_seconds": opts.audio_seconds},
-          "image": {"image_size": opts.image_size}}[encoder.modality]
-    kw = {k: v for k, v in kw.items() if v is not None}
-    try:
-        return encoder.spec(hf, config, **kw)
-    except TypeError as e:
-        if not kw or "unexpected keyword" not in str(e):
-            raise
-        flag = "--" + next(iter(kw)).replace("_", "-").replace("max-seconds", "audio-seconds")
+    """The encoder's manifest entry, with the build's option for its modality if one was set."""
+    import inspect
+
+    keyword, field_name, flag = ENCODER_OPTIONS[encoder.modality]
+    value = getattr(opts, field_name)
+    if value is None:
+        return encoder.spec(hf, config)
+    if keyword not in inspect.signature(encoder.spec).parameters:
         raise BuildError(f"{flag} does not apply to this checkpoint's {encoder.modality} encoder "
-                         f"({type(encoder).__name__} sizes its inputs from the processor config)"
-                         ) from None
+                         f"({type(encoder).__name__} sizes its inputs from the processor config)")
+    return encoder.spec(hf, config, **{keyword: value})
 
 
 def _drop_verify_twins(root: Path, manifest: Manifest) -> None:

@@ -49,8 +49,8 @@ class Engine:
         self.context = manifest.context
         self.prefill_len = self.target.plan.prefill_len
         tensors = load_host_tensors(confine(bundle, manifest.host_tensors))
-        self.host = HostInputs(manifest.host, tensors, self.context + self.prefill_len)
-        self.host.placeholder_ids = [e.placeholder_id for e in manifest.encoders]
+        self.host = HostInputs(manifest.host, tensors, self.context + self.prefill_len,
+                               [e.placeholder_id for e in manifest.encoders])
         self.prompt_offset = 0  # index in the prompt of the current step's first row
         self.state = State(manifest)
         self.sessions = {g.name: backend.session(bundle, self.target, g) for g in self.target.graphs}

@@ -79,7 +79,8 @@ def load_host_tensors(path: Path) -> dict[str, np.ndarray]:
 
 
 class HostInputs:
-    def __init__(self, recipe: HostRecipe, tensors: dict[str, np.ndarray], max_positions: int):
+    def __init__(self, recipe: HostRecipe, tensors: dict[str, np.ndarray], max_positions: int,
+                 placeholder_ids: list[int] = ()):
         self.recipe = recipe
         try:
             self.embed_table = tensors[recipe.embed.table]
@@ -90,7 +91,7 @@ class HostInputs:
         if self.embed_table.ndim != 2:
             raise BundleError(f"embedding table must be 2-D, got {self.embed_table.shape}")
         self.embed_scale = np.float32(recipe.embed.scale)
-        self.placeholder_ids: list[int] = []  # set by the engine from the manifest's encoders
+        self.placeholder_ids = list(placeholder_ids)  # media placeholders (manifest encoders)
         # cos/sin tables for every position a (padded) step can touch: [P, R], fp32 as HF computes
         pos = np.arange(max_positions, dtype=np.float32)[:, None]
         self.rope: dict[str, tuple[np.ndarray, np.ndarray]] = {}

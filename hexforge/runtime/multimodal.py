@@ -89,17 +89,15 @@ def encode_items(engine, spec, inputs: list[dict[str, np.ndarray]], counts: list
     return out
 
 
-def prepare_media(engine, manifest, ids: list[int], images: list | None, audios: list | None,
-                  preps: dict) -> tuple[list[int], MediaRows | None]:
-    """Decode + preprocess + encode the media; -> (ids with each placeholder expanded to
-    [begin] placeholder * n [end], MediaRows of the soft tokens at those indices).
-
-    Bad media fail here, before any decoder work; preps caches preprocessors by encoder name."""
+def decode_media(manifest, images: list | None, audios: list | None, preps: dict) -> dict:
+    """Decode every item before any model work: {modality: (spec, preprocessor, [decoded])}.
+    Items are paths / bytes / data URLs, or already decoded (a PIL image; a float32 waveform at
+    the model's rate), which pass through: the server decodes once to answer bad media with a
+    400 before streaming, then hands the decoded items on. preps caches preprocessors by name."""
     from .media import load_audio, load_image
 
-    given = {"image": list(images or []), "audio": list(audios or [])}
-    encoded: Encoded = {}
-    for modality, items in given.items():
+    out = {}
+    for modality, items in (("image", list(images or [])), ("audio", list(audios or []))):
         if not items:
             continue
         spec = manifest.encoder(modality)
@@ -109,9 +107,24 @@ def prepare_media(engine, manifest, ids: list[int], images: list | None, audios:
         if spec.name not in preps:
             preps[spec.name] = load_preprocessor(spec.preprocessor, spec.params)
         prep = preps[spec.name]
-        decoded = ([load_image(x) for x in items] if modality == "image" else
-                   [load_audio(x, prep.sampling_rate, prep.max_seconds) for x in items])
-        ids = _items(ids, spec, len(items), manifest.generation.bos_token_id)
+        if modality == "image":
+            decoded = [x if hasattr(x, "getbbox") else load_image(x) for x in items]
+        else:
+            decoded = [x if isinstance(x, np.ndarray) else
+                       load_audio(x, prep.sampling_rate, prep.max_seconds) for x in items]
+        out[modality] = (spec, prep, decoded)
+    return out
+
+
+def prepare_media(engine, manifest, ids: list[int], images: list | None, audios: list | None,
+                  preps: dict) -> tuple[list[int], MediaRows | None]:
+    """Decode + preprocess + encode the media; -> (ids with each placeholder expanded to
+    [begin] placeholder * n [end], MediaRows of the soft tokens at those indices).
+
+    Bad media fail here, before any decoder work."""
+    encoded: Encoded = {}
+    for spec, prep, decoded in decode_media(manifest, images, audios, preps).values():
+        ids = _items(ids, spec, len(decoded), manifest.generation.bos_token_id)
         feeds, counts = zip(*(prep(media) for media in decoded), strict=True)
         encoded[spec.placeholder_id] = encode_items(engine, spec, list(feeds), list(counts))
     if not encoded:
