@@ -1,7 +1,7 @@
 """Wall time and peak RSS per build stage of a (real-size) checkpoint.
 
     python bench/build_profile.py CKPT OUT [--target cpu] [--context 1024] [--cpu-weights int8]
-                                  [--no-verify] [--json FILE]
+                                  [--max-shard-bytes 1G] [--no-verify] [--json FILE]
 
 Every build log line closes a stage: its wall time and the process's peak RSS since the previous
 line (Linux VmHWM, reset through /proc/self/clear_refs after each line) are recorded next to it.
@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--prefill-len", type=int, default=64)
     ap.add_argument("--cpu-weights", default="fp32")
+    ap.add_argument("--max-shard-bytes", default=None, help="e.g. 1G (default: the target's)")
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument("--verify-tokens", type=int, default=16)
     ap.add_argument("--json", default=None)
@@ -64,6 +65,10 @@ def main() -> None:
         _reset_peak()
 
     kw = {"cpu_weights": a.cpu_weights} if a.cpu_weights != "fp32" else {}
+    if a.max_shard_bytes:
+        from hexforge.cli import _shard_bytes
+
+        kw["max_shard_bytes"] = _shard_bytes(a.max_shard_bytes)
     opts = BuildOptions(targets=a.target, quant=a.quant, context=a.context,
                         prefill_len=a.prefill_len, verify=not a.no_verify,
                         verify_tokens=a.verify_tokens, **kw)

@@ -4,7 +4,7 @@ contender is measured in turn, `--runs` times, and medians + min-max are reporte
 
     python bench/compare.py --work /work/perf [--shape qwen3-0.6b] [--context 1024]
         [--cpu-weights fp32,int8,int4] [--prompt 32] [--tokens 32] [--runs 5]
-        [--ttft-prompt 512] [--ttft-runs 2] [--genai fp32,int4] [--no-hf]
+        [--ttft-prompt 512] [--ttft-runs 2] [--genai fp32,int4] [--no-hf] [--also DIR,DIR]
 
 Stages (each reused when its output exists under --work):
   checkpoint  bench/realshape.py (bf16 safetensors, made once, one copy in memory)
@@ -203,6 +203,8 @@ def main() -> None:
     ap.add_argument("--ttft-runs", type=int, default=2)
     ap.add_argument("--genai", default="fp32", help="onnxruntime-genai precisions ('' = none)")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--also", default="", help="more hexforge bundle dirs, comma-separated (e.g. "
+                    "one built before a change: an A/B in the same interleaved run)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -229,6 +231,10 @@ def main() -> None:
         result["builds"][out.name] = build_hexforge(ckpt, out, a.context, w, log)
         c = Hexforge(out)
         c.weight_bytes = inspect_bundle(out)["targets"]["cpu"]["decode_weight_bytes_per_token"]
+        contenders.append(c)
+    for extra in filter(None, a.also.split(",")):
+        c = Hexforge(Path(extra))
+        c.weight_bytes = inspect_bundle(Path(extra))["targets"]["cpu"]["decode_weight_bytes_per_token"]
         contenders.append(c)
     for precision in filter(None, a.genai.split(",")):
         gdir = work / f"genai-{a.shape}-{precision}"

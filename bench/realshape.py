@@ -1,11 +1,12 @@
 """Real-shape random-weight checkpoints (speed does not depend on the weights' values).
 
-    python bench/realshape.py qwen3-0.6b OUT_DIR [--dtype bfloat16|float32]
+    python bench/realshape.py qwen3-0.6b|qwen3.5-0.8b|gemma-4-e2b OUT_DIR [--dtype bfloat16|float32]
 
 Shapes are the published configs' numbers (hidden, layers, heads, head_dim, intermediate, vocab,
 tying). The model is made once in the saved dtype and written with ``save_pretrained``: one copy
-in memory (Qwen3-0.6B: 2.4 GB fp32, 1.2 GB bf16). Tokenizer: hexforge's tiny byte-level BPE (the
-benchmarks feed token ids; only the vocab size of the *model* matters for speed).
+in memory (Qwen3-0.6B: 2.4 GB fp32, 1.2 GB bf16; Gemma-4-E2B text, 4.63B parameters: 9.3 GB bf16,
+made in ~2 min). Tokenizer: hexforge's tiny byte-level BPE (the benchmarks feed token ids; only the
+vocab size of the *model* matters for speed).
 """
 
 from __future__ import annotations
@@ -22,6 +23,22 @@ SHAPES: dict[str, dict] = {
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
         max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
         tie_word_embeddings=True,
+    ),
+    # google/gemma-4-E2B text_config (the text decoder of the multimodal checkpoint): 35 layers
+    # (4 sliding : 1 full), the last 20 KV-shared with double-wide MLPs, per-layer embeddings
+    # 262144 x 35*256 (2.35B of the ~4.6B text parameters), tied head, logit softcap 30
+    "gemma-4-e2b": dict(
+        model_type="gemma4_text", hidden_size=1536, intermediate_size=6144, num_hidden_layers=35,
+        num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512,
+        layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
+        sliding_window=512, num_kv_shared_layers=20, use_double_wide_mlp=True,
+        hidden_size_per_layer_input=256, vocab_size=262144, vocab_size_per_layer_input=262144,
+        final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+        max_position_embeddings=131072, tie_word_embeddings=True, attention_k_eq_v=False,
+        rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                rope_theta=1000000.0)),
     ),
     # Qwen/Qwen3.5-0.8B text_config (the text decoder of the multimodal checkpoint)
     "qwen3.5-0.8b": dict(

@@ -18,11 +18,15 @@ How the runtime drives the graphs is fully declarative here: each graph input na
 (``hidden``, ``embed``, ``host:<extra embed>``, ``rope_cos:<rope>``, ``rope_sin:<rope>``, ``mask:<group>``,
 ``valid`` = [1, T] 1.0 for real tokens / 0.0 for pad rows, ``tail:<k>`` = a one-hot [1, k, k+T] that picks
 the last k real rows of [k state rows | T step rows] (conv fifos),
-``state:<name>`` = the buffer before this step, ``new:<name>`` = rows an earlier graph of this step made)
-and each output its *sink* (``hidden``, ``logits``, ``state:<name>``): the engine never needs to know
-the family. Encoder graphs (role vision/audio) also bind ``media:<key>`` (a preprocessed input),
-``soft`` (soft tokens out) and ``deepstack:<i>`` (features a decoder graph may take in). Every bind
-is checked on load against the names the manifest declares (``bind_problem``).
+``state:<name>`` = the buffer before this step, ``new:<name>`` = rows an earlier graph of this step made,
+``kv_seqlens:<group>`` [1] int32 / ``kv_total:<group>`` [] int32 = rows of the group's caches held once
+the step is written, minus one / as is: onnxruntime GroupQueryAttention's, in cpu decode graphs)
+and each output its *sink* (``hidden``, ``logits``, ``state:<name>``, ``alias:<input>`` = the graph
+writes this output into the memory of its own input ``<input>``, a cache it updates in place): the
+engine never needs to know the family. Encoder graphs (role vision/audio) also bind ``media:<key>``
+(a preprocessed input), ``soft`` (soft tokens out) and ``deepstack:<i>`` (features a decoder graph
+may take in). Every bind is checked on load against the names the manifest declares
+(``bind_problem``).
 """
 
 from __future__ import annotations
@@ -266,13 +270,22 @@ def bind_problem(bind: str, names: dict[str, set[str]], encoder: bool, output: b
         return f"needs a {'positive ' if kind == 'tail' else ''}integer after '{kind}:'"
     if kind == "media":
         return None if encoder and arg and not output else "media:<key> binds only encoder inputs"
+    if kind == "alias":  # its input is checked against the graph (Manifest._check)
+        return None if output and arg else "alias:<input> binds only outputs"
     by_kind = {"host": "host", "rope_cos": "rope", "rope_sin": "rope", "mask": "mask",
-               "state": "state", "new": "state"}
+               "state": "state", "new": "state", "kv_seqlens": "mask", "kv_total": "mask"}
     if kind not in by_kind or (output and kind != "state"):
         return f"has an unknown kind {kind!r}"
     if arg not in names[by_kind[kind]]:
         return f"names {by_kind[kind]} {arg!r}, which the manifest does not declare"
     return None
+
+
+def _alias_target(graph: GraphSpec, bind: str) -> TensorSpec | None:
+    """The input an ``alias:<input>`` output writes into (None: not an alias or no such input)."""
+    if not bind.startswith("alias:"):
+        return None
+    return next((i for i in graph.inputs if i.name == bind[6:]), None)
 
 
 def _graphs_in(value) -> list[GraphSpec]:
@@ -309,6 +322,18 @@ class Manifest(_Model):
     encoders: list[EncoderSpec] = Field(default_factory=list)
     report: RelPath | None = "report.json"
 
+    def _alias_problem(self, graph: GraphSpec, bind: str) -> str | None:
+        """An ``alias:<input>`` output must write a cache input of the same shape and dtype."""
+        if not bind.startswith("alias:"):
+            return None
+        target = _alias_target(graph, bind)
+        if target is None or not target.bind.startswith("state:"):
+            return "names no state input of this graph"
+        out = next(o for o in graph.outputs if o.bind == bind)
+        if (out.shape, out.dtype) != (target.shape, target.dtype):
+            return f"differs from input {target.name!r} in shape or dtype"
+        return None
+
     @model_validator(mode="after")
     def _check(self) -> Manifest:
         if self.schema_version != SCHEMA_VERSION:
@@ -328,10 +353,18 @@ class Manifest(_Model):
         for g in _graphs_in(self):
             for specs, output in ((g.inputs, False), (g.outputs, True)):
                 for t in specs:
-                    why = bind_problem(t.bind, known, g.role in ENCODER_ROLES, output)
+                    why = (bind_problem(t.bind, known, g.role in ENCODER_ROLES, output)
+                           or self._alias_problem(g, t.bind))
                     if why:
                         raise ValueError(f"graph {g.name} {'output' if output else 'input'} "
                                          f"{t.name!r}: bind {t.bind!r} {why}")
+        linear = {m.name for m in self.mask_groups if m.window is None}
+        for g in _graphs_in(self):
+            for t in g.inputs:
+                kind, _, group = t.bind.partition(":")
+                if kind in ("kv_seqlens", "kv_total") and group not in linear:
+                    raise ValueError(f"graph {g.name} input {t.name!r}: bind {t.bind!r} needs a "
+                                     "group whose row p holds position p (no window)")
         for enc in self.encoders:
             for t in self.targets.values():
                 if enc.name not in {g.name for g in t.graphs}:

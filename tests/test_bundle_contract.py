@@ -88,3 +88,20 @@ def test_external_data_escaping_the_bundle_is_refused(copy, tmp_path):
     onnx.save(model, str(g))
     with pytest.raises(BundleError, match="outside the bundle"):
         hexforge.load(copy)
+
+
+def test_in_place_cache_binds_are_checked_on_load(copy):
+    """A cpu decode graph's alias:<input> output must name a state input of that graph, and its
+    kv_seqlens / kv_total inputs a group without a window (row p holds position p)."""
+    m = json.loads((copy / "manifest.json").read_text())
+    dec = next(g for g in m["targets"]["cpu"]["graphs"] if g["role"] == "decode")
+    alias = next(o for o in dec["outputs"] if o["bind"].startswith("alias:"))
+    alias["bind"] = "alias:hidden"
+    (copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match="names no state input"):
+        load_manifest(copy)
+    alias["bind"] = "alias:" + alias["name"].removeprefix("present.")
+    m["mask_groups"][0]["window"] = 8
+    (copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match="no window"):
+        load_manifest(copy)

@@ -78,3 +78,40 @@ def test_bench_cli_reports_every_number(bundle, capsys):
     for key in ("ttft_ms", "prefill_tok_s", "decode_tok_s"):
         assert r[key]["min"] <= r[key]["median"] <= r[key]["max"] and r[key]["min"] > 0
     assert r["peak_rss_mb"] > 0 and r["prompt_tokens"] == 12 and r["runs"] == 2
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_cpu_decode_graph_updates_the_cache_in_place(bundle, family):
+    """Issue 10: the cpu decode graph attends with onnxruntime's GroupQueryAttention over the rows
+    held, writing the state buffers themselves (its present outputs are bound to them, not
+    copies), with fused norms; prefill graphs keep the static mask."""
+    import onnx
+
+    import hexforge
+
+    b = bundle(family)
+    model = hexforge.load(b)
+    eng = model.engine
+    target = eng.target
+    caches = {s.name for s in model.manifest.state if s.kind == "kv_full"}
+    for shard in target.plan.shards:
+        dec, pre = target.graph(shard.decode), target.graph(shard.prefill)
+        ops = [n.op_type for n in onnx.load(str(b / dec.file), load_external_data=False).graph.node]
+        full = [o for o in dec.outputs if o.bind.startswith("state:") and o.bind[6:] in caches]
+        assert ops.count("GroupQueryAttention") == len(full) // 2 > 0
+        assert "SimplifiedLayerNormalization" in ops
+        assert not any(i.bind.startswith("mask:") for i in dec.inputs)
+        assert {i.bind for i in dec.inputs} >= {"kv_seqlens:full", "kv_total:full"}
+        assert "mask:full" in {i.bind for i in pre.inputs}
+    seen = []
+
+    def observe(graph, feeds, outputs, positions):
+        for o in graph.outputs:
+            if o.bind.startswith("alias:"):
+                seen.append(outputs[o.bind] is feeds[o.bind[6:]])
+
+    prompt = [int(x) for x in np.random.default_rng(2).integers(3, eng.vocab_size, 9)]
+    eng.prefill(prompt)
+    eng.observer = observe
+    eng.decode(5)
+    assert seen and all(seen)  # every present output is its cache input's own array

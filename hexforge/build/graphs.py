@@ -18,8 +18,13 @@ from .quantize import get_recipe
 
 
 def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
-                  rel_folder: str, log) -> tuple[list[GraphSpec], RunPlan]:
-    """Export prefill + decode per shard and the head as float ONNX into root/rel_folder."""
+                  rel_folder: str, log, cpu: bool = False) -> tuple[list[GraphSpec], RunPlan]:
+    """Export prefill + decode per shard and the head as float ONNX into root/rel_folder.
+    cpu: the cpu target's own graphs — fused onnxruntime norms, and decode graphs that update the
+    cache in place (``fam.cpu_decode_module``) — not the static form the HTP targets calibrate
+    and compile."""
+    from ..families.blocks import use_cpu_kernels
+
     folder = root / rel_folder
     folder.mkdir(parents=True)
     graphs: list[GraphSpec] = []
@@ -34,15 +39,19 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
                          seq_len=ins[0].shape[1], layers=layers, inputs=ins, outputs=outs)
 
     for s, (a, b) in enumerate(shards):
-        pre = export(f"s{s}.prefill", "prefill",
-                     fam.decoder_module(hf, args, (a, b), opts.prefill_len, opts.context), (a, b))
-        dec = export(f"s{s}.decode", "decode",
-                     fam.decoder_module(hf, args, (a, b), 1, opts.context), (a, b))
+        with fam.float32(hf, layers=(a, b)):  # a bf16 model: only this shard's layers in fp32
+            prefill = fam.decoder_module(hf, args, (a, b), opts.prefill_len, opts.context)
+            pre = export(f"s{s}.prefill", "prefill",
+                         use_cpu_kernels(prefill) if cpu else prefill, (a, b))
+            dec = export(f"s{s}.decode", "decode",
+                         fam.cpu_decode_module(hf, args, (a, b), opts.context) if cpu else
+                         fam.decoder_module(hf, args, (a, b), 1, opts.context), (a, b))
         share_weights([folder / f"s{s}.prefill.onnx", folder / f"s{s}.decode.onnx"],
                       f"s{s}.weights")
         graphs += [pre, dec]
         plan.append(ShardPlan(layers=(a, b), prefill=pre.name, decode=dec.name))
-    head = export("head", "head", fam.head_module(hf, args))
+    with fam.float32(hf, head=True):
+        head = export("head", "head", fam.head_module(hf, args))
     share_weights([folder / "head.onnx"], "head.weights")
     graphs.append(head)
     for g in graphs:

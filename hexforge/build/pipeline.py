@@ -10,6 +10,7 @@ bundle that loads.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ from pathlib import Path
 from .. import __version__
 from ..errors import BuildError, ParityGateError
 from ..families import family_name, load_family
-from ..families.base import encoder_families
+from ..families.base import encoder_families, write_host_tensors
 from ..manifest import (
     MANIFEST_NAME,
     SCHEMA_VERSION,
@@ -76,17 +77,10 @@ def _generation_defaults(gen: dict, config: dict) -> GenerationDefaults:
     )
 
 
-def _write_host_tensors(path: Path, tensors: dict) -> None:
-    import numpy as np
-    from safetensors.numpy import save_file
-
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path))
-
-
 def _build_cpu_target(fam, hf, args, target: Target, opts: BuildOptions, out: Path,
                       log: Log) -> TargetSpec:
     graphs, plan = export_float(fam, hf, args, plan_target(fam, hf, target, opts, log), opts, out,
-                                target.name, log)
+                                target.name, log, cpu=True)
     nbits = check_cpu_weights(opts.cpu_weights)
     if nbits:  # weight-only int8/int4: one graph in memory at a time, then re-shared per shard
         bits, block = nbits
@@ -137,17 +131,21 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         from .calib import calibration_text
 
         calib_ids = TextTokenizer(ckpt.dir).encode(calibration_text(opts.calib))[:opts.context]
-        calibrate_norm_scales(hf, calib_ids)
+        with fam.float32_forward(hf):  # a bf16/fp16 model computes as fp32 (no-op on fp32)
+            calibrate_norm_scales(hf, calib_ids)
+        log(f"calibrated norm prescales on {len(calib_ids)} tokens")
 
         tok_dir = tmp / "tokenizer"
         tok_dir.mkdir()
         for f in ckpt.tokenizer_files:
             shutil.copy2(ckpt.dir / f, tok_dir / f)
-        _write_host_tensors(tmp / "host.safetensors", fam.host_tensors(hf, args))
+        write_host_tensors(tmp / "host.safetensors", fam.host_tensors(hf, args))
+        log(f"wrote host tensors ({(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB)")
 
         t = time.perf_counter()
         cpu = _build_cpu_target(fam, hf, args, targets[0], opts, tmp, log)
-        enc_graphs = export_encoders(encoders, enc_specs, hf, tmp, "cpu", opts.exporter, log)
+        with fam.float32(hf):  # the encoder towers (and the text model's small tensors)
+            enc_graphs = export_encoders(encoders, enc_specs, hf, tmp, "cpu", opts.exporter, log)
         cpu.graphs += enc_graphs
         manifest = Manifest(
             schema_version=SCHEMA_VERSION, hexforge_version=__version__,
@@ -166,8 +164,9 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         if htp_targets:
             from .htp import build_htp_targets
 
-            manifest.targets.update(
-                build_htp_targets(fam, hf, args, htp_targets, opts, tmp, manifest, log))
+            with fam.float32_forward(hf):  # calibration runs the towers on media prompts
+                manifest.targets.update(
+                    build_htp_targets(fam, hf, args, htp_targets, opts, tmp, manifest, log))
             for tg in htp_targets:
                 manifest.targets[tg.name].graphs += compile_encoders(
                     enc_graphs, tmp, tg, tg.default_soc.soc_model, log)
@@ -176,10 +175,17 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         save_manifest(tmp, manifest)
 
         if opts.verify:
-            from .verify import verify_bundle
+            from .verify import hf_references, verify_bundle
 
             t = time.perf_counter()
-            report = verify_bundle(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens)
+            refs = hf_references(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens)
+            log("oracle: HF references computed")
+            if not manifest.encoders:  # the graphs are judged against refs alone: free the HF
+                del hf  # model before they load (at real sizes both do not fit)
+                gc.collect()
+                hf = None
+            report = verify_bundle(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens,
+                                   references=refs)
             opts.timings["verify_s"] = time.perf_counter() - t
             (tmp / "report.json").write_text(json.dumps(report, indent=1))
             for name, r in report.items():

@@ -117,15 +117,84 @@ def hf_reference(family, hf, prompt: list[int], new_tokens: int) -> dict:
     finally:
         for h in hooks:
             h.remove()
-    return {"tokens": tokens, "layers": captured, "logits": logits}
+    return {"prompt": list(prompt), "tokens": tokens, "layers": captured, "logits": logits}
+
+
+def hf_references(bundle: Path, manifest: Manifest, family, hf, targets: list[str] | None = None,
+                  new_tokens: int = 64) -> dict[str, dict]:
+    """HF's side of the oracle for each target (one HF run per distinct prompt), computed before
+    any graph loads: the caller may then free the HF model (``verify_bundle(references=...)``).
+    A bf16/fp16-loaded model computes as fp32 (``family.float32_forward``)."""
+    from ..manifest import confine
+
+    tok = TextTokenizer(confine(bundle, manifest.tokenizer.dir))
+    n = min(new_tokens, manifest.context - 2)
+    out, done = {}, {}
+    with family.float32_forward(hf):
+        for name in targets or list(manifest.targets):
+            prompt = oracle_prompt(tok, manifest.targets[name].plan.prefill_len, manifest.context, n)
+            key = tuple(prompt)
+            if key not in done:
+                done[key] = hf_reference(family, hf, prompt, n)
+            out[name] = done[key]
+    return out
+
+
+class OracleCpuBackend(Backend):
+    """The cpu backend as the runtime configures it, except that every weights file is mapped once
+    and handed to each session reading it as shared initializers, unpacked: prefill and decode of
+    a shard hold one copy of its weights, not one prepacked copy each (real sizes: Gemma-4-E2B
+    fp32 graphs are 9 GB on disk). Same graphs and kernels; the oracle's memory only."""
+
+    def __init__(self):
+        super().__init__("cpu")
+        self._maps: dict[Path, np.ndarray] = {}
+        self._values: list = []  # the OrtValues must outlive the sessions
+
+    def configure_cpu_session(self, so, path: Path, graph: GraphSpec) -> None:
+        import onnx
+        import onnxruntime as ort
+        from onnx.external_data_helper import ExternalDataInfo
+
+        if graph.role not in ("prefill", "decode"):
+            # only a shard's prefill + decode share a weights file; and an encoder graph's
+            # overridden initializers (its baked rope tables) broke a broadcast in onnxruntime
+            # (Qwen3-VL vision: "Mul ... 2 by 64"), which the plain session runs fine
+            return
+
+        model = onnx.load(str(path), load_external_data=False)
+        shared = 0
+        for t in model.graph.initializer:
+            if t.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = ExternalDataInfo(t)
+            f = (path.parent / info.location).resolve()
+            if f not in self._maps:
+                self._maps[f] = np.memmap(f, dtype=np.uint8, mode="r")
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+            raw = self._maps[f][info.offset:info.offset + info.length]
+            value = ort.OrtValue.ortvalue_from_numpy(raw.view(dtype).reshape(tuple(t.dims)))
+            self._values.append(value)
+            so.add_initializer(t.name, value)
+            shared += 1
+        if shared:
+            so.add_session_config_entry("session.disable_prepacking", "1")
+
+
+def oracle_prompt(tok: TextTokenizer, prefill_len: int, context: int, new_tokens: int) -> list[int]:
+    """The oracle's prompt: longer than one AR-N chunk, so prefill chains chunks."""
+    N = prefill_len
+    return verify_prompt(tok, max(1, min(N + N // 2 + 1, context - new_tokens)))
 
 
 def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Manifest, target: str,
-                  quant: str, new_tokens: int = 64) -> dict:
-    N = engine.prefill_len
-    length = max(1, min(N + N // 2 + 1, manifest.context - new_tokens))
-    prompt = verify_prompt(tok, length)
-    ref = hf_reference(family, hf, prompt, new_tokens)
+                  quant: str, new_tokens: int = 64, ref: dict | None = None) -> dict:
+    prompt = oracle_prompt(tok, engine.prefill_len, manifest.context, new_tokens)
+    if ref is None:
+        with family.float32_forward(hf):
+            ref = hf_reference(family, hf, prompt, new_tokens)
+    if ref["prompt"] != prompt:
+        raise ValueError("the HF reference was computed for another prompt")
 
     tallies: dict[str, _Tally] = {}
 
@@ -177,7 +246,9 @@ def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Mani
 
 
 def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[str] | None = None,
-                  new_tokens: int = 64) -> dict:
+                  new_tokens: int = 64, references: dict[str, dict] | None = None) -> dict:
+    """Judge each target's graphs against HF: ``references`` (``hf_references``) when given, then
+    ``hf`` may be None unless the bundle has encoders."""
     from ..manifest import confine
 
     tok = TextTokenizer(confine(bundle, manifest.tokenizer.dir))
@@ -194,15 +265,18 @@ def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[st
                 g.file = g.verify_file
             manifest = manifest.model_copy(deep=True)
             manifest.targets[name] = spec
-        backend = Backend("cpu") if spec.htp_arch is None else Backend.resolve(
+        backend = OracleCpuBackend() if spec.htp_arch is None else Backend.resolve(
             "qnn" if qnn.is_arm_host() else "qnn-sim", spec.htp_arch)
         engine = Engine(bundle, manifest, name, backend)
         report[name] = r = verify_target(family, hf, engine, tok, manifest, name, spec.quant,
-                                         new_tokens=min(new_tokens, manifest.context - 2))
+                                         new_tokens=min(new_tokens, manifest.context - 2),
+                                         ref=(references or {}).get(name))
         if manifest.encoders:
             from .encoders import verify_encoders
 
-            r["encoders"] = verify_encoders(engine, manifest, hf, htp=spec.htp_arch is not None)
+            with family.float32_forward(hf):
+                r["encoders"] = verify_encoders(engine, manifest, hf,
+                                                htp=spec.htp_arch is not None)
             r["failures"] += [f"encoder {n}: cos {min(o['cos_min'] for o in e['outputs'].values()):.6f}"
                               f" < {e['gate']}" for n, e in r["encoders"].items() if not e["passed"]]
             r["passed"] = not r["failures"]

@@ -4,13 +4,16 @@ A family module (``families/<model_type>.py``) provides::
 
     Args                      dataclass of HF config field names; Args.from_config(dict)
     FAMILY = DecoderFamily subclass instance with:
-      load_hf(ckpt_dir)       -> the HF model, fp32, eval (build time only)
+      load_hf(ckpt_dir)       -> the HF model, eval, in the checkpoint's stored dtype when that
+                                 is bf16/fp16 (else fp32); float32(...) / float32_forward(hf)
+                                 make the parts being exported / run compute in fp32 (build time)
       state_spec(args, ctx)   -> [StateSpec]     per layer: kind, shape, dtype (manifest "state")
       mask_groups(args, ctx)  -> [MaskGroup]     full / sliding cache groups
       host_tensors(hf, args)  -> {name: ndarray} embedding table, rope inv_freq, PLE tables ...
       host_recipe(hf, args)   -> HostRecipe      how the host makes graph inputs
       layer_weight_bytes(hf)  -> [int]           per-layer weight bytes, for the shard planner
       decoder_module(hf, args, layers, seq_len, ctx) -> torch module with .io (GraphIO)  [export]
+      cpu_decode_module(hf, args, layers, ctx)  -> the cpu target's AR-1 graph module    [export]
       head_module(hf, args)   -> torch module with .io                                 [export]
       reference_layers(hf)    -> the HF decoder layers (hooked by the oracle for per-shard cosine)
 
@@ -105,10 +108,39 @@ class DecoderFamily:
         if any(isinstance(config.get(k), dict) for k in ("vision_config", "audio_config")):
             # the encoders too: the full image/audio-text-to-text model
             from transformers import AutoModelForImageTextToText as AutoModelForCausalLM
+        lowp = stored_lowp_dtype(ckpt_dir)  # bf16/fp16 checkpoints stay so; upcast on use
+        dtype = getattr(torch, lowp) if lowp else torch.float32
         model = AutoModelForCausalLM.from_pretrained(
-            str(ckpt_dir), dtype=torch.float32, use_safetensors=True, attn_implementation="eager"
+            str(ckpt_dir), dtype=dtype, use_safetensors=True, attn_implementation="eager"
         )
+        if lowp:
+            float32_buffers(model)
+        model._hexforge_lowp = bool(lowp)
         return model.eval()
+
+    # ---- fp32 on use (a bf16/fp16-loaded model; no-ops on an fp32 one) ----
+    def float32(self, hf, layers: tuple[int, int] | None = None, head: bool = False):
+        """Context: decoder layers [a, b), the small tensors outside them (norms, projections,
+        encoder towers) and with ``head`` the lm_head in fp32 (the bf16/fp16 values upcast, which
+        is exact), for building + exporting modules from them; the originals come back after."""
+        if not is_lowp(hf):
+            return _nullcontext()
+        params = _small_params(hf, self.reference_layers(hf))
+        if layers is not None:
+            for layer in self.reference_layers(hf)[layers[0]:layers[1]]:
+                params += list(layer.parameters())
+        if head and getattr(hf, "lm_head", None) is not None:
+            params += list(hf.lm_head.parameters())
+        return _Upcast(params)
+
+    def float32_forward(self, hf):
+        """Context: HF forward passes compute exactly as an fp32 model holding the same values
+        (the oracle, calibration): small tensors and the lm_head upcast for the duration, each
+        decoder layer upcast by hooks only while it runs, large gather-only embedding tables
+        (token embeddings, Gemma-4's per-layer tables) gather their rows and upcast only those."""
+        if not is_lowp(hf):
+            return _nullcontext()
+        return _Float32Forward(hf, self.reference_layers(hf))
 
     def text_model(self, hf):
         """The decoder stack: ``hf.model``, or its ``language_model`` in multimodal wrappers."""
@@ -141,8 +173,8 @@ class DecoderFamily:
     def host_tensors(self, hf, args) -> dict[str, np.ndarray]:
         tm = self.text_model(hf)
         rot = tm.rotary_emb
-        return {
-            "embed_tokens": tm.embed_tokens.weight.detach().float().numpy(),
+        return {  # a torch table: written as fp32 in chunks (write_host_tensors)
+            "embed_tokens": tm.embed_tokens.weight.detach(),
             "rope.default.inv_freq": rot.inv_freq.detach().float().numpy(),
         }
 
@@ -160,6 +192,15 @@ class DecoderFamily:
         from . import blocks
 
         return blocks.DenseShard(self, hf, args, layers, seq_len, context)
+
+    def cpu_decode_module(self, hf, args, layers: tuple[int, int], context: int):
+        """The AR-1 module of the cpu target: full-cache attention runs onnxruntime's
+        GroupQueryAttention on the cache in place (``blocks.InPlaceCache``), reading only the rows
+        held instead of all ``context`` of them."""
+        from . import blocks
+
+        return blocks.InPlaceCache.wrap(
+            blocks.use_cpu_kernels(self.decoder_module(hf, args, layers, 1, context)))
 
     def head_module(self, hf, args):
         from . import blocks
@@ -223,3 +264,210 @@ def encoder_families(config: dict) -> list[EncoderFamily]:
         if isinstance(sub, dict) and sub.get("model_type"):
             out.append(load_family(sub["model_type"]).ENCODER)
     return out
+
+
+# ---- streaming weights: low-precision checkpoints stay low-precision, fp32 on use -------------------
+
+LOWP_ST = {"BF16": "bfloat16", "F16": "float16"}
+FLOAT_ST = {"BF16", "F16", "F32", "F64", "F8_E5M2", "F8_E4M3"}
+BIG_TABLE = 1 << 24  # embedding tables with more elements are gathered, never upcast whole
+
+
+def stored_lowp_dtype(ckpt_dir: Path) -> str | None:
+    """"bfloat16" / "float16" when every floating tensor of the checkpoint's safetensors is
+    stored so (real checkpoints: bf16), else None (fp32 or mixed: load in fp32 as before)."""
+    dtypes = set()
+    for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        dtypes |= {t["dtype"] for k, t in header.items() if k != "__metadata__"} & FLOAT_ST
+    return LOWP_ST[next(iter(dtypes))] if len(dtypes) == 1 and dtypes <= set(LOWP_ST) else None
+
+
+def is_lowp(hf) -> bool:
+    return bool(getattr(hf, "_hexforge_lowp", False))
+
+
+def float32_buffers(model) -> None:
+    """Every floating buffer of a low-precision-loaded model in fp32, as an fp32 load makes it:
+    loaded ones (Gemma-4's layer_scalar) upcast; computed ones (rope inv_freq, embed_scale), which
+    the init made in the low-precision default dtype, recomputed by the model's own
+    ``_init_weights`` in fp32 (its init functions skip tensors flagged ``_is_hf_initialized``)."""
+    import torch
+
+    with torch.no_grad():
+        for mod in model.modules():
+            computed = []
+            for name, buf in list(mod._buffers.items()):
+                if buf is None or not buf.is_floating_point() or buf.dtype == torch.float32:
+                    continue
+                if name in mod._non_persistent_buffers_set:
+                    mod._buffers[name] = torch.empty(buf.shape, dtype=torch.float32)
+                    computed.append(name)
+                else:
+                    mod._buffers[name] = buf.float()
+            if not computed:
+                continue
+            keep = [t for t in (*mod.parameters(recurse=False), *(
+                b for n, b in mod._buffers.items() if b is not None and n not in computed))]
+            saved = [getattr(t, "_is_hf_initialized", None) for t in keep]
+            for t in keep:
+                t._is_hf_initialized = True
+            try:
+                model._init_weights(mod)
+            finally:
+                for t, flag in zip(keep, saved, strict=True):
+                    if flag is None:
+                        del t._is_hf_initialized
+                    else:
+                        t._is_hf_initialized = flag
+
+
+def _layer_param_ids(layers) -> set[int]:
+    return {id(p) for layer in layers for p in layer.parameters()}
+
+
+def _big_tables(hf, layers) -> list:
+    """Embedding modules outside the decoder layers too large to upcast whole."""
+    from torch import nn
+
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    return [m for m in hf.modules() if isinstance(m, nn.Embedding) and id(m) not in inside
+            and m.weight.numel() >= BIG_TABLE]
+
+
+def _small_params(hf, layers) -> list:
+    """Parameters outside the decoder layers, the large embedding tables and the lm_head."""
+    skip = _layer_param_ids(layers) | {id(m.weight) for m in _big_tables(hf, layers)}
+    head = getattr(hf, "lm_head", None)
+    if head is not None:
+        skip |= {id(p) for p in head.parameters()}
+    return [p for p in hf.parameters() if id(p) not in skip]
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Upcast:
+    """Parameters set to fp32 copies of their low-precision values (tied ones once); on exit they
+    get their original tensors back (no rounding round trip, the fp32 copies are freed)."""
+
+    def __init__(self, params=()):
+        self.saved: dict[int, tuple] = {}
+        self.params = list(params)
+
+    def up(self, params) -> None:
+        import torch
+
+        for p in params:
+            if id(p) not in self.saved and p.is_floating_point() and p.dtype != torch.float32:
+                self.saved[id(p)] = (p, p.data)
+                p.data = p.data.float()
+
+    def down(self, params) -> None:
+        for p in params:
+            if id(p) in self.saved:
+                p.data = self.saved.pop(id(p))[1]
+
+    def __enter__(self):
+        self.up(self.params)
+        return self
+
+    def __exit__(self, *exc):
+        for p, data in self.saved.values():
+            p.data = data
+        self.saved.clear()
+        return False
+
+
+class _Float32Forward(_Upcast):
+    def __init__(self, hf, layers):
+        head = getattr(hf, "lm_head", None)
+        super().__init__(_small_params(hf, layers) + (list(head.parameters()) if head else []))
+        self.layers, self.tables, self.hooks = list(layers), _big_tables(hf, layers), []
+
+    def __enter__(self):
+        super().__enter__()
+        for layer in self.layers:
+            ps = list(layer.parameters())
+            self.hooks.append(layer.register_forward_pre_hook(lambda *_, ps=ps: self.up(ps)))
+            self.hooks.append(layer.register_forward_hook(lambda *_, ps=ps: self.down(ps)))
+        for table in self.tables:
+            if id(table.weight) not in self.saved:  # not tied to the (upcast) lm_head
+                table.forward = _gather_fp32(table)
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        for table in self.tables:
+            table.__dict__.pop("forward", None)
+        return super().__exit__(*exc)
+
+
+def _gather_fp32(table):
+    """The table's own forward on an fp32 table of just the rows asked for (ids remapped): equal
+    to gathering from the whole table upcast, without making it."""
+    import torch
+
+    forward = type(table).forward
+
+    def gather(ids, *args, **kwargs):
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        weight, pad = table._parameters["weight"], table.padding_idx
+        table._parameters["weight"] = torch.nn.Parameter(weight.detach()[uniq].float(),
+                                                         requires_grad=False)
+        table.padding_idx = None  # affects gradients only; its index means nothing in the subset
+        try:
+            return forward(table, inv.reshape(ids.shape), *args, **kwargs)
+        finally:
+            table._parameters["weight"], table.padding_idx = weight, pad
+
+    return gather
+
+
+def write_host_tensors(path: Path, tensors: dict) -> None:
+    """safetensors with floating torch tensors as F32, converted a chunk of rows at a time: a bf16
+    table never exists whole in fp32 in memory (Gemma-4-E2B's per-layer table: 9.4 GB fp32).
+    numpy arrays are written as they are."""
+    import torch
+
+    np_st = {np.dtype(k): v for k, v in (("float32", "F32"), ("float16", "F16"), ("float64", "F64"),
+             ("int64", "I64"), ("int32", "I32"), ("int16", "I16"), ("int8", "I8"),
+             ("uint8", "U8"), ("bool", "BOOL"))}
+    items = []
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor):
+            if t.is_floating_point():
+                items.append((name, "F32", 4, list(t.shape), t))
+                continue
+            t = t.numpy()
+        t = np.ascontiguousarray(t)
+        items.append((name, np_st[t.dtype], t.dtype.itemsize, list(t.shape), t))
+    items.sort(key=lambda x: (-x[2], x[0]))  # wider dtypes first: every tensor stays aligned
+    header, off = {}, 0
+    for name, dt, size, shape, _ in items:
+        n = int(np.prod(shape, dtype=np.int64)) * size
+        header[name] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for _, _, _, _, t in items:
+            if isinstance(t, np.ndarray):
+                f.write(memoryview(t.reshape(-1)).cast("B"))
+                continue
+            flat = t.detach().reshape(t.shape[0], -1) if t.dim() > 1 else t.detach().reshape(1, -1)
+            rows = max(1, (64 << 20) // max(1, flat.shape[1] * 4))  # ~64 MB of fp32 at a time
+            for i in range(0, flat.shape[0], rows):
+                chunk = flat[i:i + rows].to(torch.float32).contiguous().numpy()
+                f.write(memoryview(chunk.reshape(-1)).cast("B"))

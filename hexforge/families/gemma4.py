@@ -156,9 +156,10 @@ class Gemma4Family(DecoderFamily):
 
     def host_tensors(self, hf, args: Args) -> dict[str, np.ndarray]:
         tm = self.text_model(hf)
-        out = {"embed_tokens": tm.embed_tokens.weight.detach().float().numpy()}
+        # torch tables (bf16 in a real checkpoint): written as fp32 a chunk at a time
+        out = {"embed_tokens": tm.embed_tokens.weight.detach()}
         if args.hidden_size_per_layer_input:
-            out["embed_tokens_per_layer"] = tm.embed_tokens_per_layer.weight.detach().float().numpy()
+            out["embed_tokens_per_layer"] = tm.embed_tokens_per_layer.weight.detach()
         for t in set(args.layer_types):
             out[f"rope.{GROUP[t]}.inv_freq"] = getattr(tm.rotary_emb, f"{t}_inv_freq").float().numpy()
         return out
@@ -180,6 +181,13 @@ class Gemma4Family(DecoderFamily):
         tm = self.text_model(hf)
         return blocks.Head(tm.norm, hf.lm_head, softcap=args.final_logit_softcapping,
                            hidden_size=args.hidden_size)
+
+    def cpu_decode_module(self, hf, args, layers: tuple[int, int], context: int):
+        """The static AR-1 graph: KV-shared layers attend over their donor's keys *with* the rows
+        the same step writes, which GroupQueryAttention cannot take as its past."""
+        from . import blocks
+
+        return blocks.use_cpu_kernels(self.decoder_module(hf, args, layers, 1, context))
 
 
 # ---- export modules (torch) ----------------------------------------------------------------------

@@ -91,6 +91,9 @@ class Backend:
     def is_htp(self) -> bool:
         return self.name != "cpu"
 
+    def configure_cpu_session(self, so, path: Path, graph: GraphSpec) -> None:
+        """Extra cpu session options for one graph (the build's oracle maps weights once)."""
+
     def session(self, bundle: Path, target: TargetSpec, graph: GraphSpec):
         import onnxruntime as ort
 
@@ -109,6 +112,7 @@ class Backend:
             # a pool left spinning after its run steals the cores the next session needs
             so.add_session_config_entry("session.intra_op.allow_spinning",
                                         os.environ.get("HEXFORGE_CPU_SPIN", "0"))
+            self.configure_cpu_session(so, path, graph)
             try:
                 sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
             except Exception as e:  # ORT raises its own Fail/InvalidGraph types

@@ -61,6 +61,10 @@ class Engine:
         binds = {i.bind for g in self.target.graphs for i in g.inputs}
         self.tails = sorted(int(b[5:]) for b in binds if b.startswith("tail:"))
         self.binds_valid = "valid" in binds
+        # in-place caches (cpu decode graphs): rows held after the step, per group, as
+        # GroupQueryAttention takes them — arrays kept across steps, updated in place
+        self.kv_lengths = {b[11:]: (np.zeros(1, np.int32), np.zeros((), np.int32))
+                           for b in sorted(binds) if b.startswith("kv_seqlens:")}
         # per-token rows the media add inside the decoder (Qwen3-VL deepstack): zeros elsewhere
         self.row_binds = {i.bind: i.shape[-1] for g in self.target.graphs if g.role in
                           ("prefill", "decode") for i in g.inputs if i.bind.startswith("deepstack:")}
@@ -145,6 +149,10 @@ class Engine:
         for name in self.host.rope:
             inputs[f"rope_cos:{name}"], inputs[f"rope_sin:{name}"] = self.host.rope_tables(
                 name, rope_pos)
+        for name, (seqlens, total) in self.kv_lengths.items():  # row p holds position p
+            total[...] = positions[-1] + 1
+            seqlens[0] = positions[-1]
+            inputs[f"kv_seqlens:{name}"], inputs[f"kv_total:{name}"] = seqlens, total
         mask_value = self.target.mask_value
         for name, group in self.state.groups.items():  # decode: the group's persistent row
             inputs[f"mask:{name}"] = (group.decode_mask(self.pos, mask_value) if T == 1
