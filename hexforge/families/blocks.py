@@ -41,6 +41,41 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
 
 
+class _RotaryEmbeddingOp(torch.autograd.Function):
+    """The op for the torchscript exporter (its symbolic); eager: ``apply_rope``."""
+
+    @staticmethod
+    def forward(ctx, x, positions, cos_half, sin_half, rot, heads):
+        cos, sin = (torch.cat((t, t), -1)[positions[0]][None, None] for t in (cos_half, sin_half))
+        return apply_rope(x, cos, sin)
+
+    @staticmethod
+    def symbolic(g, x, positions, cos_half, sin_half, rot, heads):
+        extra = {"rotary_embedding_dim_i": rot, "num_heads_i": heads} if rot else {}
+        out = g.op("com.microsoft::RotaryEmbedding", x, positions, cos_half, sin_half, **extra)
+        out.setType(x.type())
+        return out
+
+
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` as onnxruntime's fused com.microsoft RotaryEmbedding (cpu graphs: one node,
+    not seven). The step's own host-made tables serve as its cache, row t for query t, so any
+    position rule the host applies (M-RoPE, offsets) holds: x [1, H, T, D]; cos/sin [1, 1, T, R]
+    in rotate-half layout (the halves are equal: the op takes one)."""
+    H, T, D, R = (int(n) for n in (*x.shape[1:], cos.shape[-1]))  # static: python ints
+    positions = torch.arange(T, dtype=torch.int64)[None]  # [1, T]
+    cos_half, sin_half = cos[0, 0, :, :R // 2], sin[0, 0, :, :R // 2]  # [T, R/2]
+    rot = R if R < D else 0  # partial rotary: the op needs the rotated width and the heads
+    if torch.jit.is_tracing():  # the torchscript exporter
+        return _RotaryEmbeddingOp.apply(x, positions, cos_half, sin_half, rot, H)
+    if torch.onnx.is_in_onnx_export():  # dynamo
+        return torch.onnx.ops.symbolic(
+            "com.microsoft::RotaryEmbedding", [x, positions, cos_half, sin_half],
+            {"rotary_embedding_dim": rot, "num_heads": H} if rot else {}, dtype=x.dtype,
+            shape=x.shape, version=1)
+    return apply_rope(x, cos, sin)
+
+
 # id(HF norm module) -> power-of-two input prescale, measured by ``calibrate_norm_scales``
 NORM_PRESCALE: dict[int, float] = {}
 
@@ -109,11 +144,12 @@ def simplified_layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
 
 
 def use_cpu_kernels(module: nn.Module) -> nn.Module:
-    """Mark every RMSNorm of ``module`` to export as one fused onnxruntime node; -> module.
-    Measured on the tiny qwen3 decode graph: 7 nodes per norm (x*x, mean, add, sqrt, div, 2 mul)
-    that onnxruntime's own fusion does not match (it looks for Pow)."""
+    """Mark every RMSNorm and attention rope of ``module`` to export as one fused onnxruntime node
+    each; -> module. Measured on the tiny qwen3 decode graph: 7 nodes per norm (x*x, mean, add,
+    sqrt, div, 2 mul) that onnxruntime's own fusion does not match (it looks for Pow), 6 per
+    rope; the per-node cost (~2-4 us) is what separated the int4 decode from genai's."""
     for m in module.modules():
-        if isinstance(m, RMSNorm):
+        if isinstance(m, RMSNorm | StaticAttention):
             m.cpu_kernel = True
     return module
 
@@ -142,15 +178,14 @@ class RMSNorm(nn.Module):
                    NORM_PRESCALE.get(id(hf_norm), 1.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernel:  # any rank, and fp32 needs no prescale (it is exact anyway: k = 2^n)
+            return simplified_layer_norm(x, self._gain(x.shape[-1], x), self.eps)
         # (k x) * rsqrt(mean((k x)^2) + eps k^2) == x * rsqrt(mean(x^2) + eps) for any k > 0
         shape = x.shape
         x3 = x.reshape(-1, shape[-2], shape[-1]) if x.dim() > 3 else x  # [B', T', D]
         k = self.prescale
         if k != 1.0:
             x3 = x3 * k
-        if self.cpu_kernel:
-            return simplified_layer_norm(x3, self._gain(shape[-1], x3), self.eps * k * k
-                                         ).reshape(shape)
         # x*x, not pow(x, 2): quantizers route Pow's exponent through Q/DQ, and an exponent that
         # dequantizes to 1.99997 turns negative bases into NaN
         x3 = x3 * torch.rsqrt((x3 * x3).mean(-1, keepdim=True) + self.eps * k * k)
@@ -314,6 +349,7 @@ class StaticAttention(nn.Module):
         self.q_norm, self.k_norm, self.v_norm = q_norm, k_norm, v_norm
         # Qwen3.5: q_proj emits [query | gate] per head; the output is out * sigmoid(gate)
         self.output_gate = output_gate
+        self.cpu_kernel = False  # use_cpu_kernels: onnxruntime's fused rope
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         T = x.shape[1]
@@ -324,7 +360,7 @@ class StaticAttention(nn.Module):
             k = self.k_norm(k)
         if self.v_norm is not None:
             v = self.v_norm(v)
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [1, KVH, T, D]
+        k = self._rope(k.transpose(1, 2), cos, sin)  # [1, KVH, T, D]
         return k, v.transpose(1, 2)
 
     def attend(self, x, cos, sin, mask, keys, values):
@@ -361,7 +397,10 @@ class StaticAttention(nn.Module):
             q = self.q_proj(x).view(1, T, self.n_heads, D)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return apply_rope(q.transpose(1, 2), cos, sin), gate
+        return self._rope(q.transpose(1, 2), cos, sin), gate
+
+    def _rope(self, x, cos, sin):
+        return rotary_embedding(x, cos, sin) if self.cpu_kernel else apply_rope(x, cos, sin)
 
     def attend_in_place(self, x, cos, sin, lengths: CacheLengths, past_k, past_v, k, v):
         """cpu graphs: onnxruntime's GroupQueryAttention over the first ``lengths.total`` cache
