@@ -58,7 +58,7 @@ def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from hexforge.tiny import make_tokenizer
+    from hexforge.tiny import condition_weights, make_tokenizer
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -72,10 +72,8 @@ def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: 
     t = time.perf_counter()
     # made directly in the saved dtype: never two full copies
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    with torch.no_grad():  # from_config leaves norms at 1.0; perturb so they are not trivial
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    # norms perturbed; Gemma-4 conditioned as a trained model is (else it is chaotic at depth)
+    condition_weights(model, model_type.removesuffix("_text"))
     model.save_pretrained(str(out), safe_serialization=True)
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                      pad_token_id=tok.pad_token_id).save_pretrained(str(out))

@@ -216,6 +216,41 @@ def _save_qwen2vl_processor_config(out: Path, vision: dict) -> None:
     proc.save_pretrained(str(out))
 
 
+def condition_weights(model, base: str, towers=None) -> None:
+    """Make a from_config model behave like a trained one where the oracle needs it (in place).
+
+    from_config leaves norms (and Gemma-4's layer_scalar) at 1.0: they are perturbed so they
+    matter. Gemma-4 also gets TEMPER / DECODER_TEMPER / ZERO_MEAN_GAINS / LAYER_SCALAR_RANGE (see
+    above): unconditioned, it amplifies fp32 rounding through depth — at real size (35 layers)
+    HF against itself with 1e-7 relative noise on the embeddings gives logits cos 0.99988 and
+    greedy 7/16, so no correct port could pass a greedy-exact gate on it (bench/realshape.py
+    uses this too). ``towers(model)``: the encoders' own conditioning, between the two passes
+    (the order fixes the random stream the tiny fixtures' seeds were chosen on)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            for key, factor in TEMPER.get(base, {}).items():
+                if key in name:
+                    p.mul_(factor)
+            if any(e in name for e in _ENCODERS):
+                continue
+            for key, factor in DECODER_TEMPER.get(base, {}).items():
+                if key in name:
+                    p.mul_(factor)
+            if name.replace("language_model.", "") in ZERO_MEAN_GAINS.get(base, ()):
+                p.normal_()
+                p.sub_(p.mean())
+        if towers is not None:
+            towers(model)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                lo, hi = LAYER_SCALAR_RANGE
+                b.fill_(float(lo + (hi - lo) * torch.rand(1)))
+
+
 def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     """Write a random-weight checkpoint of ``family`` (a TINY_CONFIGS key) to ``out_dir``."""
     import torch
@@ -249,29 +284,8 @@ def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **over
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # from_config leaves norms (and Gemma-4's layer_scalar) at 1.0: perturb them so they matter
-    with torch.no_grad():
-        base = family.removesuffix("_mm")
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            for key, factor in TEMPER.get(base, {}).items():
-                if key in name:
-                    p.mul_(factor)
-            if any(e in name for e in _ENCODERS):
-                continue
-            for key, factor in DECODER_TEMPER.get(base, {}).items():
-                if key in name:
-                    p.mul_(factor)
-            if name.replace("language_model.", "") in ZERO_MEAN_GAINS.get(base, ()):
-                p.normal_()
-                p.sub_(p.mean())
-        if family == "gemma4_mm":
-            _condition_gemma4_vision(model)
-        for name, b in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                lo, hi = LAYER_SCALAR_RANGE
-                b.fill_(float(lo + (hi - lo) * torch.rand(1)))
+    condition_weights(model, family.removesuffix("_mm"),
+                      _condition_gemma4_vision if family == "gemma4_mm" else None)
     model.save_pretrained(str(out), safe_serialization=True)
     if family == "gemma4_mm":
         _save_gemma4_processor_config(out)
