@@ -53,7 +53,7 @@ def cmd_build(a) -> int:
                         max_shard_bytes=a.max_shard_bytes, verify=not a.no_verify,
                         exporter=a.exporter, quant=a.quant, calib=a.calib,
                         share_weights=a.share_weights, audio_seconds=a.audio_seconds,
-                        cpu_weights=a.cpu_weights)
+                        cpu_weights=a.cpu_weights, verify_tokens=a.verify_tokens)
     build(a.checkpoint, a.output, opts, log=lambda m: print(m, file=sys.stderr))
     return 0
 
@@ -235,6 +235,9 @@ def parser() -> argparse.ArgumentParser:
                    help="HTP: one weight-shared context per shard for prefill + decode (device "
                         "only: the x86 simulator cannot load them; the oracle runs unshared twins)")
     b.add_argument("--no-verify", action="store_true", help="skip the HF oracle and its gates")
+    b.add_argument("--verify-tokens", type=int, default=64, metavar="N",
+                   help="the oracle's teacher-forced / greedy tokens (default 64); on the x86 HTP "
+                        "simulator a real-size decode step takes about a minute (bench/htp_sim_step.py)")
     b.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript")
     b.add_argument("--image-size", type=_image_size, default=None, metavar="HxW",
                    help="fixed-resolution vision graphs (Qwen-VL): the build resolution, e.g. "

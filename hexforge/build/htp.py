@@ -12,7 +12,10 @@ The calibration text is not the oracle's text, so the oracle's numbers are calib
 
 from __future__ import annotations
 
+import gc
+import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,49 +29,129 @@ from ..targets import Target
 from .calib import calibration_text
 from .compile import compile_graph, compile_shared
 from .graphs import export_float, plan_target
-from .quantize import QuantRecipe, get_recipe, pooled_hessians, quantize_graph
+from .quantize import GraphStats, HessianStore, QuantRecipe, get_recipe, quantize_graph
 
-CALIB_DECODE_STEPS = 64  # decode samples (each holds the whole KV cache: keep it bounded)
+CALIB_DECODE_STEPS = 64  # decode samples (teacher-forced text tokens through the AR-1 graph)
+KEEP_FEED_BYTES = 1 << 20  # a graph's calls this small are kept from an earlier graph's replay
+KEEP_TOTAL_BYTES = 256 << 20
+
+
+@dataclass
+class Calibration:
+    """Per graph: ORT's calibration cache (activation ranges), the ``past.*`` inputs' and every
+    output's absmax; GPTQ Hessians pooled over the graphs that share a weight (on disk)."""
+    ranges: dict[str, Path]
+    past_absmax: dict[str, dict[str, float]]
+    absmax: dict[str, dict[str, float]]
+    hessians: HessianStore
 
 
 def calibrate(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: RunPlan,
-              recipe: QuantRecipe, text: str, hf=None):
-    """Run the float graphs on the CPU EP; -> ({graph: [feeds]}, {graph: {output: absmax}})."""
+              recipe: QuantRecipe, text: str, hf=None, work: Path | None = None,
+              log=None) -> Calibration:
+    """Run the float graphs on the CPU EP over the calibration text, streaming each call's feeds
+    into its graph's statistics (``GraphStats``) as it happens: nothing stores the feeds, whose
+    decode steps each hold the whole KV cache (real-size Qwen3-0.6B: 235 MB a step at context
+    1024). The text is replayed once per graph, so only that graph's calibration sessions are
+    alive next to the float engine's (real-size graphs hold GBs of fp32 weights each)."""
     encoders = [g for g in manifest.targets["cpu"].graphs if g.role in ("vision", "audio")]
     spec = TargetSpec(name="_calib", graphs=graphs + encoders, plan=plan,
                       mask_value=recipe.mask_value)
     m = manifest.model_copy(deep=True)
     m.targets = {"_calib": spec}
-    engine = Engine(root, m, "_calib", Backend("cpu"))
-    feeds: dict[str, list[dict[str, np.ndarray]]] = {g.name: [] for g in graphs}
-    absmax: dict[str, dict[str, float]] = {g.name: {} for g in graphs}
-
-    def record(graph: GraphSpec, f: dict, outputs: dict, _pos) -> None:
-        feeds[graph.name].append({k: v.copy() for k, v in f.items()})
-        seen = absmax[graph.name]
-        for o in graph.outputs:
-            seen[o.name] = max(seen.get(o.name, 0.0), float(np.abs(outputs[o.bind]).max()))
-
+    backend = _calibration_backend()
+    engine = Engine(root, m, "_calib", backend)
+    maps = getattr(backend, "_maps", None)  # its weight memmaps, shared with GraphStats
+    work = work or root / "_work" / "calib"
     tok = TextTokenizer(confine(root, manifest.tokenizer.dir))
     ids = tok.encode(text)[: manifest.context - 1]
-    engine.observer = record
     # prefill graphs: the text in AR-N chunks; decode graphs + head: the text again, one token per
     # step (teacher-forced, so every token of the text is seen — greedy tokens of a model loop)
-    engine.reset()
-    engine.prefill(ids)
-    engine.reset()
-    engine.observer = lambda g, *a: record(g, *a) if g.role != "prefill" else None
-    engine.prefill(ids[:CALIB_DECODE_STEPS], mode="decode")
-    for media_ids, rows in _media_prompts(engine, m, ids, hf) if hf is not None else []:
+    prompts = [(ids, None)]
+    if hf is not None:
         # soft tokens (and deepstack rows) have their own ranges: text alone would calibrate
         # the deepstack inputs on zeros and clip them (Qwen3-VL image logits cos 0.93 -> 0.999)
-        engine.reset()
+        prompts += _media_prompts(engine, m, ids, hf)
+    out = Calibration({}, {}, {}, HessianStore(work / "hessians"))
+    # (prompt, phase) runs each graph is called in: chunked -> prefill graphs and the head,
+    # one token a step -> decode graphs and the head
+    runs = {g.name: [(i, ph) for i in range(len(prompts)) for ph in ("chunked", "decode")
+                     if (ph, g.role) not in (("chunked", "decode"), ("decode", "prefill"))]
+            for g in graphs}
+    kept: dict[str, dict[tuple, list]] = {g.name: {} for g in graphs}  # small feeds seen early
+    kept_bytes = 0
+    for gi, g in enumerate(graphs):
+        t = time.perf_counter()
+        stats = GraphStats(root / g.file, work, hessians=g.role != "head", maps=maps)
+        seen = out.absmax[g.name] = {}
+        later = {h.name for h in graphs[gi + 1:]}
+        now: list = []  # the (prompt, phase) run in progress, the graphs keeping its calls
+
+        def record(graph: GraphSpec, f: dict, outputs: dict, _pos, g=g, stats=stats, seen=seen,
+                   now=now):
+            nonlocal kept_bytes
+            if graph.name == g.name:
+                stats.add(f)
+                for o in graph.outputs:
+                    seen[o.name] = max(seen.get(o.name, 0.0), float(np.abs(outputs[o.bind]).max()))
+                return
+            if not now or graph.name not in now[1]:
+                return
+            run = now[0]
+            # a later graph with small feeds (the head: one hidden row a call) keeps them now, so
+            # its own turn needs no replay of the whole model for this run
+            calls = kept[graph.name].setdefault(run, [])
+            if calls is None:
+                return
+            size = sum(v.nbytes for v in f.values())
+            if size > KEEP_FEED_BYTES or kept_bytes + size > KEEP_TOTAL_BYTES:
+                kept_bytes -= sum(v.nbytes for c, _ in calls for v in c.values())
+                kept[graph.name][run] = None  # too big: that graph replays this run itself
+                return
+            absmax = {o.name: float(np.abs(outputs[o.bind]).max()) for o in graph.outputs}
+            calls.append(({k: np.array(v) for k, v in f.items()}, absmax))
+            kept_bytes += size
+
         engine.observer = record
-        engine.prefill(media_ids, media=rows)
-        engine.reset()
-        engine.observer = lambda g, *a: record(g, *a) if g.role != "prefill" else None
-        engine.prefill(media_ids[:CALIB_DECODE_STEPS], mode="decode", media=rows)
-    return feeds, absmax
+        try:
+            for run in runs[g.name]:
+                calls = kept[g.name].pop(run, None)
+                if calls is not None:  # kept from an earlier replay
+                    for f, absmax in calls:
+                        stats.add(f)
+                        kept_bytes -= sum(v.nbytes for v in f.values())
+                        for name, v in absmax.items():
+                            seen[name] = max(seen.get(name, 0.0), v)
+                    continue
+                prompt, rows = prompts[run[0]]
+                # the later graphs this run calls that no earlier replay already kept it for
+                now[:] = [run, {h for h in later if run in runs[h] and run not in kept[h]}]
+                engine.reset()
+                if run[1] == "chunked":
+                    engine.prefill(prompt, media=rows)
+                else:
+                    engine.prefill(prompt[:CALIB_DECODE_STEPS], mode="decode", media=rows)
+                now.clear()
+            out.ranges[g.name] = stats.save_ranges(work / f"{g.name}.ranges.json")
+            out.past_absmax[g.name] = dict(stats.past_absmax)
+            out.hessians.add(stats.hessian_groups())
+            calls = stats.calls
+        finally:
+            engine.observer = None
+            stats.close()
+        if log:
+            log(f"  calibrated {g.name}: {calls} calls ({time.perf_counter() - t:.1f}s)")
+    return out
+
+
+def _calibration_backend() -> Backend:
+    """The oracle's cpu backend (each weight file mapped once, shared by prefill + decode, no
+    prepacked copies) where this build has it; the runtime's otherwise."""
+    try:
+        from .verify import OracleCpuBackend
+    except ImportError:
+        return Backend("cpu")
+    return OracleCpuBackend()
 
 
 def _media_prompts(engine: Engine, manifest: Manifest, ids: list[int], hf):
@@ -104,12 +187,16 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
             if recipe.activations:
                 t = time.perf_counter()
                 text = calibration_text(opts.calib)
-                feeds, absmax = calibrate(root, manifest, graphs, plan, recipe, text, hf)
-                hessians = pooled_hessians([(root / g.file, feeds[g.name]) for g in graphs
-                                            if g.role != "head"])
+                cal = calibrate(root, manifest, graphs, plan, recipe, text, hf,
+                                work=srcs / "calib", log=log)
+                gc.collect()  # the float engine's sessions and weight maps, before quantizing
                 for g in graphs:
-                    quantize_graph(root / g.file, srcs / f"{g.name}.qdq.onnx", feeds[g.name],
-                                   absmax[g.name], recipe, g.role, hessians)
+                    tq = time.perf_counter()
+                    quantize_graph(root / g.file, srcs / f"{g.name}.qdq.onnx", cal.ranges[g.name],
+                                   cal.past_absmax[g.name], cal.absmax[g.name], recipe, g.role,
+                                   cal.hessians)
+                    log(f"  quantized {g.name} ({time.perf_counter() - tq:.1f}s)")
+                shutil.rmtree(srcs / "calib", ignore_errors=True)
                 log(f"[{target.name}] calibrated + quantized {recipe.name} "
                     f"({time.perf_counter() - t:.1f}s)")
             prepared[key] = (graphs, plan, srcs)

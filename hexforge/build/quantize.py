@@ -1,6 +1,7 @@
 """Quantization recipes (data) and the QDQ pass for HTP graphs.
 
-    float ONNX ──ORT QNN QDQ tool (calibrated uint16 activations)──▶ QDQ ONNX
+    float ONNX + calibration statistics, streamed per call (GraphStats: ranges, state absmax, GPTQ H)
+               ──ORT QNN QDQ tool (uint16 activations, ranges from the calibration cache)──▶ QDQ ONNX
                ──requantize_weights: every MatMul weight re-quantized from the float original──▶
                  W8: int8 per-output-channel  DequantizeLinear(axis=1)
                  W4: int4 block-wise          DequantizeLinear(axis=0, block_size=B)   (opset 21)
@@ -70,7 +71,234 @@ class _Reader:
         return next(self._it, None)
 
 
-def _state_overrides(model, feeds: list[dict[str, np.ndarray]], outputs: dict[str, float]) -> dict:
+class GraphStats:
+    """Streaming calibration statistics of one float graph, fed one call's inputs at a time (the
+    feeds are never stored: a real-size decode feed holds the whole KV cache, 235 MB for
+    Qwen3-0.6B at context 1024).
+
+    - activation ranges: ORT's own MinMaxCalibrater (the augmented graph and tensor selection
+      ``quantize_static`` builds internally), its per-call ranges merged by min / max — the same
+      ranges as one call over every feed; ``save_ranges`` writes them as ORT's calibration cache;
+    - ``past.*`` inputs' absmax (the KV state's fixed scale, ``_state_overrides``);
+    - with ``hessians``: H = sum X^T X of every MatMul with an initializer weight (GPTQ), one H
+      per activation (q/k/v share theirs).
+
+    Its sessions map the graph's weight file (shared with the engine's through ``maps``); ``close``
+    frees them and their temporary graph files."""
+
+    def __init__(self, float_path: Path, workdir: Path, hessians: bool = True, ranges: bool = True,
+                 maps: dict | None = None):
+        import onnx
+
+        self.path = Path(float_path)
+        self.work = Path(workdir)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.maps = {} if maps is None else maps  # weight file -> memmap, shared with the engine
+        self._tmp: list[Path] = []
+        self._cal = None
+        if ranges:
+            self._cal = _minmax_calibrator(self.path, self._tmp_path("augmented"), self.maps)
+        self.past_absmax: dict[str, float] = {}
+        self.calls = 0
+        self._hsess = None
+        # activation -> its rows X (float32) not yet folded into H = sum X^T X (float64, [K, K]):
+        # calibration sees a few hundred rows, far fewer than K, so the rows are the smaller
+        # form (real-size Qwen3.5-0.8B: ~0.2 GB of rows vs 3.6 GB of H per graph)
+        self._rows: dict[str, list[np.ndarray]] = {}
+        self.hessians: dict[str, np.ndarray] = {}
+        self.act_of: dict[str, str] = {}
+        if not hessians:
+            return
+        model = onnx.load(str(self.path), load_external_data=False)
+        weights = {t.name for t in model.graph.initializer}
+        self.act_of = {n.input[1]: n.input[0] for n in model.graph.node
+                       if n.op_type == "MatMul" and n.input[1] in weights}
+        if not self.act_of:
+            return
+        have = {o.name for o in model.graph.output}
+        for a in sorted(set(self.act_of.values()) - have):
+            model.graph.output.append(onnx.helper.make_empty_tensor_value_info(a))
+        hpath = self._tmp_path("hessian")
+        onnx.save(model, str(hpath))
+        self._hsess = _mapped_session(hpath, model, self.maps)
+        self._hnames = [o.name for o in self._hsess.get_outputs()]
+
+    def _tmp_path(self, kind: str) -> Path:
+        """A graph file next to the float graph (its external weight file resolves; no 2 GB
+        protobuf limit), removed by ``close``."""
+        p = self.path.with_name(f".{self.path.stem}.{kind}.onnx")
+        self._tmp.append(p)
+        return p
+
+    def add(self, feed: dict[str, np.ndarray]) -> None:
+        if self._cal is not None:
+            self._cal.collect_data(_Reader([feed]))
+        self.calls += 1
+        for name, v in feed.items():
+            if name.startswith("past."):
+                self.past_absmax[name] = max(self.past_absmax.get(name, 0.0),
+                                             float(np.abs(v).max()) if v.size else 0.0)
+        if self._hsess is None:
+            return
+        outs = dict(zip(self._hnames, self._hsess.run(None, feed), strict=True))
+        for a in set(self.act_of.values()):
+            x = outs[a].reshape(-1, outs[a].shape[-1])
+            rows = self._rows.setdefault(a, [])
+            rows.append(np.array(x, np.float32))
+            if sum(len(r) for r in rows) >= 2 * x.shape[-1]:  # rows outgrow H: fold them
+                self._fold(a)
+
+    def _fold(self, a: str) -> None:
+        rows = self._rows.pop(a, [])
+        if rows:
+            x = np.concatenate(rows).astype(np.float64)
+            self.hessians[a] = self.hessians[a] + x.T @ x if a in self.hessians else x.T @ x
+
+    def save_ranges(self, cache: Path) -> Path:
+        from onnxruntime.quantization.calibrate import save_tensors_data
+
+        if not self.calls:
+            raise BuildError(f"calibration never ran {self.path.name}")
+        save_tensors_data(self._cal.compute_data(), cache)
+        return cache
+
+    def hessian_groups(self):
+        """Yields (weight content keys, H): the weights that share one input activation, with its
+        H, made one at a time."""
+        import onnx
+        from onnx import numpy_helper
+
+        model = onnx.load(str(self.path), load_external_data=False)
+        inits = {t.name: t for t in model.graph.initializer}
+        keys: dict[str, list[str]] = {}
+        for w, a in self.act_of.items() if self._hsess is not None else ():
+            if a in self.hessians or a in self._rows:
+                arr = numpy_helper.to_array(inits[w], base_dir=str(self.path.parent))
+                keys.setdefault(a, []).append(weight_key(arr))
+        for a, k in keys.items():
+            self._fold(a)
+            yield k, self.hessians.pop(a)
+
+    def close(self) -> None:
+        self._cal = self._hsess = None
+        self.hessians, self._rows = {}, {}
+        for f in self._tmp:
+            f.unlink(missing_ok=True)
+
+
+def _mapped_session(path: Path, model, maps: dict):
+    """CPU session of ``path`` (``model``: its proto, weights external) whose external weights are
+    handed in as shared initializers over one read-only memmap per weight file, unpacked: the
+    calibration sessions and the float engine hold one (page-cache) copy of a shard's weights,
+    not one prepacked anonymous copy per session (real size: GBs per session)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx.external_data_helper import ExternalDataInfo
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    values = []
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = ExternalDataInfo(t)
+        f = (path.parent / info.location).resolve()
+        if f not in maps:
+            maps[f] = np.memmap(f, dtype=np.uint8, mode="r")
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+        raw = maps[f][info.offset:info.offset + info.length]
+        values.append(ort.OrtValue.ortvalue_from_numpy(raw.view(dtype).reshape(tuple(t.dims))))
+        so.add_initializer(t.name, values[-1])
+    if values:
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    sess._hexforge_initializers = values  # the OrtValues must outlive the session
+    return sess
+
+
+def _minmax_calibrator(float_path: Path, augmented: Path, maps: dict):
+    """ORT's MinMaxCalibrater as ``quantize_static`` makes it for the QNN config (same tensor
+    selection, same ReduceMin/ReduceMax augmentation), except that its graph keeps the weights in
+    their external file (ORT loads them inline: one more full copy) and its session maps them."""
+    import onnx
+    from onnxruntime.quantization import calibrate as ort_calibrate
+    from onnxruntime.quantization.quant_utils import add_infer_metadata
+
+    def load_with_shapes(path: Path):  # ORT's load_model_with_shape_infer, weights left external
+        inferred = augmented.with_name(augmented.stem + "-inferred.onnx")
+        onnx.shape_inference.infer_shapes_path(str(path), str(inferred))
+        model = onnx.load(str(inferred), load_external_data=False)
+        add_infer_metadata(model)
+        inferred.unlink()
+        return model
+
+    cfg = _qnn_config(float_path, None, {})
+    saved = ort_calibrate.load_model_with_shape_infer
+    ort_calibrate.load_model_with_shape_infer = load_with_shapes
+    try:
+        cal = ort_calibrate.MinMaxCalibrater(float_path, cfg.op_types_to_quantize,
+                                             augmented_model_path=str(augmented),
+                                             use_external_data_format=False)
+    finally:
+        ort_calibrate.load_model_with_shape_infer = saved
+    cal.augment_graph()  # writes the augmented graph next to the float one (its weights resolve)
+    cal.infer_session = _mapped_session(augmented, cal.model, maps)
+    cal.model = None
+    return cal
+
+
+class HessianStore:
+    """Pooled GPTQ Hessians on disk, one float64 .npy per input activation group, loaded one at a
+    time by ``get`` (requantize_weights): real-size Qwen3.5-0.8B holds ~3.6 GB of them."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.file_of: dict[str, Path] = {}
+        self._n = 0
+
+    def _new(self, H: np.ndarray) -> Path:
+        f = self.folder / f"h{self._n}.npy"
+        self._n += 1
+        np.save(f, H)
+        return f
+
+    def add(self, groups: list[tuple[list[str], np.ndarray]]) -> None:
+        """Sum each group's H into every one of its weights' pooled H."""
+        for keys, H in groups:
+            files = {self.file_of.get(k) for k in keys}
+            f = files.pop() if len(files) == 1 else None
+            if f is not None and {k for k, v in self.file_of.items() if v == f} == set(keys):
+                np.save(f, np.load(f) + H)  # the same weights pooled again (prefill + decode)
+            elif not any(k in self.file_of for k in keys):
+                f = self._new(H)
+                self.file_of.update(dict.fromkeys(keys, f))
+            else:  # groups that overlap differently: each weight its own copy
+                for k in keys:
+                    old = self.file_of.get(k)
+                    self.file_of[k] = self._new(H + np.load(old) if old is not None else H)
+
+    def get(self, key: str) -> np.ndarray | None:
+        f = self.file_of.get(key)
+        return None if f is None else np.load(f)
+
+    def solved(self, key: str, kind: str, result: tuple | None = None):
+        """The GPTQ result (scale, q) of weight ``key`` as ``kind``, kept once solved: prefill
+        and decode of a shard share every weight and its pooled H. -> (scale, q) or None."""
+        f = self.folder / f"gptq-{kind}-{key}.npz"
+        if result is not None:
+            np.savez(f, scale=result[0], q=result[1])
+            return result
+        if not f.is_file():
+            return None
+        with np.load(f) as z:
+            return z["scale"], z["q"]
+
+    def __len__(self) -> int:
+        return len(self.file_of)
+
+
+def _state_overrides(model, past_absmax: dict[str, float], outputs: dict[str, float]) -> dict:
     """One symmetric uint16 scale per KV cache: for past.X, new.X and the Concat joining them."""
     from onnxruntime.quantization import QuantType
 
@@ -79,7 +307,7 @@ def _state_overrides(model, feeds: list[dict[str, np.ndarray]], outputs: dict[st
                   if n.op_type == "Concat" and n.input and n.input[0].startswith("past.")}
     for past, cat in concat_out.items():
         new = "new." + past.removeprefix("past.")
-        absmax = max([float(np.abs(f[past]).max()) for f in feeds] + [outputs.get(new, 0.0), 1e-3])
+        absmax = max(past_absmax.get(past, 0.0), outputs.get(new, 0.0), 1e-3)
         scale = np.array(absmax * 1.1 / 32767.0, dtype=np.float32)
         spec = [{"quant_type": QuantType.QUInt16, "scale": scale,
                  "zero_point": np.array(32768, dtype=np.uint16)}]
@@ -88,13 +316,14 @@ def _state_overrides(model, feeds: list[dict[str, np.ndarray]], outputs: dict[st
     return overrides
 
 
-def quantize_graph(float_path: Path, out_path: Path, feeds: list[dict[str, np.ndarray]],
+def quantize_graph(float_path: Path, out_path: Path, ranges: Path, past_absmax: dict[str, float],
                    output_absmax: dict[str, float], recipe: QuantRecipe, role: str,
-                   hessians: dict[str, np.ndarray] | None = None) -> None:
-    """float ONNX + calibration feeds -> QDQ ONNX per ``recipe`` (not for fp16).
+                   hessians=None) -> None:
+    """float ONNX + calibration statistics (``GraphStats``: ``ranges`` ORT's calibration cache,
+    ``past_absmax``) -> QDQ ONNX per ``recipe`` (not for fp16).
 
-    ``hessians`` (from ``pooled_hessians``) are keyed by weight content, so graphs sharing a weight
-    (prefill and decode of a shard) get the same int4 weights."""
+    ``hessians`` (``HessianStore`` or a dict) are keyed by weight content, so graphs sharing a
+    weight (prefill and decode of a shard) get the same int4 weights."""
     import onnx
 
     model = onnx.load(str(float_path), load_external_data=False)
@@ -102,69 +331,64 @@ def quantize_graph(float_path: Path, out_path: Path, feeds: list[dict[str, np.nd
     level = root_log.level
     root_log.setLevel(logging.ERROR)  # the tool's "consider pre-processing" / opset notices
     try:
-        _quantize(float_path, out_path, feeds, output_absmax, model)
+        _quantize(float_path, out_path, ranges, _state_overrides(model, past_absmax, output_absmax))
     finally:
         root_log.setLevel(level)
+    del model
     bits = recipe.head_bits if role == "head" and recipe.head_bits else recipe.weight_bits
     requantize_weights(out_path, float_path, bits, recipe.block_size, recipe.range_margin,
                        hessians or {}, rhs_int16=recipe.rhs_int16)
 
 
-def _quantize(float_path: Path, out_path: Path, feeds, output_absmax, model) -> None:
-    from onnxruntime.quantization import CalibrationMethod, QuantType, quantize
+def _qnn_config(float_path: Path, reader, overrides: dict):
+    from onnxruntime.quantization import CalibrationMethod, QuantType
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
     cfg = get_qnn_qdq_config(
-        str(float_path), _Reader(feeds), calibrate_method=CalibrationMethod.MinMax,
+        str(float_path), reader, calibrate_method=CalibrationMethod.MinMax,
         activation_type=QuantType.QUInt16, weight_type=QuantType.QUInt8, per_channel=False,
-        init_overrides=_state_overrides(model, feeds, output_absmax),
+        init_overrides=overrides,
     )
     cfg.use_external_data_format = _graph_bytes(float_path) > 1 << 30  # protobuf's 2 GB limit
-    quantize(str(float_path), str(out_path), cfg)
+    return cfg
+
+
+def _quantize(float_path: Path, out_path: Path, ranges: Path, overrides: dict) -> None:
+    """ORT's QNN QDQ tool with the ranges from the calibration cache (no data reader)."""
+    from onnxruntime.quantization import quantize_static
+
+    cfg = _qnn_config(float_path, None, overrides)
+    quantize_static(
+        str(float_path), str(out_path), None, calibrate_method=cfg.calibrate_method,
+        quant_format=cfg.quant_format, activation_type=cfg.activation_type,
+        weight_type=cfg.weight_type, op_types_to_quantize=cfg.op_types_to_quantize,
+        nodes_to_quantize=cfg.nodes_to_quantize, nodes_to_exclude=cfg.nodes_to_exclude,
+        per_channel=cfg.per_channel, reduce_range=cfg.reduce_range,
+        use_external_data_format=cfg.use_external_data_format,
+        calibration_providers=cfg.calibration_providers, extra_options=cfg.extra_options,
+        calibration_cache_path=str(ranges))
 
 
 def weight_key(t) -> str:
-    """Content key of a float weight initializer (names differ between exported graphs)."""
+    """Content key of a float weight (an initializer or its array; names differ between graphs)."""
     from onnx import numpy_helper
 
-    return hashlib.sha1(numpy_helper.to_array(t).astype(np.float32).tobytes()).hexdigest()
+    arr = t if isinstance(t, np.ndarray) else numpy_helper.to_array(t)
+    return hashlib.sha1(np.ascontiguousarray(arr, dtype=np.float32).tobytes()).hexdigest()
 
 
-def pooled_hessians(graphs: list[tuple[Path, list[dict[str, np.ndarray]]]]) -> dict[str, np.ndarray]:
-    """{weight content key: H summed over every graph holding that weight}: prefill (AR-N rows)
-    and decode (one row per step) calibrate one weight together, so H has enough rows."""
-    pooled: dict[str, np.ndarray] = {}
-    for path, feeds in graphs:
-        for key, H in matmul_hessians(path, feeds).items():
-            pooled[key] = pooled[key] + H if key in pooled else H
-    return pooled
-
-
-def matmul_hessians(float_path: Path, feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """{weight content key: H = sum X^T X [K, K]} for every MatMul with an initializer weight, X
-    being its input activations on the calibration feeds (what GPTQ needs)."""
-    import onnx
-    import onnxruntime as ort
-
-    model = onnx.load(str(float_path))
-    weights = {t.name for t in model.graph.initializer}
-    act_of = {n.input[1]: n.input[0] for n in model.graph.node
-              if n.op_type == "MatMul" and n.input[1] in weights}
-    have = {o.name for o in model.graph.output}
-    for a in set(act_of.values()) - have:
-        model.graph.output.append(onnx.helper.make_empty_tensor_value_info(a))
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-    sums: dict[str, np.ndarray] = {}
-    for feed in feeds:
-        outs = dict(zip(names, sess.run(None, feed), strict=True))
-        for a in set(act_of.values()):
-            x = outs[a].reshape(-1, outs[a].shape[-1]).astype(np.float64)
-            sums[a] = sums.get(a, 0.0) + x.T @ x
-    inits = {t.name: t for t in model.graph.initializer}
-    return {weight_key(inits[w]): sums[a] for w, a in act_of.items() if a in sums}
+def rtn_int8(w: np.ndarray, cols: int = 16384) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per output channel, round to nearest -> (scale [N], q [K, N] int8), in
+    column blocks (a real-size lm_head is [1024, 248320]: whole-array temporaries were GBs)."""
+    K, N = w.shape
+    scale = np.empty(N, np.float32)
+    q = np.empty((K, N), np.int8)
+    for c in range(0, N, cols):
+        blk = w[:, c:c + cols]
+        s = np.maximum(np.abs(blk).max(axis=0), 1e-8) / 127.0
+        scale[c:c + cols] = s
+        q[:, c:c + cols] = np.clip(np.round(blk / s), -127, 127)
+    return scale, q
 
 
 def gptq_int8(w: np.ndarray, H: np.ndarray, damp: float = 0.01):
@@ -280,8 +504,10 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
     from onnx import TensorProto, helper, numpy_helper
 
     qm = onnx.load(str(qdq_path))
-    floats = {t.name: t for t in onnx.load(str(float_path)).graph.initializer}
+    # the float weights one at a time (a real-size graph holds GBs of them)
+    floats = {t.name: t for t in onnx.load(str(float_path), load_external_data=False).graph.initializer}
     inits = {t.name: t for t in qm.graph.initializer}
+    solved = getattr(hessians, "solved", None)  # HessianStore: prefill + decode share weights
     matmul_b = {n.input[1] for n in qm.graph.node if n.op_type == "MatMul"}
     changed = 0
     for node in qm.graph.node:
@@ -291,10 +517,15 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
         fname = qname.removesuffix("_quantized")
         if qname not in inits or fname not in floats:
             continue
-        w = numpy_helper.to_array(floats[fname]).astype(np.float32)  # [K, N]
-        H = (hessians or {}).get(weight_key(floats[fname]))
+        t = onnx.TensorProto()
+        t.CopyFrom(floats[fname])  # to_array keeps external data it loads in the proto: a copy
+        w = numpy_helper.to_array(t, base_dir=str(Path(float_path).parent))
+        del t
+        w = w.astype(np.float32, copy=False)  # [K, N]
         if w.ndim != 2:
             continue
+        key = weight_key(w)
+        H = (hessians or {}).get(key)
         K, N = w.shape
         if len(node.input) < 3 or not node.input[2]:  # give the DQ an explicit zero point
             zp_name = qname + "_zero_point"
@@ -303,15 +534,23 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
         B = _block(K, block_size or 64) if bits == 4 else None
         if bits == 8 or B is None:
             if H is not None:
-                scale, q = gptq_int8(w, H)
+                scale, q = (solved(key, "int8") if solved else None) or (None, None)
+                if scale is None:
+                    scale, q = gptq_int8(w, H)
+                    if solved:
+                        solved(key, "int8", (scale, q))
             else:
-                scale = np.maximum(np.abs(w).max(axis=0), 1e-8) / 127.0  # [N]
-                q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
+                scale, q = rtn_int8(w)
             qt = numpy_helper.from_array(q, qname)
             zp = numpy_helper.from_array(np.zeros(N, np.int8), node.input[2])
             attrs = {"axis": 1}
         else:
-            scale, q = gptq_int4(w, H, B) if H is not None else int4_blocks(w, B)
+            scale, q = (solved(key, f"int4b{B}") or (None, None)) if solved and H is not None \
+                else (None, None)
+            if scale is None:
+                scale, q = gptq_int4(w, H, B) if H is not None else int4_blocks(w, B)
+                if solved and H is not None:
+                    solved(key, f"int4b{B}", (scale, q))
             qt = helper.make_tensor(qname, TensorProto.INT4, [K, N], q.flatten().tolist())
             zp = helper.make_tensor(node.input[2], TensorProto.INT4, [K // B, N],
                                     [0] * (K // B * N))

@@ -1,0 +1,85 @@
+"""Streaming calibration (issue 10: real-size decode feeds each hold the whole KV cache, so the
+build never stores them): GraphStats fed one call at a time gives ORT's one-shot MinMax ranges
+and the exact GPTQ Hessians; HessianStore pools them on disk."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from hexforge.build.quantize import GraphStats, HessianStore, _qnn_config, _quantize, _Reader, weight_key
+
+
+def _graph(tmp_path):
+    """x [1, T, 8] -> MatMul(w1) -> Relu -> MatMul(w2) (+ a past.* input through a Concat);
+    weights external, as the build exports them."""
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal((8, 16)).astype(np.float32)
+    w2 = rng.standard_normal((16, 4)).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"]),
+        helper.make_node("Relu", ["h"], ["r"]),
+        helper.make_node("MatMul", ["r", "w2"], ["y"]),
+        helper.make_node("Concat", ["past.k", "y"], ["new.k"], axis=1),
+    ]
+    g = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8]),
+         helper.make_tensor_value_info("past.k", TensorProto.FLOAT, [1, 5, 4])],
+        [helper.make_tensor_value_info("new.k", TensorProto.FLOAT, [1, 8, 4])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    path = tmp_path / "g.onnx"
+    onnx.save(m, str(path), save_as_external_data=True, location="g.weights", size_threshold=0)
+    feeds = [{"x": rng.standard_normal((1, 3, 8)).astype(np.float32) * (i + 1),
+              "past.k": rng.standard_normal((1, 5, 4)).astype(np.float32)} for i in range(6)]
+    return path, feeds, w1, w2
+
+
+def _qparams(path) -> dict:
+    m = onnx.load(str(path))
+    inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    return {n.output[0]: (inits[n.input[1]].tolist(), inits[n.input[2]].tolist())
+            for n in m.graph.node if n.op_type == "QuantizeLinear"}
+
+
+def test_streamed_ranges_equal_ort_one_shot_calibration(tmp_path):
+    from onnxruntime.quantization import quantize
+
+    path, feeds, *_ = _graph(tmp_path)
+    cfg = _qnn_config(path, _Reader(feeds), {})
+    quantize(str(path), str(tmp_path / "ort.qdq.onnx"), cfg)  # ORT pulling every feed at once
+
+    stats = GraphStats(path, tmp_path / "work", hessians=False)
+    for f in feeds:
+        stats.add(f)
+    cache = stats.save_ranges(tmp_path / "work" / "g.ranges.json")
+    assert stats.past_absmax["past.k"] == max(float(np.abs(f["past.k"]).max()) for f in feeds)
+    stats.close()
+    _quantize(path, tmp_path / "ours.qdq.onnx", cache, {})
+    ort_q, ours = _qparams(tmp_path / "ort.qdq.onnx"), _qparams(tmp_path / "ours.qdq.onnx")
+    assert ort_q and ours == ort_q
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # cleaned
+
+
+def test_streamed_hessians_are_sum_xtx_per_activation_and_pool_on_disk(tmp_path):
+    path, feeds, w1, w2 = _graph(tmp_path)
+    stats = GraphStats(path, tmp_path / "work", ranges=False)
+    for f in feeds:
+        stats.add(f)
+    groups = dict((tuple(k), H) for k, H in stats.hessian_groups())
+    stats.close()
+    x = np.concatenate([f["x"].reshape(-1, 8) for f in feeds]).astype(np.float64)
+    r = np.maximum(x @ w1.astype(np.float64), 0)
+    np.testing.assert_allclose(groups[(weight_key(w1),)], x.T @ x, rtol=1e-5)
+    np.testing.assert_allclose(groups[(weight_key(w2),)], r.T @ r, rtol=1e-4)
+
+    store = HessianStore(tmp_path / "h")
+    store.add(list((list(k), H) for k, H in groups.items()))
+    store.add(list((list(k), H) for k, H in groups.items()))  # a second graph, same weights
+    np.testing.assert_allclose(store.get(weight_key(w1)), 2 * x.T @ x, rtol=1e-5)
+    assert store.get("absent") is None and len(store) == 2
+    assert store.solved("k", "int8") is None
+    store.solved("k", "int8", (np.ones(3, np.float32), np.zeros((2, 3), np.int8)))
+    assert store.solved("k", "int8")[1].shape == (2, 3)
