@@ -42,20 +42,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class _RotaryEmbeddingOp(torch.autograd.Function):
-    """The op for the torchscript exporter (its symbolic); eager: ``apply_rope``."""
+    """The op for the torchscript exporter (its symbolic: the reshapes to and from the op's
+    [1, T, H*D] layout included — traced outside it, they broke the exporter's peephole pass on
+    Gemma-4 graphs); eager: ``apply_rope``. x [1, T, H, D]."""
 
     @staticmethod
-    def forward(ctx, x, positions, cos_half, sin_half, rot, heads):
-        T, D = x.shape[1], x.shape[2] // heads
+    def forward(ctx, x, positions, cos_half, sin_half, rot, T, H, D):
         cos, sin = (torch.cat((t, t), -1)[positions[0]][None, None] for t in (cos_half, sin_half))
-        x4 = x.reshape(1, T, heads, D).transpose(1, 2)
-        return apply_rope(x4, cos, sin).transpose(1, 2).reshape(1, T, heads * D)
+        return apply_rope(x.transpose(1, 2), cos, sin).transpose(1, 2)
 
     @staticmethod
-    def symbolic(g, x, positions, cos_half, sin_half, rot, heads):
+    def symbolic(g, x, positions, cos_half, sin_half, rot, T, H, D):
         extra = {"rotary_embedding_dim_i": rot} if rot else {}
-        out = g.op("com.microsoft::RotaryEmbedding", x, positions, cos_half, sin_half,
-                   num_heads_i=heads, **extra)
+        flat = g.op("Reshape", x, g.op("Constant", value_t=torch.tensor([1, T, H * D])))
+        out = g.op("com.microsoft::RotaryEmbedding", flat, positions, cos_half, sin_half,
+                   num_heads_i=H, **extra)
+        out = g.op("Reshape", out, g.op("Constant", value_t=torch.tensor([1, T, H, D])))
         out.setType(x.type())
         return out
 
@@ -71,10 +73,10 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     positions = torch.arange(T, dtype=torch.int64)[None]  # [1, T]
     cos_half, sin_half = cos[0, 0, :, :R // 2], sin[0, 0, :, :R // 2]  # [T, R/2]
     rot = R if R < D else 0  # partial rotary: the rotated width
-    x3 = x.reshape(1, T, H * D)
     if torch.jit.is_tracing():  # the torchscript exporter
-        out = _RotaryEmbeddingOp.apply(x3, positions, cos_half, sin_half, rot, H)
-    elif torch.onnx.is_in_onnx_export():  # dynamo
+        return _RotaryEmbeddingOp.apply(x, positions, cos_half, sin_half, rot, T, H, D)
+    x3 = x.reshape(1, T, H * D)
+    if torch.onnx.is_in_onnx_export():  # dynamo
         out = torch.onnx.ops.symbolic(
             "com.microsoft::RotaryEmbedding", [x3, positions, cos_half, sin_half],
             {"num_heads": H, **({"rotary_embedding_dim": rot} if rot else {})},
