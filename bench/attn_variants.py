@@ -28,16 +28,8 @@ def attend_split(self, x, cos, sin, mask, past_k, past_v, k, v):
     import torch
 
     T, g, D = x.shape[1], self.n_heads // self.n_kv, self.head_dim
-    if self.output_gate:
-        qg = self.q_proj(x).view(1, T, self.n_heads, 2 * D)
-        q, gate = qg[..., :D], qg[..., D:].reshape(1, T, self.n_heads * D)
-    else:
-        q = self.q_proj(x).view(1, T, self.n_heads, D)
-    if self.q_norm is not None:
-        q = self.q_norm(q)
-    from hexforge.families.blocks import apply_rope
-
-    q = apply_rope(q.transpose(1, 2), cos, sin).reshape(1, self.n_kv, g * T, D)
+    q, gate = self._query(x, cos, sin)  # [1, nH, T, D] after the head norm and rope
+    q = q.reshape(1, self.n_kv, g * T, D)
     S = past_k.shape[2]
     scores = torch.cat((torch.matmul(q, past_k.transpose(2, 3)),
                         torch.matmul(q, k.transpose(2, 3))), dim=-1) * self.scaling
