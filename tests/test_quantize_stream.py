@@ -8,7 +8,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from hexforge.build.quantize import GraphStats, HessianStore, _qnn_config, _quantize, _Reader, weight_key
+from hexforge.build.calibstats import GraphStats, HessianStore, _Reader, weight_key
+from hexforge.build.quantize import _qnn_config, _quantize
 
 
 def _graph(tmp_path):

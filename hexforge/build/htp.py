@@ -27,9 +27,10 @@ from ..runtime.engine import Engine
 from ..runtime.text import TextTokenizer
 from ..targets import Target
 from .calib import calibration_text
+from .calibstats import GraphStats, HessianStore
 from .compile import compile_graph, compile_shared
 from .graphs import export_float, plan_target
-from .quantize import GraphStats, HessianStore, QuantRecipe, get_recipe, quantize_graph
+from .quantize import QuantRecipe, get_recipe, quantize_graph
 
 CALIB_DECODE_STEPS = 64  # decode samples (teacher-forced text tokens through the AR-1 graph)
 KEEP_FEED_BYTES = 1 << 20  # a graph's calls this small are kept from an earlier graph's replay
