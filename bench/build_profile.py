@@ -4,7 +4,10 @@
                                   [--max-shard-bytes 1G] [--no-verify] [--json FILE]
 
 Every build log line closes a stage: its wall time and the process's peak RSS since the previous
-line (Linux VmHWM, reset through /proc/self/clear_refs after each line) are recorded next to it.
+line (Linux VmHWM, reset through /proc/self/clear_refs after each line) are recorded next to it,
+with the peak of its anonymous memory (RssAnon, sampled every 0.1 s): VmHWM also counts the pages
+of mapped files (the checkpoint, the weight files being written), which the kernel can drop, so
+the anonymous peak is the one that says whether a machine has enough memory.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +32,24 @@ def _reset_peak() -> None:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     except OSError:
         pass
+
+
+class AnonPeak:
+    """Peak RssAnon since the last ``take()``, sampled by a daemon thread."""
+
+    def __init__(self, every_s: float = 0.1):
+        self.peak = 0
+        self.every_s = every_s
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, _status_kb("RssAnon"))
+            time.sleep(self.every_s)
+
+    def take(self) -> int:
+        peak, self.peak = max(self.peak, _status_kb("RssAnon")), 0
+        return peak
 
 
 def main() -> None:
@@ -49,18 +71,20 @@ def main() -> None:
 
     stages: list[dict] = []
     t0 = last = time.perf_counter()
-    overall_peak = 0
+    overall_peak = overall_anon = 0
+    anon = AnonPeak()
 
     def log(msg: str) -> None:
-        nonlocal last, overall_peak
+        nonlocal last, overall_peak, overall_anon
         now = time.perf_counter()
-        peak = _status_kb("VmHWM")
-        overall_peak = max(overall_peak, peak)
+        peak, anon_peak = _status_kb("VmHWM"), anon.take()
+        overall_peak, overall_anon = max(overall_peak, peak), max(overall_anon, anon_peak)
         stages.append({"stage": msg, "wall_s": round(now - last, 1),
                        "peak_rss_gb": round(peak / 2**20, 2),
+                       "peak_anon_gb": round(anon_peak / 2**20, 2),
                        "rss_gb": round(_status_kb("VmRSS") / 2**20, 2)})
-        print(f"[{now - t0:7.1f}s +{now - last:6.1f}s peak {peak / 2**20:5.2f} GB] {msg}",
-              file=sys.stderr, flush=True)
+        print(f"[{now - t0:7.1f}s +{now - last:6.1f}s peak {peak / 2**20:5.2f} GB, anon "
+              f"{anon_peak / 2**20:5.2f} GB] {msg}", file=sys.stderr, flush=True)
         last = now
         _reset_peak()
 
@@ -77,6 +101,7 @@ def main() -> None:
     out = {"checkpoint": a.checkpoint, "target": a.target, "cpu_weights": a.cpu_weights,
            "context": a.context, "total_s": round(time.perf_counter() - t0, 1),
            "peak_rss_gb": round(overall_peak / 2**20, 2),
+           "peak_anon_gb": round(overall_anon / 2**20, 2),
            "timings": {k: round(v, 1) for k, v in opts.timings.items()}, "stages": stages}
     print(json.dumps(out, indent=1))
     if a.json:

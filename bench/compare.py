@@ -136,11 +136,17 @@ class HFEager:
 
 
 class GenAI:
-    def __init__(self, folder: Path, max_length: int, precision: str):
+    def __init__(self, folder: Path, max_length: int, precision: str, threads: int | None = None):
+        """threads: its decoder session's intra-op threads (None: genai's own default)."""
         import onnxruntime_genai as og
 
         self.og, self.name, self.max_length = og, f"ort-genai-{precision}", max_length
-        self.model = og.Model(str(folder))
+        config = og.Config(str(folder))
+        if threads:
+            self.name += f"-t{threads}"
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+                "intra_op_num_threads": threads}}}}))
+        self.model = og.Model(config)
         self.gen = None
 
     def prefill(self, ids: list[int], mode: str = "chunked") -> int:
@@ -202,6 +208,9 @@ def main() -> None:
     ap.add_argument("--ttft-prompt", type=int, default=512)
     ap.add_argument("--ttft-runs", type=int, default=2)
     ap.add_argument("--genai", default="fp32", help="onnxruntime-genai precisions ('' = none)")
+    ap.add_argument("--genai-threads", default="",
+                    help="also run genai with these intra-op thread counts, comma-separated "
+                    "(its default is a contender either way)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--also", default="", help="more hexforge bundle dirs, comma-separated (e.g. "
                     "one built before a change: an A/B in the same interleaved run)")
@@ -240,8 +249,9 @@ def main() -> None:
         gdir = work / f"genai-{a.shape}-{precision}"
         result["builds"][gdir.name] = build_genai(ckpt, gdir, precision, log)
         if (gdir / "genai_config.json").is_file():
-            contenders.append(GenAI(gdir, max(a.prompt + a.tokens + 1, a.ttft_prompt + 2),
-                                    precision))
+            max_length = max(a.prompt + a.tokens + 1, a.ttft_prompt + 2)
+            for t in [None, *(int(x) for x in filter(None, a.genai_threads.split(",")))]:
+                contenders.append(GenAI(gdir, max_length, precision, t))
     if not a.no_hf:
         contenders.append(HFEager(ckpt, threads))
     result["rss_after_load_mb"] = round(peak_rss_mb())

@@ -54,7 +54,10 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
+def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: int = 0,
+                    layers: int | None = None) -> Path:
+    """layers: keep only the first ``layers`` decoder layers (a real-width cut: the HTP simulator
+    runs a full-depth model at about a minute per decode step)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -65,6 +68,8 @@ def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: 
     cfg = dict(SHAPES[shape])
     tok = make_tokenizer(out, add_bos=False)
     model_type = cfg.pop("model_type")
+    if layers:
+        cfg["num_hidden_layers"] = layers
     config = AutoConfig.for_model(model_type, bos_token_id=tok.bos_token_id,
                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                                   **cfg)
@@ -79,7 +84,8 @@ def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: 
                      pad_token_id=tok.pad_token_id).save_pretrained(str(out))
     n = sum(p.numel() for p in model.parameters())
     (out / "hexforge_realshape.json").write_text(json.dumps(
-        {"shape": shape, "dtype": dtype, "params": n, "make_s": time.perf_counter() - t}))
+        {"shape": shape, "dtype": dtype, "layers": config.num_hidden_layers, "params": n,
+         "conditioned": True, "make_s": time.perf_counter() - t}))
     del model
     return out
 
@@ -89,8 +95,9 @@ def main() -> None:
     ap.add_argument("shape", choices=sorted(SHAPES))
     ap.add_argument("out")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers only")
     a = ap.parse_args()
-    print(make_checkpoint(a.shape, a.out, a.dtype))
+    print(make_checkpoint(a.shape, a.out, a.dtype, layers=a.layers))
 
 
 if __name__ == "__main__":

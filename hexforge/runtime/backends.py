@@ -52,20 +52,37 @@ def check_external_data(bundle: Path, graph_file: Path) -> None:
                                   f"{p.stat().st_size:,}; the file is truncated or corrupted")
 
 
-def cpu_threads(role: str | None = None) -> int:
-    """Intra-op threads of a cpu session: HEXFORGE_CPU_THREADS, else the cores this process may
-    use — except AR-1 decode steps and the head on a machine of <= 2 cores, which get one thread:
-    a GEMV per op is too little work to split over 2 threads, and a second thread that is
-    descheduled (shared cores) stalls every op. Measured on 2 shared cores, real-shape Qwen3-0.6B
-    (bench/session_options.py and engine A/B runs, issue 10): decode 1 thread vs 2 +13% int4,
-    +8% int8, +-0 fp32; AR-N prefill 2 threads 1.75x faster than 1, so it keeps every core."""
+def cpu_threads() -> int:
+    """Intra-op threads of a cpu session: HEXFORGE_CPU_THREADS, else every core this process may
+    use (see ``configure_threads``)."""
     env = os.environ.get("HEXFORGE_CPU_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if role in ("decode", "head") and n <= 2:
-        return 1
     return max(1, n)
+
+
+def configure_threads(so) -> None:
+    """Every core for every cpu session, its pool spinning while a run lasts and stopping when it
+    ends. A step runs shard -> shard -> head, each session with its own pool: a pool that spins
+    on after its run (onnxruntime's default) steals the cores the next session needs, and one
+    that never spins (sleeping workers) pays a wake-up per op, ~100 ops per layer. Measured on 2
+    quiet cores, real-shape Qwen3-0.6B decode (issue 10, interleaved process runs), tok/s:
+    int4 - 1 thread no spin 33.4, 2 threads no spin 41-44, 2 threads spinning on after the run
+    25.1, 2 threads spinning within runs only 49.7-50.4 (onnxruntime's process-wide pool 49.8-53.2,
+    but once made it refuses every session that does not use it, the quantizer's included);
+    fp32 - 8.8 / 11.5-11.8 / - / 12-16. HEXFORGE_CPU_SPIN=0 turns spinning off (a loaded
+    machine, where a spinning thread takes a core another process needs)."""
+    so.intra_op_num_threads = cpu_threads()
+    so.inter_op_num_threads = 1
+    spin = os.environ.get("HEXFORGE_CPU_SPIN", "1")
+    so.add_session_config_entry("session.intra_op.allow_spinning", spin)
+    so.add_session_config_entry("session.force_spinning_stop", "1")
+
+
+def prepack_prefill() -> bool:
+    """Whether prefill sessions prepack their weights (HEXFORGE_CPU_PREPACK_PREFILL, default on)."""
+    return os.environ.get("HEXFORGE_CPU_PREPACK_PREFILL", "1") != "0"
 
 
 @dataclass
@@ -105,13 +122,10 @@ class Backend:
                                    "the 'cpu' target")
             so = ort.SessionOptions()
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            so.intra_op_num_threads = cpu_threads(graph.role)
-            so.inter_op_num_threads = 1
             so.log_severity_level = 3
-            # spinning off: a step runs shard -> shard -> head, each session with its own pool;
-            # a pool left spinning after its run steals the cores the next session needs
-            so.add_session_config_entry("session.intra_op.allow_spinning",
-                                        os.environ.get("HEXFORGE_CPU_SPIN", "0"))
+            configure_threads(so)
+            if graph.role == "prefill" and not prepack_prefill():
+                so.add_session_config_entry("session.disable_prepacking", "1")
             self.configure_cpu_session(so, path, graph)
             try:
                 sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])

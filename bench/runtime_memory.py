@@ -1,0 +1,93 @@
+"""Memory of a loaded cpu bundle, and what prepacking the prefill weights buys.
+
+onnxruntime prepacks every MatMul weight into its kernel's layout when a session is made: the
+prefill and the decode session of a shard each hold their own packed copy of the same weights
+(anonymous memory), on top of the weight file (mapped, page cache). This runs one bundle in a
+fresh process per setting, interleaved, and reports per setting: resident anonymous memory after
+load and after a prompt + decode, TTFT of a prompt (AR-N prefill) and decode tok/s.
+
+    python bench/runtime_memory.py BUNDLE [--prompt 512] [--tokens 32] [--runs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SETTINGS = {"prepack all": {"HEXFORGE_CPU_PREPACK_PREFILL": "1"},
+            "decode prepacked only": {"HEXFORGE_CPU_PREPACK_PREFILL": "0"}}
+
+
+def rss_mb() -> dict[str, float]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "VmHWM"):
+                out[key] = round(int(value.split()[0]) / 1024, 1)
+    return out
+
+
+def child(bundle: str, prompt: int, tokens: int) -> dict:
+    import numpy as np
+
+    import hexforge
+
+    t = time.perf_counter()
+    model = hexforge.load(bundle)
+    load_s = time.perf_counter() - t
+    after_load = rss_mb()
+    eng = model.engine
+    ids = [int(x) for x in np.random.default_rng(0).integers(3, eng.vocab_size, prompt)]
+    eng.prefill(ids[:8])  # first-call costs
+    eng.reset()
+    t = time.perf_counter()
+    logits = eng.prefill(ids)
+    ttft = time.perf_counter() - t
+    token = int(np.argmax(logits))
+    t = time.perf_counter()
+    for _ in range(tokens):
+        token = int(np.argmax(eng.decode(token)))
+    decode = tokens / (time.perf_counter() - t)
+    return {"load_s": round(load_s, 2), "after_load": after_load, "after_run": rss_mb(),
+            "ttft_s": round(ttft, 3), "decode_tok_s": round(decode, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bundle")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.bundle, a.prompt, a.tokens)))
+        return
+    results: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    for _ in range(a.runs):
+        for name, env in SETTINGS.items():
+            out = subprocess.run([sys.executable, __file__, a.bundle, "--child", "--prompt",
+                                  str(a.prompt), "--tokens", str(a.tokens)],
+                                 env={**os.environ, **env}, capture_output=True, text=True,
+                                 check=True)
+            results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    med = lambda xs: round(statistics.median(xs), 3)  # noqa: E731
+    summary = {name: {"anon_after_load_mb": med([r["after_load"]["RssAnon"] for r in runs]),
+                      "anon_after_run_mb": med([r["after_run"]["RssAnon"] for r in runs]),
+                      "peak_rss_mb": med([r["after_run"]["VmHWM"] for r in runs]),
+                      "ttft_s": med([r["ttft_s"] for r in runs]),
+                      "decode_tok_s": med([r["decode_tok_s"] for r in runs]),
+                      "runs": runs}
+               for name, runs in results.items()}
+    print(json.dumps({"bundle": a.bundle, "prompt": a.prompt, "tokens": a.tokens,
+                      "settings": summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
