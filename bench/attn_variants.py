@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 
 
-def attend_split(self, q, cos, sin, mask, past_k, past_v, k, v):
+def attend_split(self, x, cos, sin, mask, past_k, past_v, k, v):
     import torch
 
-    T, g, D = q.shape[1], self.n_heads // self.n_kv, self.head_dim
-    q, gate = self._query(q, cos, sin)  # [1, nH, T, D] after the head norm and rope
+    T, g, D = x.shape[1], self.n_heads // self.n_kv, self.head_dim
+    q, gate = self._query(x, cos, sin)  # [1, nH, T, D] after the head norm and rope
     q = q.reshape(1, self.n_kv, g * T, D)
     S = past_k.shape[2]
     scores = torch.cat((torch.matmul(q, past_k.transpose(2, 3)),
@@ -44,9 +44,8 @@ def attend_split(self, q, cos, sin, mask, past_k, past_v, k, v):
 
 
 def forward_split(self, x, cos, sin, mask, past_k, past_v):
-    q, k, v = self.project(x)
-    k, v = self.keys_values(k, v, cos, sin)
-    return attend_split(self, q, cos, sin, mask, past_k, past_v, k, v), k, v
+    k, v = self.project_kv(x, cos, sin)
+    return attend_split(self, x, cos, sin, mask, past_k, past_v, k, v), k, v
 
 
 def main() -> None:

@@ -117,27 +117,6 @@ def test_cpu_decode_graph_updates_the_cache_in_place(bundle, family):
     assert seen and all(seen)  # every present output is its cache input's own array
 
 
-@pytest.mark.parametrize("weights,per_layer", [("int4", 4), ("fp32", 7)])
-def test_cpu_graphs_fuse_projections_for_quantized_weights_only(bundle, weights, per_layer):
-    """Issue 10: with MatMulNBits weights, q/k/v are one weight MatMul and gate/up another (4 per
-    layer: qkv, o, gate_up, down), which measured faster on 2 threads; fp32 graphs keep one per HF
-    Linear (7), where the fused MatMul measured slower."""
-    import onnx
-
-    import hexforge
-
-    b = bundle("qwen3", cpu_weights=weights)
-    target = hexforge.load(b).engine.target
-    weight_op = "MatMulNBits" if weights != "fp32" else "MatMul"
-    for shard in target.plan.shards:
-        n_layers = shard.layers[1] - shard.layers[0]
-        for name in (shard.decode, shard.prefill):
-            graph = onnx.load(str(b / target.graph(name).file), load_external_data=False).graph
-            consts = {t.name for t in graph.initializer}
-            weight_ops = [n for n in graph.node if n.op_type == weight_op and n.input[1] in consts]
-            assert len(weight_ops) == per_layer * n_layers, name
-
-
 @pytest.mark.parametrize("weights", ["fp32", "int4"])
 def test_fp32_prefill_sessions_read_the_weight_file_unpacked(bundle, weights, monkeypatch):
     """Issue 10: an fp32 prefill session does not prepack its weights (the decode session of the

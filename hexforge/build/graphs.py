@@ -38,16 +38,13 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
         return GraphSpec(name=name, role=role, file=f"{rel_folder}/{name}.onnx",
                          seq_len=ins[0].shape[1], layers=layers, inputs=ins, outputs=outs)
 
-    # q/k/v and gate/up as one MatMul each where the weights become MatMulNBits (faster there,
-    # slower in fp32: measured in blocks.use_cpu_kernels)
-    fuse = cpu and opts.cpu_weights != "fp32"
     for s, (a, b) in enumerate(shards):
         with fam.float32(hf, layers=(a, b)):  # a bf16 model: only this shard's layers in fp32
             prefill = fam.decoder_module(hf, args, (a, b), opts.prefill_len, opts.context)
             pre = export(f"s{s}.prefill", "prefill",
-                         use_cpu_kernels(prefill, fuse) if cpu else prefill, (a, b))
+                         use_cpu_kernels(prefill) if cpu else prefill, (a, b))
             dec = export(f"s{s}.decode", "decode",
-                         fam.cpu_decode_module(hf, args, (a, b), opts.context, fuse) if cpu else
+                         fam.cpu_decode_module(hf, args, (a, b), opts.context) if cpu else
                          fam.decoder_module(hf, args, (a, b), 1, opts.context), (a, b))
         share_weights([folder / f"s{s}.prefill.onnx", folder / f"s{s}.decode.onnx"],
                       f"s{s}.weights")

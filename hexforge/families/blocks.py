@@ -19,7 +19,6 @@ Attention over [cache | new] keys::
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -154,44 +153,20 @@ def simplified_layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     return _SimplifiedLayerNormOp.forward(None, x, weight, eps)
 
 
-def use_cpu_kernels(module: nn.Module, fuse_projections: bool = False) -> nn.Module:
+def use_cpu_kernels(module: nn.Module) -> nn.Module:
     """Mark every RMSNorm and attention rope of ``module`` to export as one fused onnxruntime node
     each; -> module. Measured on the tiny qwen3 decode graph: 7 nodes per norm (x*x, mean, add,
     sqrt, div, 2 mul) that onnxruntime's own fusion does not match (it looks for Pow), 6 per
     rope; the per-node cost (~2-4 us) is what separated the int4 decode from genai's.
 
-    fuse_projections: the projections that read the same input (q/k/v, gate/up) as one MatMul
-    each. Measured per decode step on 2 threads, real-shape Qwen3-0.6B (ORT profiler, issue 10):
-    int4 MatMulNBits 12.6-12.9 ms fused vs 13.7-14.6 separate (+0.5 ms of Split), decode
-    51.3 vs 48.9 tok/s; fp32 MatMul 56.8-57.8 ms fused vs 47.2-53.4 separate — so the build
-    fuses for quantized cpu weights only (on 1 thread neither gained)."""
+    Measured and left out (issue 10, real-shape Qwen3-0.6B, 2 threads): q/k/v and gate/up fused
+    into one MatMul each, as genai does for q/k/v. int4 MatMulNBits 12.6-12.9 vs 13.7-14.6 ms per
+    step, but +0.5 ms of Split and decode 50.5 vs 51.1 / 51.3 vs 48.9 tok/s in two interleaved
+    runs (noise); fp32 MatMul slower fused (56.8-57.8 vs 47.2-53.4 ms); export +2.3 GB (copies)."""
     for m in module.modules():
         if isinstance(m, RMSNorm | StaticAttention):
             m.cpu_kernel = True
-        if fuse_projections and isinstance(m, StaticAttention | GatedMLP):
-            m.fuse_projections()
     return module
-
-
-class FusedLinear(nn.Module):
-    """Linear layers that read the same input as one MatMul whose output is split back: one
-    kernel call instead of n, and for int4 (MatMulNBits, accuracy level 4) the input quantized
-    to int8 once instead of n times. cpu graphs only (export time: the weights are copies).
-    Each output column is the same dot product as before."""
-
-    def __init__(self, linears: list[nn.Linear]):
-        super().__init__()
-        self.sizes = [lin.out_features for lin in linears]
-        w = torch.cat([lin.weight.detach() for lin in linears])  # [sum(out), in]
-        self.weight = nn.Parameter(w, requires_grad=False)
-        self.bias = None
-        if any(lin.bias is not None for lin in linears):
-            self.bias = nn.Parameter(torch.cat([
-                lin.bias.detach() if lin.bias is not None else w.new_zeros(lin.out_features)
-                for lin in linears]), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.nn.functional.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -260,25 +235,16 @@ ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh, "silu": torch.nn.functional.silu,
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) on the HF module's Linear layers; ``activation``: a name in
-    ACTIVATIONS (our form of it) or the HF module's own callable."""
+    """down(act(gate(x)) * up(x)) on the HF module's Linear layers, with our activation."""
 
-    def __init__(self, hf_mlp: nn.Module, activation: str | Callable):
+    def __init__(self, hf_mlp: nn.Module, activation: str):
         super().__init__()
         self.gate_proj, self.up_proj = hf_mlp.gate_proj, hf_mlp.up_proj
         self.down_proj = hf_mlp.down_proj
-        self.act = ACTIVATIONS[activation] if isinstance(activation, str) else activation
-        self.gate_up: FusedLinear | None = None  # use_cpu_kernels(fuse_projections=True)
-
-    def fuse_projections(self) -> None:
-        self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
+        self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:
-            gate, up = self.gate_up(x)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class _GroupQueryAttentionOp(torch.autograd.Function):
@@ -399,30 +365,12 @@ class StaticAttention(nn.Module):
         # Qwen3.5: q_proj emits [query | gate] per head; the output is out * sigmoid(gate)
         self.output_gate = output_gate
         self.cpu_kernel = False  # use_cpu_kernels: onnxruntime's fused rope
-        self.qkv: FusedLinear | None = None  # use_cpu_kernels(fuse_projections=True)
 
-    def fuse_projections(self) -> None:
-        present = [p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None]
-        if len(present) > 1:  # a KV-shared layer has q only
-            self.qkv = FusedLinear(present)
-
-    def project(self, x: torch.Tensor):
-        """x [1, T, H] -> the raw projections (q, k, v) [1, T, n*D]; k/v None where the layer has
-        none (KV-shared: None, None; attention_k_eq_v: v None)."""
-        if self.qkv is None:
-            return tuple(p(x) if p is not None else None
-                         for p in (self.q_proj, self.k_proj, self.v_proj))
-        q, k, *v = self.qkv(x)
-        return q, k, (v[0] if v else None)
-
-    def keys_values(self, k: torch.Tensor, v: torch.Tensor | None, cos: torch.Tensor,
-                    sin: torch.Tensor):
-        """Raw k/v projections [1, T, KVH*D] -> k after its norm and rope, v after its norm,
-        both [1, KVH, T, D]."""
-        T = k.shape[1]
-        k = k.view(1, T, self.n_kv, self.head_dim)
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        T = x.shape[1]
+        k = self.k_proj(x).view(1, T, self.n_kv, self.head_dim)
         # no v_proj (Gemma-4 attention_k_eq_v full layers): v is the raw k projection
-        v = v.view(1, T, self.n_kv, self.head_dim) if v is not None else k
+        v = self.v_proj(x).view(1, T, self.n_kv, self.head_dim) if self.v_proj is not None else k
         if self.k_norm is not None:
             k = self.k_norm(k)
         if self.v_norm is not None:
@@ -430,11 +378,10 @@ class StaticAttention(nn.Module):
         k = self._rope(k, cos, sin)  # [1, KVH, T, D]
         return k, v.transpose(1, 2)
 
-    def attend(self, q, cos, sin, mask, keys, values):
-        """q: the raw q projection [1, T, nH*D] (``project``); keys/values [1, KVH, S+T, D]
-        already concatenated; mask [1, 1, T, S+T]."""
-        T, g, D = q.shape[1], self.n_heads // self.n_kv, self.head_dim
-        q, gate = self._query(q, cos, sin)  # [1, nH, T, D]
+    def attend(self, x, cos, sin, mask, keys, values):
+        """q from x; keys/values [1, KVH, S+T, D] already concatenated; mask [1, 1, T, S+T]."""
+        T, g, D = x.shape[1], self.n_heads // self.n_kv, self.head_dim
+        q, gate = self._query(x, cos, sin)  # [1, nH, T, D]
         q = q.reshape(1, self.n_kv, g * T, self.head_dim)
         scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling  # [1, KVH, g*T, S+T]
         if g > 1:
@@ -447,24 +394,22 @@ class StaticAttention(nn.Module):
         return self.o_proj(out)
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
-        q, k, v = self.project(x)
-        k, v = self.keys_values(k, v, cos, sin)
+        k, v = self.project_kv(x, cos, sin)
         if isinstance(mask, CacheLengths):
-            return self.attend_in_place(q, cos, sin, mask, past_k, past_v, k, v), k, v
+            return self.attend_in_place(x, cos, sin, mask, past_k, past_v, k, v), k, v
         keys = torch.cat((past_k, k), dim=2)
         values = torch.cat((past_v, v), dim=2)
-        return self.attend(q, cos, sin, mask, keys, values), k, v
+        return self.attend(x, cos, sin, mask, keys, values), k, v
 
-    def _query(self, q, cos, sin):
-        """The raw q projection [1, T, nH*D] (Qwen3.5: [query | gate] per head) -> q [1, nH, T, D]
-        after the head norm and rope, + the output gate [1, T, nH*D] or None."""
-        T, D = q.shape[1], self.head_dim
+    def _query(self, x, cos, sin):
+        """q [1, nH, T, D] after the head norm and rope, + the output gate [1, T, nH*D] or None."""
+        T, D = x.shape[1], self.head_dim
         gate = None
         if self.output_gate:
-            qg = q.view(1, T, self.n_heads, 2 * D)
+            qg = self.q_proj(x).view(1, T, self.n_heads, 2 * D)
             q, gate = qg[..., :D], qg[..., D:].reshape(1, T, self.n_heads * D)
         else:
-            q = q.view(1, T, self.n_heads, D)
+            q = self.q_proj(x).view(1, T, self.n_heads, D)
         if self.q_norm is not None:
             q = self.q_norm(q)
         return self._rope(q, cos, sin), gate
@@ -475,12 +420,12 @@ class StaticAttention(nn.Module):
             return rotary_embedding(x, cos, sin).transpose(1, 2)
         return apply_rope(x.transpose(1, 2), cos, sin)
 
-    def attend_in_place(self, q, cos, sin, lengths: CacheLengths, past_k, past_v, k, v):
+    def attend_in_place(self, x, cos, sin, lengths: CacheLengths, past_k, past_v, k, v):
         """cpu graphs: onnxruntime's GroupQueryAttention over the first ``lengths.total`` cache
         rows; it writes k/v [1, KVH, T, D] at rows total-T .. total-1 of the cache it was given
         (its present outputs, which the runtime binds to the cache inputs' memory)."""
-        T, H, D = q.shape[1], self.n_heads, self.head_dim
-        q, gate = self._query(q, cos, sin)
+        T, H, D = x.shape[1], self.n_heads, self.head_dim
+        q, gate = self._query(x, cos, sin)
         flat = lambda t, n: t.transpose(1, 2).reshape(1, T, n * D)  # noqa: E731  [1,n,T,D] -> [1,T,n*D]
         out, present_k, present_v = group_query_attention(
             flat(q, H), flat(k, self.n_kv), flat(v, self.n_kv), past_k, past_v,
@@ -498,7 +443,7 @@ class DenseLayer(nn.Module):
         super().__init__()
         self.input_norm = RMSNorm.from_hf(hf_layer.input_layernorm)
         self.post_attn_norm = RMSNorm.from_hf(hf_layer.post_attention_layernorm)
-        self.attn, self.mlp = attn, GatedMLP(hf_layer.mlp, hf_layer.mlp.act_fn)
+        self.attn, self.mlp = attn, hf_layer.mlp
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
         a, k, v = self.attn(self.input_norm(x), cos, sin, mask, past_k, past_v)

@@ -182,14 +182,12 @@ class Gemma4Family(DecoderFamily):
         return blocks.Head(tm.norm, hf.lm_head, softcap=args.final_logit_softcapping,
                            hidden_size=args.hidden_size)
 
-    def cpu_decode_module(self, hf, args, layers: tuple[int, int], context: int,
-                          fuse_projections: bool = False):
+    def cpu_decode_module(self, hf, args, layers: tuple[int, int], context: int):
         """The static AR-1 graph: KV-shared layers attend over their donor's keys *with* the rows
         the same step writes, which GroupQueryAttention cannot take as its past."""
         from . import blocks
 
-        return blocks.use_cpu_kernels(self.decoder_module(hf, args, layers, 1, context),
-                                      fuse_projections)
+        return blocks.use_cpu_kernels(self.decoder_module(hf, args, layers, 1, context))
 
 
 # ---- export modules (torch) ----------------------------------------------------------------------
@@ -228,15 +226,15 @@ class Gemma4Layer(nn.Module):
         return x * self.layer_scalar
 
     def forward(self, x, cos, sin, mask, ple_i, past_k, past_v):
-        q, k, v = self.attn.project(self.in_norm(x))
-        k, v = self.attn.keys_values(k, v, cos, sin)
+        h = self.in_norm(x)
+        k, v = self.attn.project_kv(h, cos, sin)
         keys, values = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
-        out = self.attn.attend(q, cos, sin, mask, keys, values)
+        out = self.attn.attend(h, cos, sin, mask, keys, values)
         return self._tail(x, out, ple_i), k, v, keys, values
 
     def forward_shared(self, x, cos, sin, mask, ple_i, keys, values):
-        q, _, _ = self.attn.project(self.in_norm(x))
-        return self._tail(x, self.attn.attend(q, cos, sin, mask, keys, values), ple_i)
+        h = self.in_norm(x)
+        return self._tail(x, self.attn.attend(h, cos, sin, mask, keys, values), ple_i)
 
 
 class Gemma4Shard(nn.Module):
