@@ -27,7 +27,7 @@ def test_no_verify_skips_the_oracle(ckpt, tmp_path):
     assert load_manifest(out).report is None
 
 
-def test_failing_gate_fails_the_build_and_writes_nothing(ckpt, tmp_path, monkeypatch):
+def test_failing_gate_writes_no_bundle_but_keeps_its_report_beside_it(ckpt, tmp_path, monkeypatch):
     from hexforge.families import blocks
 
     real_init = blocks.DenseShard.__init__
@@ -41,10 +41,13 @@ def test_failing_gate_fails_the_build_and_writes_nothing(ckpt, tmp_path, monkeyp
 
     monkeypatch.setattr(blocks.DenseShard, "__init__", corrupted)
     out = tmp_path / "bad"
-    with pytest.raises(ParityGateError, match="parity gate failed"):
+    with pytest.raises(ParityGateError, match=r"parity gate failed.*bad\.report\.json"):
         build(ckpt("llama"), out, BuildOptions(context=64, prefill_len=8), log=lambda m: None)
     assert not out.exists()
     assert not list(tmp_path.glob(".bad.partial-*"))
+    # the failing report is kept beside the output: which graph lost the accuracy
+    report = json.loads((tmp_path / "bad.report.json").read_text())
+    assert not report["cpu"]["passed"] and report["cpu"]["failures"]
 
 
 def test_pickle_only_checkpoint_is_refused(ckpt, tmp_path):

@@ -195,9 +195,14 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                     f"{'PASS' if r['passed'] else 'FAIL'}")
             failed = {n: r["failures"] for n, r in report.items() if not r["passed"]}
             if failed:
+                # the per-graph cosines say which graph lost the accuracy: kept beside the
+                # output, not in it (no bundle is written)
+                kept = out.with_name(out.name + ".report.json")
+                kept.write_text(json.dumps(report, indent=1))
                 detail = "; ".join(f"{n}: {', '.join(f)}" for n, f in failed.items())
                 raise ParityGateError(f"parity gate failed ({detail}); the bundle was not written "
-                                      "(use --no-verify to skip the oracle)")
+                                      f"(its oracle report: {kept}; use --no-verify to skip the "
+                                      "oracle)")
         _drop_verify_twins(tmp, manifest)
         _replace(tmp, out)
     except BaseException:

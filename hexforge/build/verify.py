@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import BackendError
 from ..manifest import GraphSpec, Manifest
 from ..runtime import qnn
-from ..runtime.backends import Backend
+from ..runtime.backends import Backend, disable_prepacking
 from ..runtime.engine import Engine
 from ..runtime.sampling import greedy
 from ..runtime.text import TextTokenizer
@@ -178,7 +178,7 @@ class OracleCpuBackend(Backend):
             so.add_initializer(t.name, value)
             shared += 1
         if shared:
-            so.add_session_config_entry("session.disable_prepacking", "1")
+            disable_prepacking(so)
 
 
 def oracle_prompt(tok: TextTokenizer, prefill_len: int, context: int, new_tokens: int) -> list[int]:

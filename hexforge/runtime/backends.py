@@ -97,6 +97,16 @@ def prepack_prefill(weights: str) -> bool:
     return weights != "fp32"
 
 
+def disable_prepacking(so) -> None:
+    """session.disable_prepacking = 1 on ``so``, once (onnxruntime warns on a second set)."""
+    try:
+        if so.get_session_config_entry("session.disable_prepacking") == "1":
+            return
+    except Exception:  # onnxruntime raises for an entry never set
+        pass
+    so.add_session_config_entry("session.disable_prepacking", "1")
+
+
 @dataclass
 class Backend:
     name: str  # "cpu" | "qnn" | "qnn-sim"
@@ -137,7 +147,7 @@ class Backend:
             so.log_severity_level = 3
             configure_threads(so)
             if graph.role == "prefill" and not prepack_prefill(target.quant or "fp32"):
-                so.add_session_config_entry("session.disable_prepacking", "1")
+                disable_prepacking(so)
             self.configure_cpu_session(so, path, graph)
             try:
                 sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
