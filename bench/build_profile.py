@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 
-def _status_kb(field: str) -> int:
+def status_kb(field: str) -> int:
+    """A /proc/self/status field in KiB (VmHWM, VmRSS, RssAnon, RssFile)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
@@ -44,11 +45,11 @@ class AnonPeak:
 
     def _sample(self) -> None:
         while True:
-            self.peak = max(self.peak, _status_kb("RssAnon"))
+            self.peak = max(self.peak, status_kb("RssAnon"))
             time.sleep(self.every_s)
 
     def take(self) -> int:
-        peak, self.peak = max(self.peak, _status_kb("RssAnon")), 0
+        peak, self.peak = max(self.peak, status_kb("RssAnon")), 0
         return peak
 
 
@@ -77,12 +78,12 @@ def main() -> None:
     def log(msg: str) -> None:
         nonlocal last, overall_peak, overall_anon
         now = time.perf_counter()
-        peak, anon_peak = _status_kb("VmHWM"), anon.take()
+        peak, anon_peak = status_kb("VmHWM"), anon.take()
         overall_peak, overall_anon = max(overall_peak, peak), max(overall_anon, anon_peak)
         stages.append({"stage": msg, "wall_s": round(now - last, 1),
                        "peak_rss_gb": round(peak / 2**20, 2),
                        "peak_anon_gb": round(anon_peak / 2**20, 2),
-                       "rss_gb": round(_status_kb("VmRSS") / 2**20, 2)})
+                       "rss_gb": round(status_kb("VmRSS") / 2**20, 2)})
         print(f"[{now - t0:7.1f}s +{now - last:6.1f}s peak {peak / 2**20:5.2f} GB, anon "
               f"{anon_peak / 2**20:5.2f} GB] {msg}", file=sys.stderr, flush=True)
         last = now

@@ -24,13 +24,9 @@ SETTINGS = {"prepack all": {"HEXFORGE_CPU_PREPACK_PREFILL": "1"},
 
 
 def rss_mb() -> dict[str, float]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("RssAnon", "RssFile", "VmHWM"):
-                out[key] = round(int(value.split()[0]) / 1024, 1)
-    return out
+    from build_profile import status_kb
+
+    return {key: round(status_kb(key) / 1024, 1) for key in ("RssAnon", "RssFile", "VmHWM")}
 
 
 def child(bundle: str, prompt: int, tokens: int) -> dict:

@@ -75,14 +75,12 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     rot = R if R < D else 0  # partial rotary: the rotated width
     if torch.jit.is_tracing():  # the torchscript exporter
         return _RotaryEmbeddingOp.apply(x, positions, cos_half, sin_half, rot, T, H, D)
-    x3 = x.reshape(1, T, H * D)
-    if torch.onnx.is_in_onnx_export():  # dynamo
-        out = torch.onnx.ops.symbolic(
-            "com.microsoft::RotaryEmbedding", [x3, positions, cos_half, sin_half],
-            {"num_heads": H, **({"rotary_embedding_dim": rot} if rot else {})},
-            dtype=x.dtype, shape=x3.shape, version=1)
-    else:
+    if not torch.onnx.is_in_onnx_export():  # eager
         return apply_rope(x.transpose(1, 2), cos, sin).transpose(1, 2)
+    out = torch.onnx.ops.symbolic(  # dynamo
+        "com.microsoft::RotaryEmbedding", [x.reshape(1, T, H * D), positions, cos_half, sin_half],
+        {"num_heads": H, **({"rotary_embedding_dim": rot} if rot else {})},
+        dtype=x.dtype, shape=(1, T, H * D), version=1)
     return out.reshape(1, T, H, D)
 
 
