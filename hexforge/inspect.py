@@ -16,18 +16,23 @@ def _dir_bytes(p: Path) -> int:
 
 def decode_bytes_per_token(bundle: Path, t) -> int:
     """Weight bytes one decode step reads: every shard's decode graph + the head. For HTP targets
-    that is the context binaries' size (weights dominate); for cpu the external weight files."""
-    total = 0
-    names = [s.decode for s in t.plan.shards] + [t.plan.head]
-    for g in t.graphs:
-        if g.name not in names:
-            continue
-        if t.htp_arch is not None:
-            total += g.bytes
-        else:  # the graph's own weight file (prefill and decode share it: count it once per shard)
-            total += confine(bundle, g.file).parent.joinpath(
-                g.name.split(".")[0] + ".weights").stat().st_size
-    return total
+    that is the context binaries' size (weights dominate); for cpu the external weight files
+    those graphs name, each once (a shard's prefill and decode share theirs, and a cpu target's
+    last decode graph holds the head)."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo
+
+    names = {s.decode for s in t.plan.shards} | {t.plan.head}
+    graphs = [g for g in t.graphs if g.name in names]
+    if t.htp_arch is not None:
+        return sum(g.bytes for g in graphs)
+    files = set()
+    for g in graphs:
+        path = confine(bundle, g.file)
+        for init in onnx.load(str(path), load_external_data=False).graph.initializer:
+            if init.data_location == onnx.TensorProto.EXTERNAL:
+                files.add(path.parent / ExternalDataInfo(init).location)
+    return sum(f.stat().st_size for f in files)
 
 
 def roofline(target: str, bytes_per_token: int) -> dict:

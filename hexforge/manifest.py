@@ -247,6 +247,13 @@ class TargetSpec(_Model):
     def graph(self, name: str) -> GraphSpec:
         return next(g for g in self.graphs if g.name == name)
 
+    @property
+    def decode_runs_head(self) -> bool:
+        """The last shard's decode graph outputs the logits (cpu targets: ``blocks.WithHead``);
+        the head graph then serves prefill only."""
+        last = self.graph(self.plan.shards[-1].decode)
+        return any(o.bind == "logits" for o in last.outputs)
+
 
 ENCODER_ROLES = ("vision", "audio")
 

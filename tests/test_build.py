@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from hexforge.build.pipeline import BuildOptions, build
@@ -90,3 +91,31 @@ def test_prefill_and_decode_share_one_weight_file(bundle):
     assert locs == {"s0.weights"}
     manifest = json.loads((b / "manifest.json").read_text())
     assert manifest["state"][0]["kind"] == "kv_full"
+
+
+def test_regression_exporter_side_files_were_left_in_the_bundle(tmp_path):
+    """A graph over protobuf's 2 GB (Qwen3-0.6B fp32's last decode graph with the head) comes out
+    of the exporter with one file per tensor beside it; they stayed in the bundle (2.3 GB of
+    orphans) and could be overwritten by the next export's tensors of the same name."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from hexforge.build.export import gather_side_files
+
+    rng = np.random.default_rng(0)
+    w1, w2 = (rng.standard_normal((64, 64)).astype(np.float32) for _ in range(2))
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("MatMul", ["h", "w2"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    path = tmp_path / "g.onnx"
+    onnx.save(helper.make_model(graph), str(path), save_as_external_data=True,
+              all_tensors_to_one_file=False, size_threshold=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.onnx", "w1", "w2"]
+    assert gather_side_files(path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.onnx", "g.onnx.data"]
+    got = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+    np.testing.assert_array_equal(got["w1"], w1)
+    np.testing.assert_array_equal(got["w2"], w2)
+    assert gather_side_files(path) == 0  # already gathered: nothing to do

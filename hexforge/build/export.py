@@ -51,8 +51,31 @@ def export_module(module, path: Path, exporter: str = "dynamo") -> tuple[list[Te
     except Exception as e:
         raise BuildError(f"ONNX export of {path.name} failed: {type(e).__name__}: {e}") from e
     _check_io(path, in_names, out_names)
+    gather_side_files(path)
     fold_initializer_identities(path)
     return io.specs(list(args), "inputs"), io.specs(list(outs), "outputs")
+
+
+def gather_side_files(path: Path) -> int:
+    """A graph over protobuf's 2 GB leaves the exporter's weights as one file per tensor beside
+    it (names like ``onnx__MatMul_5298``, which the next export may reuse for another tensor):
+    move them into ``<graph>.data`` at once, which ``share_weights`` then takes in. -> files."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo
+
+    m = onnx.load(str(path), load_external_data=False)
+    side = {ExternalDataInfo(t).location for t in m.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL}
+    side.discard(path.name + ".data")
+    if not side:
+        return 0
+    m = onnx.load(str(path))
+    (path.parent / (path.name + ".data")).unlink(missing_ok=True)  # onnx appends to a file
+    onnx.save(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=path.name + ".data", size_threshold=MIN_EXTERNAL_BYTES)
+    for loc in side:
+        (path.parent / loc).unlink(missing_ok=True)
+    return len(side)
 
 
 def fold_initializer_identities(path: Path) -> int:

@@ -20,10 +20,14 @@ from .quantize import get_recipe
 def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
                   rel_folder: str, log, cpu: bool = False) -> tuple[list[GraphSpec], RunPlan]:
     """Export prefill + decode per shard and the head as float ONNX into root/rel_folder.
-    cpu: the cpu target's own graphs — fused onnxruntime norms, and decode graphs that update the
-    cache in place (``fam.cpu_decode_module``) — not the static form the HTP targets calibrate
-    and compile."""
-    from ..families.blocks import use_cpu_kernels
+    cpu: the cpu target's own graphs — fused onnxruntime norms, decode graphs that update the
+    cache in place (``fam.cpu_decode_module``), the last one with the head inside
+    (``blocks.WithHead``) — not the static form the HTP targets calibrate and compile.
+
+        HTP:  s0.prefill s0.decode -> s0.weights ...  head -> head.weights
+        cpu:  s0.prefill s0.decode -> s0.weights ...  sK.prefill sK.decode+head head -> sK.weights
+    """
+    from ..families.blocks import WithHead, use_cpu_kernels
 
     folder = root / rel_folder
     folder.mkdir(parents=True)
@@ -38,25 +42,50 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
         return GraphSpec(name=name, role=role, file=f"{rel_folder}/{name}.onnx",
                          seq_len=ins[0].shape[1], layers=layers, inputs=ins, outputs=outs)
 
+    last = len(shards) - 1
     for s, (a, b) in enumerate(shards):
-        with fam.float32(hf, layers=(a, b)):  # a bf16 model: only this shard's layers in fp32
+        # a bf16 model: only this shard's layers (and the head it runs) in fp32
+        with fam.float32(hf, layers=(a, b), head=cpu and s == last):
             prefill = fam.decoder_module(hf, args, (a, b), opts.prefill_len, opts.context)
             pre = export(f"s{s}.prefill", "prefill",
                          use_cpu_kernels(prefill) if cpu else prefill, (a, b))
-            dec = export(f"s{s}.decode", "decode",
-                         fam.cpu_decode_module(hf, args, (a, b), opts.context) if cpu else
-                         fam.decoder_module(hf, args, (a, b), 1, opts.context), (a, b))
-        share_weights([folder / f"s{s}.prefill.onnx", folder / f"s{s}.decode.onnx"],
-                      f"s{s}.weights")
+            if cpu:
+                decode = fam.cpu_decode_module(hf, args, (a, b), opts.context)
+                if s == last:
+                    decode = WithHead(decode, use_cpu_kernels(fam.head_module(hf, args)))
+            else:
+                decode = fam.decoder_module(hf, args, (a, b), 1, opts.context)
+            dec = export(f"s{s}.decode", "decode", decode, (a, b))
         graphs += [pre, dec]
         plan.append(ShardPlan(layers=(a, b), prefill=pre.name, decode=dec.name))
+        if s < last or not cpu:
+            share_weights([folder / f"{n}.onnx" for n in (pre.name, dec.name)], f"s{s}.weights")
     with fam.float32(hf, head=True):
-        head = export("head", "head", fam.head_module(hf, args))
-    share_weights([folder / "head.onnx"], "head.weights")
+        head_module = fam.head_module(hf, args)
+        head = export("head", "head", use_cpu_kernels(head_module) if cpu else head_module)
     graphs.append(head)
+    run_plan = RunPlan(prefill_len=opts.prefill_len, shards=plan, head=head.name)
+    group = weight_groups(run_plan, cpu)[-1]
+    share_weights([folder / f"{n}.onnx" for n in group], weights_file(group))
     for g in graphs:
         g.bytes = (root / g.file).stat().st_size
-    return graphs, RunPlan(prefill_len=opts.prefill_len, shards=plan, head=head.name)
+    return graphs, run_plan
+
+
+def weight_groups(plan: RunPlan, cpu: bool) -> list[list[str]]:
+    """The graphs that share one weight file: each shard's prefill + decode, and the head — on
+    its own for HTP targets, with the last shard on cpu (whose decode graph runs it)."""
+    groups = [[s.prefill, s.decode] for s in plan.shards]
+    if cpu:
+        groups[-1].append(plan.head)
+    else:
+        groups.append([plan.head])
+    return groups
+
+
+def weights_file(group: list[str]) -> str:
+    """s3.prefill -> s3.weights, head -> head.weights."""
+    return group[0].split(".")[0] + ".weights"
 
 
 def plan_target(fam, hf, target: Target, opts, log) -> list[tuple[int, int]]:

@@ -36,7 +36,7 @@ from ..targets import Target, parse_targets
 from .checkpoint import read_checkpoint
 from .encoders import compile_encoders, export_encoders
 from .export import share_weights
-from .graphs import export_float, plan_target
+from .graphs import export_float, plan_target, weight_groups, weights_file
 from .quantize import check_cpu_weights, get_recipe, quantize_cpu_graph
 
 Log = Callable[[str], None]
@@ -86,10 +86,10 @@ def _build_cpu_target(fam, hf, args, target: Target, opts: BuildOptions, out: Pa
         bits, block = nbits
         t = time.perf_counter()
         folder = out / target.name
-        for group in [[s.prefill, s.decode] for s in plan.shards] + [[plan.head]]:
+        for group in weight_groups(plan, cpu=True):
             for name in group:
                 quantize_cpu_graph(folder / f"{name}.onnx", bits, block)
-            share_weights([folder / f"{n}.onnx" for n in group], f"{group[0].split('.')[0]}.weights")
+            share_weights([folder / f"{n}.onnx" for n in group], weights_file(group))
         for g in graphs:
             g.bytes = (out / g.file).stat().st_size
         log(f"[{target.name}] weights {opts.cpu_weights} (MatMulNBits, block {block}) "

@@ -205,6 +205,9 @@ def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Mani
         elif graph.layers is not None:
             hidden = outputs["hidden"][0, :len(positions)]
             t.add(hidden, ref["layers"][graph.layers[1] - 1][0, positions])
+            if "logits" in outputs:  # a decode graph that runs the head (cpu)
+                tallies.setdefault(graph.name + ":logits", _Tally()).add(
+                    outputs["logits"][0, -1:], ref["logits"][positions])
 
     # teacher-forced: prefill the prompt, then feed HF's greedy tokens
     engine.observer = observe

@@ -302,8 +302,10 @@ class InPlaceCache(nn.Module):
               └──────present─────────┘ (same memory)
 
     inputs : the shard's, mask_full replaced by kv_seqlens [1] int32, kv_total [] int32
-    outputs: the shard's (new rows too: the engine's row write repeats GQA's, same values)
-             + present.<cache input> per cache read, bind alias:<cache input>
+    outputs: the shard's, less the new rows of the caches GQA writes (the write is done: as
+             outputs they only cost a Transpose each, two Reshapes ORT could not merge around
+             it, and an engine row write per cache — 56 of each per Qwen3-0.6B token), + present.
+             <cache input> per cache read, bind alias:<cache input>
     HTP graphs keep the static form: the HTP has no such op and needs static shapes.
     """
 
@@ -319,7 +321,10 @@ class InPlaceCache(nn.Module):
         with torch.no_grad():
             presents = self._run(example)[1]
         by_id = {id(t): n for (n, _), t in zip(inputs, example, strict=True)}
-        self.io = GraphIO(inputs=inputs, outputs=shard.io.outputs + [
+        written = {bind for n, bind in inputs if n in {by_id[id(past)] for past, _ in presents}}
+        self.keep = [bind not in written for _, bind in shard.io.outputs]  # per shard output
+        self.io = GraphIO(inputs=inputs, outputs=[
+            o for o, keep in zip(shard.io.outputs, self.keep, strict=True) if keep] + [
             (f"present.{by_id[id(past)]}", f"alias:{by_id[id(past)]}") for past, _ in presents])
 
     @classmethod
@@ -340,7 +345,8 @@ class InPlaceCache(nn.Module):
 
     def forward(self, *args):
         outs, presents = self._run(args)
-        return (*outs, *(present for _, present in presents))
+        return (*(o for o, keep in zip(outs, self.keep, strict=True) if keep),
+                *(present for _, present in presents))
 
 
 class StaticAttention(nn.Module):
@@ -487,6 +493,34 @@ class DenseShard(nn.Module):
             hidden, k, v = layer(hidden, cos, sin, mask, past[2 * j], past[2 * j + 1])
             new += [k, v]
         return (hidden, *new)
+
+
+class WithHead(nn.Module):
+    """The cpu target's last decode shard with the head run inside it: one session per token.
+
+        hidden ─▶ shard ─▶ hidden_out ─▶ norm ─▶ lm_head ─▶ logits [1,1,V]   (one graph)
+                    └────▶ state outputs (as the shard's)
+
+    Why: a separate head session is a second run per token, with its own thread pool to wake.
+    Measured on real-shape Qwen3-0.6B int4 (2 threads, raw IO-bound runs interleaved): shard +
+    head sessions 19.9 ms per token, the same graphs as one 18.8 ms. The head graph stays for
+    prefill's last row (its weights shared with this graph's file: one copy on disk).
+
+    outputs: the shard's (hidden_out kept: the oracle judges every shard's hidden) + logits."""
+
+    def __init__(self, shard: nn.Module, head: nn.Module):
+        super().__init__()
+        if shard.io.outputs[0][1] != "hidden":
+            raise ValueError("the shard's first output must be its hidden state")
+        self.shard, self.head = shard, head
+        self.io = GraphIO(inputs=shard.io.inputs, outputs=[*shard.io.outputs, ("logits", "logits")])
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        return self.shard.example_inputs()
+
+    def forward(self, *args):
+        outs = self.shard(*args)
+        return (*outs, self.head(outs[0]))
 
 
 class Head(nn.Module):

@@ -148,6 +148,9 @@ class Backend:
             configure_threads(so)
             if graph.role == "prefill" and not prepack_prefill(target.quant or "fp32"):
                 disable_prepacking(so)
+            if graph.role == "head" and target.decode_runs_head:
+                # one row per prompt; the decode graph holds the packed copy of these weights
+                disable_prepacking(so)
             self.configure_cpu_session(so, path, graph)
             try:
                 sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])

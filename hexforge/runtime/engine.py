@@ -6,6 +6,9 @@ One step (prefill chunk of N, or a single decode token) at positions p .. p+T-1:
                                │  ▲ state rows written at their slots after each shard
     positions ─▶ rope cos/sin, masks (one per slot group, shared by all shards of the step)
 
+A cpu target's last decode graph runs the head itself (``TargetSpec.decode_runs_head``): a decode
+step is then one session run per shard and nothing more.
+
 The last prefill chunk is padded to N; pad rows are never written to the caches and pad queries
 are never read, so padding changes nothing.
 """
@@ -77,9 +80,13 @@ class Engine:
         self.step_graphs = {"prefill": [self.target.graph(s.prefill) for s in plan.shards],
                             "decode": [self.target.graph(s.decode) for s in plan.shards]}
         self.head = self.target.graph(plan.head)
+        self.head_in_step = {"prefill": False, "decode": self.target.decode_runs_head}
         self.feeds_of = {g.name: [(i.name, *self._source(i.bind)) for i in g.inputs]
                          for g in self.target.graphs}
         self.outputs_of = {g.name: [step_key(o.bind) for o in g.outputs] for g in self.target.graphs}
+        # per graph: (output index, input name) of the caches it updates in place
+        self.aliases_of = {g.name: [(k, o.bind[6:]) for k, o in enumerate(g.outputs)
+                                    if o.bind.startswith("alias:")] for g in self.target.graphs}
         # the state each step writes: {"new:<state>": state}, committed after every graph ran
         self.step_writes = {role: {step_key(o.bind): o.bind[6:] for g in graphs for o in g.outputs
                                    if o.bind.startswith("state:")}
@@ -114,6 +121,9 @@ class Engine:
         values = self.sessions[graph.name].run(None, feeds)
         for key, value in zip(self.outputs_of[graph.name], values, strict=True):
             inputs[key] = value
+        for k, name in self.aliases_of[graph.name]:  # IO binding wrote the cache itself; a plain
+            if values[k] is not feeds[name]:  # session.run (HEXFORGE_CPU_IOBINDING=0) made a copy
+                feeds[name][...] = values[k]
         if self.observer:
             outputs = {s.bind: v for s, v in zip(graph.outputs, values, strict=True)}
             self.observer(graph, feeds, outputs, positions)
@@ -182,6 +192,8 @@ class Engine:
         # the state writes, once every graph has read the old rows
         self.state.commit({name: inputs[key] for key, name in self.step_writes[role].items()}, valid)
         self.pos += n_valid
+        if self.head_in_step[role]:  # the last graph ran the head (cpu decode: one session)
+            return inputs["logits"][0, -1]
         # the head reads the last valid row; an AR-1 step's hidden is that row already, and the
         # shard's own output array (not a new view of it) is one IO binding has bound before
         hidden = inputs["hidden"]
