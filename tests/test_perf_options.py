@@ -126,16 +126,20 @@ def test_cpu_decode_graph_updates_the_cache_in_place(bundle, family):
 
 
 @pytest.mark.parametrize("weights", ["fp32", "int4"])
-def test_fp32_prefill_sessions_read_the_weight_file_unpacked(bundle, weights, monkeypatch):
+def test_fp32_prefill_and_head_sessions_read_the_weight_file_unpacked(bundle, weights, monkeypatch):
     """Issue 10: an fp32 prefill session does not prepack its weights (the decode session of the
     shard holds the one packed copy; measured -1.7 GB at Qwen3-0.6B for +14% TTFT); a
-    MatMulNBits prefill does (unpacked it loses its int8 kernels: 3x the TTFT)."""
+    MatMulNBits prefill does (unpacked it loses its int8 kernels: 3x the TTFT). The head, which
+    only prefill runs once the last decode graph carries its own, follows the prefill rule
+    (regression: an unpacked int4 head took 0.66 s a call, TTFT(512) 3.1 -> 8.4 s)."""
     import hexforge
 
     monkeypatch.delenv("HEXFORGE_CPU_PREPACK_PREFILL", raising=False)
     eng = hexforge.load(bundle("qwen3", cpu_weights=weights)).engine
+    assert eng.target.decode_runs_head
     for shard in eng.target.plan.shards:
-        for name, unpacked in ((shard.prefill, weights == "fp32"), (shard.decode, False)):
+        for name, unpacked in ((shard.prefill, weights == "fp32"), (shard.decode, False),
+                               (eng.target.plan.head, weights == "fp32")):
             sess = getattr(eng.sessions[name], "sess", eng.sessions[name])
             entry = sess.get_session_options().get_session_config_entry
             try:
@@ -143,3 +147,28 @@ def test_fp32_prefill_sessions_read_the_weight_file_unpacked(bundle, weights, mo
             except Exception:  # onnxruntime raises for an entry never set
                 value = "0"
             assert (value == "1") == unpacked, name
+
+
+def test_prefill_runs_the_head_on_its_last_chunk_only(bundle):
+    """Issue 10: the logits of a prefill chunk before the last are never read, so its head run is
+    skipped (it was one head GEMV per 64 prompt tokens); an observer still sees every chunk's."""
+    import hexforge
+
+    eng = hexforge.load(bundle("qwen3")).engine
+    prompt = [int(x) for x in np.random.default_rng(3).integers(3, eng.vocab_size,
+                                                                 2 * eng.prefill_len + 5)]
+    calls: list[str] = []
+    head = eng.sessions[eng.head.name]
+    run = head.run
+    head.run = lambda *a, **kw: (calls.append("head"), run(*a, **kw))[1]
+    try:
+        logits = eng.prefill(prompt)
+        assert calls == ["head"]
+        eng.reset()
+        eng.observer = lambda *a: None
+        observed = eng.prefill(prompt)
+        assert calls == ["head"] * 4  # 3 chunks
+    finally:
+        eng.observer = None
+        del head.run
+    np.testing.assert_array_equal(logits, observed)

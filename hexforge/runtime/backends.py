@@ -146,10 +146,11 @@ class Backend:
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             so.log_severity_level = 3
             configure_threads(so)
-            if graph.role == "prefill" and not prepack_prefill(target.quant or "fp32"):
-                disable_prepacking(so)
-            if graph.role == "head" and target.decode_runs_head:
-                # one row per prompt; the decode graph holds the packed copy of these weights
+            # the prefill graphs, and the head where the decode graph runs its own copy (then
+            # the head serves one row per prompt): the decode session holds the packed weights
+            prefill_only = graph.role == "prefill" or (graph.role == "head"
+                                                       and target.decode_runs_head)
+            if prefill_only and not prepack_prefill(target.quant or "fp32"):
                 disable_prepacking(so)
             self.configure_cpu_session(so, path, graph)
             try:

@@ -182,8 +182,10 @@ class Engine:
         kept[...] = value
         return kept
 
-    def forward(self, ids: np.ndarray, n_valid: int, role: str) -> np.ndarray:
-        """Run ids [T] (first n_valid real) at self.pos through every shard; -> logits [V]."""
+    def forward(self, ids: np.ndarray, n_valid: int, role: str, head: bool = True
+                ) -> np.ndarray | None:
+        """Run ids [T] (first n_valid real) at self.pos through every shard; -> logits [V], or
+        None with head=False (a prefill chunk before the last: its logits are never read)."""
         positions = np.arange(self.pos, self.pos + ids.shape[0], dtype=np.int64)
         valid = positions[:n_valid]
         inputs = self._step_inputs(ids, positions, n_valid)
@@ -194,6 +196,8 @@ class Engine:
         self.pos += n_valid
         if self.head_in_step[role]:  # the last graph ran the head (cpu decode: one session)
             return inputs["logits"][0, -1]
+        if not head:
+            return None
         # the head reads the last valid row; an AR-1 step's hidden is that row already, and the
         # shard's own output array (not a new view of it) is one IO binding has bound before
         hidden = inputs["hidden"]
@@ -221,7 +225,10 @@ class Engine:
                 if n < N:
                     chunk = np.concatenate([chunk, np.zeros(N - n, dtype=np.int64)])
                 self.prompt_offset = start
-                logits = self.forward(chunk, n, "prefill")
+                # only the last chunk's logits are read; an observer (calibration, the oracle)
+                # sees every chunk's head as well
+                last = start + N >= len(ids_arr)
+                logits = self.forward(chunk, n, "prefill", head=last or self.observer is not None)
             return logits
         finally:
             if media is not None:
