@@ -81,6 +81,11 @@ class Engine:
                             "decode": [self.target.graph(s.decode) for s in plan.shards]}
         self.head = self.target.graph(plan.head)
         self.head_in_step = {"prefill": False, "decode": self.target.decode_runs_head}
+        # the slot groups whose mask a step's graphs read (a cpu decode graph that updates the
+        # cache in place reads cache lengths instead: its mask is not made)
+        self.masks_of = {role: [(n, grp) for n, grp in self.state.groups.items()
+                                if any(i.bind == f"mask:{n}" for g in graphs for i in g.inputs)]
+                         for role, graphs in self.step_graphs.items()}
         self.feeds_of = {g.name: [(i.name, *self._source(i.bind)) for i in g.inputs]
                          for g in self.target.graphs}
         self.outputs_of = {g.name: [step_key(o.bind) for o in g.outputs] for g in self.target.graphs}
@@ -142,7 +147,7 @@ class Engine:
             self._constants_of[(T, n_valid)] = c
         return c
 
-    def _step_inputs(self, ids: np.ndarray, positions: np.ndarray, n_valid: int
+    def _step_inputs(self, ids: np.ndarray, positions: np.ndarray, n_valid: int, role: str
                      ) -> dict[str, np.ndarray]:
         """The host-made inputs of a step at positions [T]: {bind: array}."""
         T = ids.shape[0]
@@ -164,7 +169,7 @@ class Engine:
             seqlens[0] = positions[-1]
             inputs[f"kv_seqlens:{name}"], inputs[f"kv_total:{name}"] = seqlens, total
         mask_value = self.target.mask_value
-        for name, group in self.state.groups.items():  # decode: the group's persistent row
+        for name, group in self.masks_of[role]:  # decode: the group's persistent row
             inputs[f"mask:{name}"] = (group.decode_mask(self.pos, mask_value) if T == 1
                                       else group.mask(positions, mask_value))
         if T == 1:  # AR-1: the per-step rows go into arrays kept across steps, which IO binding
@@ -188,7 +193,7 @@ class Engine:
         None with head=False (a prefill chunk before the last: its logits are never read)."""
         positions = np.arange(self.pos, self.pos + ids.shape[0], dtype=np.int64)
         valid = positions[:n_valid]
-        inputs = self._step_inputs(ids, positions, n_valid)
+        inputs = self._step_inputs(ids, positions, n_valid, role)
         for graph in self.step_graphs[role]:
             self._run(graph, inputs, valid)  # hidden -> hidden, state -> new:<state>
         # the state writes, once every graph has read the old rows

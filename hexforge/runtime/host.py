@@ -95,8 +95,10 @@ def load_host_tensors(path: Path) -> dict[str, np.ndarray]:
             if end == begin:
                 out[name] = np.zeros(t["shape"], dtype)
             else:
-                out[name] = np.memmap(path, dtype=dtype, mode="r", offset=start + begin,
-                                      shape=tuple(t["shape"]) or (1,)).reshape(t["shape"])
+                # a plain ndarray view of the map (it keeps the map alive): indexing a memmap
+                # subclass costs 2.9 us a row gather, a plain view 1.3 us (per decode token)
+                out[name] = np.asarray(np.memmap(path, dtype=dtype, mode="r", offset=start + begin,
+                                                 shape=tuple(t["shape"]) or (1,))).reshape(t["shape"])
         return out
     except (SafetensorError, OSError, ValueError) as e:
         raise BundleError(f"host tensors {path.name} cannot be read: {e}") from None
