@@ -8,7 +8,8 @@ A bundle is a directory::
       host.safetensors       host tensors: embedding table, rope inv_freq, ... (never pickle)
       tokenizer/             tokenizer.json, tokenizer_config.json, chat template
       cpu/                   one folder per target: graphs + their shared external weight files
-        s0.prefill.onnx  s0.decode.onnx  s0.weights  head.onnx  head.weights
+        s0.prefill.onnx  s0.decode.onnx  head.onnx  s0.weights   (the last decode graph runs the
+                                                                   head too: one file for all three)
       v81/ ...
 
 Every path in the manifest is relative, has no ``..``, and must resolve (symlinks included) inside
@@ -23,7 +24,8 @@ the last k real rows of [k state rows | T step rows] (conv fifos),
 the step is written, minus one / as is: onnxruntime GroupQueryAttention's, in cpu decode graphs)
 and each output its *sink* (``hidden``, ``logits``, ``state:<name>``, ``alias:<input>`` = the graph
 writes this output into the memory of its own input ``<input>``, a cache it updates in place): the
-engine never needs to know the family. Encoder graphs (role vision/audio) also bind ``media:<key>``
+engine never needs to know the family. A last decode graph with a ``logits`` output runs the head
+itself (``TargetSpec.decode_runs_head``); the head graph then serves prefill only. Encoder graphs (role vision/audio) also bind ``media:<key>``
 (a preprocessed input), ``soft`` (soft tokens out) and ``deepstack:<i>`` (features a decoder graph
 may take in). Every bind is checked on load against the names the manifest declares
 (``bind_problem``).
