@@ -25,10 +25,10 @@ the step is written, minus one / as is: onnxruntime GroupQueryAttention's, in cp
 and each output its *sink* (``hidden``, ``logits``, ``state:<name>``, ``alias:<input>`` = the graph
 writes this output into the memory of its own input ``<input>``, a cache it updates in place): the
 engine never needs to know the family. A last decode graph with a ``logits`` output runs the head
-itself (``TargetSpec.decode_runs_head``); the head graph then serves prefill only. Encoder graphs (role vision/audio) also bind ``media:<key>``
-(a preprocessed input), ``soft`` (soft tokens out) and ``deepstack:<i>`` (features a decoder graph
-may take in). Every bind is checked on load against the names the manifest declares
-(``bind_problem``).
+itself (``TargetSpec.decode_runs_head``); the head graph then serves prefill only. Encoder
+graphs (role vision/audio) also bind ``media:<key>`` (a preprocessed input), ``soft`` (soft tokens
+out) and ``deepstack:<i>`` (features a decoder graph may take in). Every bind is checked on load
+against the names the manifest declares (``bind_problem``).
 """
 
 from __future__ import annotations
