@@ -33,6 +33,8 @@ def preallocated(bind: str) -> bool:
 
 
 class BoundSession:
+    writes_in_place = True  # alias:<input> outputs are that input's own memory (see run())
+
     def __init__(self, sess, graph: GraphSpec):
         self.sess = sess
         self._io = sess.io_binding()

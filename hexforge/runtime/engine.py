@@ -89,9 +89,13 @@ class Engine:
         self.feeds_of = {g.name: [(i.name, *self._source(i.bind)) for i in g.inputs]
                          for g in self.target.graphs}
         self.outputs_of = {g.name: [step_key(o.bind) for o in g.outputs] for g in self.target.graphs}
-        # per graph: (output index, input name) of the caches it updates in place
+        # per graph: (output index, input name) of the caches it updates in place, where its
+        # session returns copies (plain session.run, HEXFORGE_CPU_IOBINDING=0) that the engine
+        # must write back; an IO-bound session writes the cache itself (nothing to do per token)
         self.aliases_of = {g.name: [(k, o.bind[6:]) for k, o in enumerate(g.outputs)
-                                    if o.bind.startswith("alias:")] for g in self.target.graphs}
+                                    if o.bind.startswith("alias:")]
+                           for g in self.target.graphs
+                           if not getattr(self.sessions[g.name], "writes_in_place", False)}
         # the state each step writes: {"new:<state>": state}, committed after every graph ran
         self.step_writes = {role: {step_key(o.bind): o.bind[6:] for g in graphs for o in g.outputs
                                    if o.bind.startswith("state:")}
@@ -126,9 +130,8 @@ class Engine:
         values = self.sessions[graph.name].run(None, feeds)
         for key, value in zip(self.outputs_of[graph.name], values, strict=True):
             inputs[key] = value
-        for k, name in self.aliases_of[graph.name]:  # IO binding wrote the cache itself; a plain
-            if values[k] is not feeds[name]:  # session.run (HEXFORGE_CPU_IOBINDING=0) made a copy
-                feeds[name][...] = values[k]
+        for k, name in self.aliases_of.get(graph.name, ()):  # a plain session.run's copies
+            feeds[name][...] = values[k]
         if self.observer:
             outputs = {s.bind: v for s, v in zip(graph.outputs, values, strict=True)}
             self.observer(graph, feeds, outputs, positions)
