@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import BuildError
@@ -113,8 +114,10 @@ def _check_io(path: Path, in_names: list[str], out_names: list[str]) -> None:
                          f"contract {in_names} -> {out_names} (an unused input was dropped?)")
 
 
-def share_weights(graph_files: list[Path], weights_name: str) -> int:
-    """Move initializers of ``graph_files`` into one de-duplicated external file next to them.
+def share_weights(graph_files: list[Path], weights_name: str,
+                  transform: Callable[[object], object] | None = None) -> int:
+    """Move initializers of ``graph_files`` into one de-duplicated external file next to them;
+    ``transform`` (e.g. ``fuse.fuse_cpu_graph``) edits each loaded model first, weights in hand.
 
     Returns the bytes written. All graph files must be in the same directory.
     """
@@ -128,6 +131,8 @@ def share_weights(graph_files: list[Path], weights_name: str) -> int:
     with open(wpath, "wb") as f:
         for gf in graph_files:
             model = onnx.load(str(gf))  # loads any external data the exporter wrote
+            if transform is not None:
+                transform(model)
             for t in model.graph.initializer:
                 raw = t.raw_data or numpy_helper.to_array(t).tobytes()
                 if len(raw) < MIN_EXTERNAL_BYTES:

@@ -13,6 +13,7 @@ from ..errors import BuildError
 from ..manifest import GraphSpec, RunPlan, ShardPlan
 from ..targets import Target
 from .export import export_module, share_weights
+from .fuse import fuse_cpu_graph
 from .plan import plan_shards
 from .quantize import get_recipe
 
@@ -20,7 +21,7 @@ from .quantize import get_recipe
 def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
                   rel_folder: str, log, cpu: bool = False) -> tuple[list[GraphSpec], RunPlan]:
     """Export prefill + decode per shard and the head as float ONNX into root/rel_folder.
-    cpu: the cpu target's own graphs — fused onnxruntime norms, decode graphs that update the
+    cpu: the cpu target's own graphs — fused onnxruntime nodes (``fuse``), decode graphs that update the
     cache in place (``fam.cpu_decode_module``), the last one with the head inside
     (``blocks.WithHead``) — not the static form the HTP targets calibrate and compile.
 
@@ -29,6 +30,7 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
     """
     from ..families.blocks import WithHead, use_cpu_kernels
 
+    fuse = fuse_cpu_graph if cpu else None
     folder = root / rel_folder
     folder.mkdir(parents=True)
     graphs: list[GraphSpec] = []
@@ -59,14 +61,15 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
         graphs += [pre, dec]
         plan.append(ShardPlan(layers=(a, b), prefill=pre.name, decode=dec.name))
         if s < last or not cpu:
-            share_weights([folder / f"{n}.onnx" for n in (pre.name, dec.name)], f"s{s}.weights")
+            share_weights([folder / f"{n}.onnx" for n in (pre.name, dec.name)], f"s{s}.weights",
+                          fuse)
     with fam.float32(hf, head=True):
         head_module = fam.head_module(hf, args)
         head = export("head", "head", use_cpu_kernels(head_module) if cpu else head_module)
     graphs.append(head)
     run_plan = RunPlan(prefill_len=opts.prefill_len, shards=plan, head=head.name)
     group = weight_groups(run_plan, cpu)[-1]
-    share_weights([folder / f"{n}.onnx" for n in group], weights_file(group))
+    share_weights([folder / f"{n}.onnx" for n in group], weights_file(group), fuse)
     for g in graphs:
         g.bytes = (root / g.file).stat().st_size
     return graphs, run_plan

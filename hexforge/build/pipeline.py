@@ -36,6 +36,7 @@ from ..targets import Target, parse_targets
 from .checkpoint import read_checkpoint
 from .encoders import compile_encoders, export_encoders
 from .export import share_weights
+from .fuse import fuse_cpu_graph
 from .graphs import export_float, plan_target, weight_groups, weights_file
 from .quantize import check_cpu_weights, get_recipe, quantize_cpu_graph
 
@@ -89,7 +90,9 @@ def _build_cpu_target(fam, hf, args, target: Target, opts: BuildOptions, out: Pa
         for group in weight_groups(plan, cpu=True):
             for name in group:
                 quantize_cpu_graph(folder / f"{name}.onnx", bits, block)
-            share_weights([folder / f"{n}.onnx" for n in group], weights_file(group))
+            # q/k/v MatMulNBits packed into one (fuse.pack_sibling_matmuls) as they are re-shared
+            share_weights([folder / f"{n}.onnx" for n in group], weights_file(group),
+                          fuse_cpu_graph)
         for g in graphs:
             g.bytes = (out / g.file).stat().st_size
         log(f"[{target.name}] weights {opts.cpu_weights} (MatMulNBits, block {block}) "

@@ -44,44 +44,51 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class _RotaryEmbeddingOp(torch.autograd.Function):
     """The op for the torchscript exporter (its symbolic: the reshapes to and from the op's
     [1, T, H*D] layout included — traced outside it, they broke the exporter's peephole pass on
-    Gemma-4 graphs); eager: ``apply_rope``. x [1, T, H, D]."""
+    Gemma-4 graphs); eager: ``apply_rope``. x [1, T, H, D], or [1, T, H*D] when ``flat``."""
 
     @staticmethod
-    def forward(ctx, x, positions, cos_half, sin_half, rot, T, H, D):
+    def forward(ctx, x, positions, cos_half, sin_half, rot, T, H, D, flat):
         cos, sin = (torch.cat((t, t), -1)[positions[0]][None, None] for t in (cos_half, sin_half))
-        return apply_rope(x.transpose(1, 2), cos, sin).transpose(1, 2)
+        x4 = x.reshape(1, T, H, D)
+        return apply_rope(x4.transpose(1, 2), cos, sin).transpose(1, 2).reshape(x.shape)
 
     @staticmethod
-    def symbolic(g, x, positions, cos_half, sin_half, rot, T, H, D):
+    def symbolic(g, x, positions, cos_half, sin_half, rot, T, H, D, flat):
         extra = {"rotary_embedding_dim_i": rot} if rot else {}
-        flat = g.op("Reshape", x, g.op("Constant", value_t=torch.tensor([1, T, H * D])))
-        out = g.op("com.microsoft::RotaryEmbedding", flat, positions, cos_half, sin_half,
+        inp = x if flat else g.op("Reshape", x, g.op("Constant", value_t=torch.tensor([1, T, H * D])))
+        out = g.op("com.microsoft::RotaryEmbedding", inp, positions, cos_half, sin_half,
                    num_heads_i=H, **extra)
-        out = g.op("Reshape", out, g.op("Constant", value_t=torch.tensor([1, T, H, D])))
+        if not flat:
+            out = g.op("Reshape", out, g.op("Constant", value_t=torch.tensor([1, T, H, D])))
         out.setType(x.type())
         return out
 
 
-def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     heads: int | None = None) -> torch.Tensor:
     """``apply_rope`` as onnxruntime's fused com.microsoft RotaryEmbedding (cpu graphs: one node,
-    not six). x [1, T, H, D] -> the same layout, rotated: the op's own [1, T, H*D] layout, so no
-    transposes are left around it (on [1, H, T, D] they were: +82 Transposes per step at
+    not six). x [1, T, H, D], or the op's own flat [1, T, H*D] with ``heads`` = H -> the same
+    layout, rotated (on [1, H, T, D] transposes were left around it: +82 per step at
     Qwen3-0.6B). The step's own host-made tables serve as its cache, row t for query t, so any
     position rule the host applies (M-RoPE, offsets) holds; cos/sin [1, 1, T, R] are in
     rotate-half layout (equal halves: the op takes one)."""
-    T, H, D, R = (int(n) for n in (*x.shape[1:], cos.shape[-1]))  # static: python ints
+    flat = x.dim() == 3
+    T, R = int(x.shape[1]), int(cos.shape[-1])  # static: python ints
+    H = int(heads) if flat else int(x.shape[2])
+    D = int(x.shape[-1]) // H if flat else int(x.shape[3])
     positions = torch.arange(T, dtype=torch.int64)[None]  # [1, T]
     cos_half, sin_half = cos[0, 0, :, :R // 2], sin[0, 0, :, :R // 2]  # [T, R/2]
     rot = R if R < D else 0  # partial rotary: the rotated width
     if torch.jit.is_tracing():  # the torchscript exporter
-        return _RotaryEmbeddingOp.apply(x, positions, cos_half, sin_half, rot, T, H, D)
+        return _RotaryEmbeddingOp.apply(x, positions, cos_half, sin_half, rot, T, H, D, flat)
     if not torch.onnx.is_in_onnx_export():  # eager
-        return apply_rope(x.transpose(1, 2), cos, sin).transpose(1, 2)
+        return _RotaryEmbeddingOp.forward(None, x, positions, cos_half, sin_half, rot, T, H, D,
+                                          flat)
     out = torch.onnx.ops.symbolic(  # dynamo
         "com.microsoft::RotaryEmbedding", [x.reshape(1, T, H * D), positions, cos_half, sin_half],
         {"num_heads": H, **({"rotary_embedding_dim": rot} if rot else {})},
         dtype=x.dtype, shape=(1, T, H * D), version=1)
-    return out.reshape(1, T, H, D)
+    return out if flat else out.reshape(1, T, H, D)
 
 
 # id(HF norm module) -> power-of-two input prescale, measured by ``calibrate_norm_scales``
@@ -157,10 +164,8 @@ def use_cpu_kernels(module: nn.Module) -> nn.Module:
     sqrt, div, 2 mul) that onnxruntime's own fusion does not match (it looks for Pow), 6 per
     rope; the per-node cost (~2-4 us) is what separated the int4 decode from genai's.
 
-    Measured and left out (issue 10, real-shape Qwen3-0.6B, 2 threads): q/k/v and gate/up fused
-    into one MatMul each, as genai does for q/k/v. int4 MatMulNBits 12.6-12.9 vs 13.7-14.6 ms per
-    step, but +0.5 ms of Split and decode 50.5 vs 51.1 / 51.3 vs 48.9 tok/s in two interleaved
-    runs (noise); fp32 MatMul slower fused (56.8-57.8 vs 47.2-53.4 ms); export +2.3 GB (copies)."""
+    The graph-level fusions (residual Add + norm, int8/int4 q/k/v packed into one MatMulNBits)
+    are made on the exported ONNX: ``build/fuse.py``."""
     for m in module.modules():
         if isinstance(m, RMSNorm | StaticAttention):
             m.cpu_kernel = True
@@ -398,9 +403,9 @@ class StaticAttention(nn.Module):
         return self.o_proj(out)
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
-        k, v = self.project_kv(x, cos, sin)
         if isinstance(mask, CacheLengths):
-            return self.attend_in_place(x, cos, sin, mask, past_k, past_v, k, v), k, v
+            return self.attend_in_place(x, cos, sin, mask, past_k, past_v)
+        k, v = self.project_kv(x, cos, sin)
         keys = torch.cat((past_k, k), dim=2)
         values = torch.cat((past_v, v), dim=2)
         return self.attend(x, cos, sin, mask, keys, values), k, v
@@ -424,20 +429,41 @@ class StaticAttention(nn.Module):
             return rotary_embedding(x, cos, sin).transpose(1, 2)
         return apply_rope(x.transpose(1, 2), cos, sin)
 
-    def attend_in_place(self, x, cos, sin, lengths: CacheLengths, past_k, past_v, k, v):
+    def attend_in_place(self, x, cos, sin, lengths: CacheLengths, past_k, past_v):
         """cpu graphs: onnxruntime's GroupQueryAttention over the first ``lengths.total`` cache
-        rows; it writes k/v [1, KVH, T, D] at rows total-T .. total-1 of the cache it was given
-        (its present outputs, which the runtime binds to the cache inputs' memory)."""
-        T, H, D = x.shape[1], self.n_heads, self.head_dim
-        q, gate = self._query(x, cos, sin)
-        flat = lambda t, n: t.transpose(1, 2).reshape(1, T, n * D)  # noqa: E731  [1,n,T,D] -> [1,T,n*D]
+        rows; it writes k/v at rows total-T .. total-1 of the cache it was given (its present
+        outputs, which the runtime binds to the cache inputs' memory). -> (out, k, v new rows
+        [1, KVH, T, D]: not graph outputs, the op wrote them).
+
+        q/k/v stay in the op's flat [1, T, n*D] layout throughout: only a head norm views them
+        as heads and back (the [1, n, T, D] round trip left 3 more Reshapes a layer that
+        onnxruntime did not drop, 84 nodes a Qwen3-0.6B step)."""
+        T, H, KV, D = x.shape[1], self.n_heads, self.n_kv, self.head_dim
+        gate = None
+        if self.output_gate:
+            qg = self.q_proj(x).view(1, T, H, 2 * D)
+            q, gate = qg[..., :D], qg[..., D:].reshape(1, T, H * D)
+        else:
+            q = self.q_proj(x)  # [1, T, H*D]
+        k = self.k_proj(x)  # [1, T, KV*D]
+        v = self.v_proj(x) if self.v_proj is not None else k  # k_eq_v: v is the raw k projection
+        q = rotary_embedding(self._head_norm(q, H, self.q_norm), cos, sin, H)
+        k = rotary_embedding(self._head_norm(k, KV, self.k_norm), cos, sin, KV)
+        v = self._head_norm(v, KV, self.v_norm)
         out, present_k, present_v = group_query_attention(
-            flat(q, H), flat(k, self.n_kv), flat(v, self.n_kv), past_k, past_v,
-            lengths.seqlens_k, lengths.total, H, self.n_kv, float(self.scaling))
+            q, k, v, past_k, past_v, lengths.seqlens_k, lengths.total, H, KV, float(self.scaling))
         lengths.presents += [(past_k, present_k), (past_v, present_v)]
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        rows = lambda t: t.view(1, T, KV, D).transpose(1, 2)  # noqa: E731  -> [1, KV, T, D]
+        return self.o_proj(out), rows(k), rows(v)
+
+    def _head_norm(self, t: torch.Tensor, n: int, norm: nn.Module | None) -> torch.Tensor:
+        """t [1, T, n*D] or [1, T, n, D] -> each head's D normed (if ``norm``) -> [1, T, n*D]."""
+        T = t.shape[1]
+        if norm is not None:
+            t = norm(t.reshape(1, T, n, self.head_dim))
+        return t if t.dim() == 3 else t.reshape(1, T, n * self.head_dim)
 
 
 class DenseLayer(nn.Module):
