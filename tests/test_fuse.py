@@ -99,7 +99,7 @@ def test_packed_matmulnbits_give_the_same_outputs(tmp_path):
 
 
 def test_a_pair_of_siblings_stays_unpacked(tmp_path):
-    """gate/up pairs: measured no faster packed (the Split costs what the second call saved)."""
+    """gate/up pairs stay apart (``min_group`` 3), as genai keeps them."""
     m, _ = _quantized_siblings(tmp_path, n_out=(48, 48))
     assert pack_sibling_matmuls(m) == 0
 
