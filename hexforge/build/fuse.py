@@ -40,20 +40,25 @@ def fuse_skip_norms(model) -> int:
     from onnx import helper
 
     g = model.graph
-    shapes = _shapes(model)
     inits = {t.name for t in g.initializer}
     producer = {o: n for n in g.node for o in n.output}
-    fused: dict[int, object] = {}  # id(norm node) -> its replacement
-    dead: set[int] = set()  # ids of the Adds taken in
+    pairs = []  # (add, norm): an Add of two activations feeding a norm's input
     for norm in g.node:
         if norm.op_type != "SimplifiedLayerNormalization" or norm.domain not in ("", "ai.onnx"):
             continue
         add = producer.get(norm.input[0])
-        if add is None or add.op_type != "Add" or id(add) in dead or len(norm.input) != 2:
-            continue
+        if add is not None and add.op_type == "Add" and len(norm.input) == 2 and \
+                not set(add.input) & inits:
+            pairs.append((add, norm))
+    if not pairs:  # e.g. the int8/int4 re-share of graphs fused at export: no shape inference
+        return 0
+    shapes = _shapes(model)
+    fused: dict[int, object] = {}  # id(norm node) -> its replacement
+    dead: set[int] = set()  # ids of the Adds taken in
+    for add, norm in pairs:
         a, b = add.input
         s = shapes.get(a)
-        if a in inits or b in inits or s is None or len(s) != 3 or shapes.get(b) != s:
+        if id(add) in dead or s is None or len(s) != 3 or shapes.get(b) != s:
             continue
         attrs = {x.name: helper.get_attribute_value(x) for x in norm.attribute}
         if attrs.get("axis", -1) not in (-1, 2) or s[-1] != shapes.get(norm.input[1], [None])[-1]:
