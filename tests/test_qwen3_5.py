@@ -44,8 +44,12 @@ def test_ar_n_prefill_and_decode_over_prompt_give_the_same_state_and_tokens(bund
     state_a = {k: v.copy() for k, v in eng.state.buffers.items()}
     eng.reset()
     b = eng.prefill(ids, mode="decode")
+    # a chunk's pad rows land in the caches past the prompt (in-place prefill): never read
+    held = {s.name: s.kind == "kv_full" for s in model.manifest.state}
     for name, buf in eng.state.buffers.items():
-        np.testing.assert_allclose(state_a[name], buf, atol=2e-5, err_msg=name)
+        got, want = (buf[..., :length, :], state_a[name][..., :length, :]) if held[name] else (
+            buf, state_a[name])
+        np.testing.assert_allclose(want, got, atol=2e-5, err_msg=name)
     np.testing.assert_allclose(a, b, atol=1e-4)
     r1 = model.generate(ids, max_new_tokens=32, ignore_eos=True)
     r2 = model.generate(ids, max_new_tokens=32, ignore_eos=True, prefill_mode="decode")

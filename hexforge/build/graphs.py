@@ -21,8 +21,8 @@ from .quantize import get_recipe
 def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
                   rel_folder: str, log, cpu: bool = False) -> tuple[list[GraphSpec], RunPlan]:
     """Export prefill + decode per shard and the head as float ONNX into root/rel_folder.
-    cpu: the cpu target's own graphs — fused onnxruntime nodes (``fuse``), decode graphs that update the
-    cache in place (``fam.cpu_decode_module``), the last one with the head inside
+    cpu: the cpu target's own graphs — fused onnxruntime nodes (``fuse``), prefill and decode
+    graphs that update the cache in place (``fam.cpu_step_module``), the last decode with the head inside
     (``blocks.WithHead``) — not the static form the HTP targets calibrate and compile.
 
         HTP:  s0.prefill s0.decode -> s0.weights ...  head -> head.weights
@@ -48,11 +48,13 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
     for s, (a, b) in enumerate(shards):
         # a bf16 model: only this shard's layers (and the head it runs) in fp32
         with fam.float32(hf, layers=(a, b), head=cpu and s == last):
-            prefill = fam.decoder_module(hf, args, (a, b), opts.prefill_len, opts.context)
-            pre = export(f"s{s}.prefill", "prefill",
-                         use_cpu_kernels(prefill) if cpu else prefill, (a, b))
             if cpu:
-                decode = fam.cpu_decode_module(hf, args, (a, b), opts.context)
+                prefill = fam.cpu_step_module(hf, args, (a, b), opts.prefill_len, opts.context)
+            else:
+                prefill = fam.decoder_module(hf, args, (a, b), opts.prefill_len, opts.context)
+            pre = export(f"s{s}.prefill", "prefill", prefill, (a, b))
+            if cpu:
+                decode = fam.cpu_step_module(hf, args, (a, b), 1, opts.context)
                 if s == last:
                     decode = WithHead(decode, use_cpu_kernels(fam.head_module(hf, args)))
             else:

@@ -13,7 +13,7 @@ A family module (``families/<model_type>.py``) provides::
       host_recipe(hf, args)   -> HostRecipe      how the host makes graph inputs
       layer_weight_bytes(hf)  -> [int]           per-layer weight bytes, for the shard planner
       decoder_module(hf, args, layers, seq_len, ctx) -> torch module with .io (GraphIO)  [export]
-      cpu_decode_module(hf, args, layers, ctx)  -> the cpu target's AR-1 graph module    [export]
+      cpu_step_module(hf, args, layers, seq_len, ctx) -> the cpu target's AR-N / AR-1 module [export]
       head_module(hf, args)   -> torch module with .io                                 [export]
       reference_layers(hf)    -> the HF decoder layers (hooked by the oracle for per-shard cosine)
 
@@ -193,14 +193,15 @@ class DecoderFamily:
 
         return blocks.DenseShard(self, hf, args, layers, seq_len, context)
 
-    def cpu_decode_module(self, hf, args, layers: tuple[int, int], context: int):
-        """The AR-1 module of the cpu target: full-cache attention runs onnxruntime's
-        GroupQueryAttention on the cache in place (``blocks.InPlaceCache``), reading only the rows
-        held instead of all ``context`` of them."""
+    def cpu_step_module(self, hf, args, layers: tuple[int, int], seq_len: int, context: int):
+        """The cpu target's AR-N prefill (seq_len N) and AR-1 decode (1) modules: full-cache
+        attention runs onnxruntime's GroupQueryAttention on the cache in place
+        (``blocks.InPlaceCache``), reading only the rows held instead of all ``context`` of them
+        (and, in a prefill chunk, only the causal ones)."""
         from . import blocks
 
         return blocks.InPlaceCache.wrap(
-            blocks.use_cpu_kernels(self.decoder_module(hf, args, layers, 1, context)))
+            blocks.use_cpu_kernels(self.decoder_module(hf, args, layers, seq_len, context)))
 
     def head_module(self, hf, args):
         from . import blocks

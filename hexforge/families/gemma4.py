@@ -182,12 +182,12 @@ class Gemma4Family(DecoderFamily):
         return blocks.Head(tm.norm, hf.lm_head, softcap=args.final_logit_softcapping,
                            hidden_size=args.hidden_size)
 
-    def cpu_decode_module(self, hf, args, layers: tuple[int, int], context: int):
-        """The static AR-1 graph: KV-shared layers attend over their donor's keys *with* the rows
+    def cpu_step_module(self, hf, args, layers: tuple[int, int], seq_len: int, context: int):
+        """The static graphs: KV-shared layers attend over their donor's keys *with* the rows
         the same step writes, which GroupQueryAttention cannot take as its past."""
         from . import blocks
 
-        return blocks.use_cpu_kernels(self.decoder_module(hf, args, layers, 1, context))
+        return blocks.use_cpu_kernels(self.decoder_module(hf, args, layers, seq_len, context))
 
 
 # ---- export modules (torch) ----------------------------------------------------------------------

@@ -25,7 +25,9 @@ from . import qnn
 BACKENDS = ("cpu", "qnn", "qnn-sim", "auto")
 
 
-def check_external_data(bundle: Path, graph_file: Path) -> None:
+def check_external_data(bundle: Path, graph_file: Path) -> set[Path]:
+    """Refuse a graph whose external data lies outside the bundle, is missing or is too short;
+    -> the external data files it reads."""
     import onnx
     from onnx.external_data_helper import ExternalDataInfo
 
@@ -34,6 +36,7 @@ def check_external_data(bundle: Path, graph_file: Path) -> None:
     except Exception as e:  # protobuf DecodeError and friends
         raise BundleError(f"graph {graph_file.name} is not a readable ONNX model: {e}") from None
     root = bundle.resolve()
+    files = set()
     for t in model.graph.initializer:
         if t.data_location == onnx.TensorProto.EXTERNAL:
             loc = ExternalDataInfo(t).location
@@ -50,6 +53,8 @@ def check_external_data(bundle: Path, graph_file: Path) -> None:
                 raise BundleError(f"graph {graph_file.name}: tensor {t.name} needs bytes "
                                   f"[{offset}, {offset + length}) of {loc!r}, which has "
                                   f"{p.stat().st_size:,}; the file is truncated or corrupted")
+            files.add(p)
+    return files
 
 
 def cpu_threads() -> int:
@@ -80,21 +85,40 @@ def configure_threads(so) -> None:
     so.add_session_config_entry("session.force_spinning_stop", "1")
 
 
-def prepack_prefill(weights: str) -> bool:
-    """Whether a prefill session prepacks its weights (``weights``: the cpu target's quant).
+def physical_memory_bytes() -> int | None:
+    """The machine's RAM (None where os.sysconf cannot tell, e.g. Windows)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+# an fp32 prefill prepacks when its packed copy is at most this share of the machine's RAM
+PREPACK_PREFILL_MEMORY_SHARE = 1 / 6
+
+
+def prepack_prefill(weights: str, weight_bytes: int) -> bool:
+    """Whether a prefill session prepacks its weights (``weights``: the cpu target's quant;
+    ``weight_bytes``: the weight files the target's prefill graphs read).
 
     onnxruntime packs every MatMul weight into its kernel's layout when a session is made, so
     the prefill and the decode session of a shard each hold a packed copy of the same weights.
-    Unpacked, the prefill reads the weight file itself (mapped: page cache, not process memory).
-    Measured on real-shape Qwen3-0.6B (bench/runtime_memory.py, 512-token prompt, warm cache):
-    fp32 - anonymous memory 2.61 vs 4.29 GB, TTFT 4.69 vs 4.10 s: off by default (Gemma-4-E2B
-    fp32 would otherwise hold ~2 x 7 GB of packed weights); int4 - 0.83 vs 1.09 GB but TTFT
-    9.7 vs 2.9 s (MatMulNBits loses its int8 kernels unpacked): on. HEXFORGE_CPU_PREPACK_PREFILL=1
-    or 0 overrides."""
+    Unpacked, the prefill reads the weight file itself (mapped: page cache, not process memory)
+    and its MatMuls pack each weight again on every call.
+    - int8 / int4: always (MatMulNBits loses its int8 kernels unpacked: TTFT(512) 9.7 vs 2.9 s
+      at real-shape Qwen3-0.6B, for 0.26 GB).
+    - fp32: when the second copy is small next to the machine's RAM (at most 1/6 of it: Qwen3-0.6B's
+      2.4 GB on a 16 GB laptop, not Gemma-4-E2B's 9 GB, ~2 x 7 GB packed on a 24 GB machine).
+      Measured at Qwen3-0.6B (2 cores, in-place prefill, 512-token prompt): TTFT 4.0 vs 4.9 s,
+      anonymous memory 4.3 vs 2.6 GB (bench/runtime_memory.py).
+    HEXFORGE_CPU_PREPACK_PREFILL=1 or 0 overrides."""
     env = os.environ.get("HEXFORGE_CPU_PREPACK_PREFILL", "")
     if env in ("0", "1"):
         return env == "1"
-    return weights != "fp32"
+    if weights != "fp32":
+        return True
+    memory = physical_memory_bytes()
+    return memory is not None and weight_bytes <= memory * PREPACK_PREFILL_MEMORY_SHARE
 
 
 def disable_prepacking(so) -> None:
@@ -133,6 +157,13 @@ class Backend:
     def configure_cpu_session(self, so, path: Path, graph: GraphSpec) -> None:
         """Extra cpu session options for one graph (the build's oracle maps weights once)."""
 
+    def _prefill_weight_bytes(self, bundle: Path, target: TargetSpec) -> int:
+        """The bytes of the weight files the target's prefill graphs read, each file once."""
+        files = set()
+        for shard in target.plan.shards:
+            files |= check_external_data(bundle, confine(bundle, target.graph(shard.prefill).file))
+        return sum(f.stat().st_size for f in files)
+
     def session(self, bundle: Path, target: TargetSpec, graph: GraphSpec):
         import onnxruntime as ort
 
@@ -150,7 +181,8 @@ class Backend:
             # the head serves one row per prompt): the decode session holds the packed weights
             prefill_only = graph.role == "prefill" or (graph.role == "head"
                                                        and target.decode_runs_head)
-            if prefill_only and not prepack_prefill(target.quant or "fp32"):
+            if prefill_only and not prepack_prefill(target.quant or "fp32",
+                                                    self._prefill_weight_bytes(bundle, target)):
                 disable_prepacking(so)
             self.configure_cpu_session(so, path, graph)
             try:

@@ -9,8 +9,10 @@ One step (prefill chunk of N, or a single decode token) at positions p .. p+T-1:
 A cpu target's last decode graph runs the head itself (``TargetSpec.decode_runs_head``): a decode
 step is then one session run per shard and nothing more.
 
-The last prefill chunk is padded to N; pad rows are never written to the caches and pad queries
-are never read, so padding changes nothing.
+The last prefill chunk is padded to N; pad queries are never read, and pad rows are either not
+written to the caches (static graphs) or written past the last real row (cpu graphs that update
+the cache in place), where the next step's own rows overwrite them before anything reads them. So
+padding changes nothing.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class Engine:
         binds = {i.bind for g in self.target.graphs for i in g.inputs}
         self.tails = sorted(int(b[5:]) for b in binds if b.startswith("tail:"))
         self.binds_valid = "valid" in binds
-        # in-place caches (cpu decode graphs): rows held after the step, per group, as
+        # in-place caches (cpu prefill / decode graphs): rows held after the step, per group, as
         # GroupQueryAttention takes them — arrays kept across steps, updated in place
         self.kv_lengths = {b[11:]: (np.zeros(1, np.int32), np.zeros((), np.int32))
                            for b in sorted(binds) if b.startswith("kv_seqlens:")}
@@ -80,8 +82,12 @@ class Engine:
         self.step_graphs = {"prefill": [self.target.graph(s.prefill) for s in plan.shards],
                             "decode": [self.target.graph(s.decode) for s in plan.shards]}
         self.head = self.target.graph(plan.head)
+        # an in-place prefill graph writes all N rows of a chunk, pad rows included (later steps
+        # overwrite them before anything reads them): a chunk must then end inside the cache
+        self.prefill_in_place = any(i.bind.startswith("kv_seqlens:")
+                                    for g in self.step_graphs["prefill"] for i in g.inputs)
         self.head_in_step = {"prefill": False, "decode": self.target.decode_runs_head}
-        # the slot groups whose mask a step's graphs read (a cpu decode graph that updates the
+        # the slot groups whose mask a step's graphs read (a cpu graph that updates the
         # cache in place reads cache lengths instead: its mask is not made)
         self.masks_of = {role: [(n, grp) for n, grp in self.state.groups.items()
                                 if any(i.bind == f"mask:{n}" for g in graphs for i in g.inputs)]
@@ -228,6 +234,13 @@ class Engine:
                 return logits
             N = self.prefill_len
             for start in range(0, len(ids_arr), N):
+                if self.prefill_in_place and self.pos + N > self.context:
+                    # the chunk's pad rows would pass the cache's last row: the rest of the
+                    # prompt (< N tokens, at most once a prompt) goes through AR-1 instead
+                    for i in range(start, len(ids_arr)):
+                        self.prompt_offset = i
+                        logits = self.forward(ids_arr[i:i + 1], 1, "decode")
+                    return logits
                 chunk = ids_arr[start:start + N]
                 n = chunk.shape[0]
                 if n < N:
