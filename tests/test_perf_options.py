@@ -134,7 +134,7 @@ def test_fp32_prefill_and_head_sessions_read_the_weight_file_unpacked_on_a_small
         bundle, weights, ram, monkeypatch):
     """Issue 10: an fp32 prefill session prepacks its weights only when that second packed copy
     (the decode session of the shard holds one) is at most 1/6 of the machine's RAM: measured at
-    Qwen3-0.6B, +1.7 GB for TTFT(512) 4.0 vs 4.9 s. A MatMulNBits prefill always does (unpacked
+    Qwen3-0.6B, +2.3 GB for TTFT(512) 3.9 vs 4.8 s. A MatMulNBits prefill always does (unpacked
     it loses its int8 kernels: 3x the TTFT). The head, which only prefill runs once the last
     decode graph carries its own, follows the prefill rule (regression: an unpacked int4 head
     took 0.66 s a call, TTFT(512) 3.1 -> 8.4 s)."""

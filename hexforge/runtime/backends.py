@@ -110,7 +110,7 @@ def prepack_prefill(weights: str, weight_bytes: int) -> bool:
     - fp32: when the second copy is small next to the machine's RAM (at most 1/6 of it: Qwen3-0.6B's
       2.4 GB on a 16 GB laptop, not Gemma-4-E2B's 9 GB, ~2 x 7 GB packed on a 24 GB machine).
       Measured at Qwen3-0.6B (2 cores, in-place prefill, 512-token prompt): TTFT 4.0 vs 4.9 s,
-      anonymous memory 4.3 vs 2.6 GB (bench/runtime_memory.py).
+      anonymous memory 4.8 vs 2.6 GB (bench/runtime_memory.py).
     HEXFORGE_CPU_PREPACK_PREFILL=1 or 0 overrides."""
     env = os.environ.get("HEXFORGE_CPU_PREPACK_PREFILL", "")
     if env in ("0", "1"):
