@@ -22,8 +22,9 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
                   rel_folder: str, log, cpu: bool = False) -> tuple[list[GraphSpec], RunPlan]:
     """Export prefill + decode per shard and the head as float ONNX into root/rel_folder.
     cpu: the cpu target's own graphs — fused onnxruntime nodes (``fuse``), prefill and decode
-    graphs that update the cache in place (``fam.cpu_step_module``), the last decode with the head inside
-    (``blocks.WithHead``) — not the static form the HTP targets calibrate and compile.
+    graphs that update the cache in place (``fam.cpu_step_module``), the last decode graph with
+    the head inside (``blocks.WithHead``) — not the static form the HTP targets calibrate and
+    compile.
 
         HTP:  s0.prefill s0.decode -> s0.weights ...  head -> head.weights
         cpu:  s0.prefill s0.decode -> s0.weights ...  sK.prefill sK.decode+head head -> sK.weights
@@ -48,17 +49,12 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
     for s, (a, b) in enumerate(shards):
         # a bf16 model: only this shard's layers (and the head it runs) in fp32
         with fam.float32(hf, layers=(a, b), head=cpu and s == last):
-            if cpu:
-                prefill = fam.cpu_step_module(hf, args, (a, b), opts.prefill_len, opts.context)
-            else:
-                prefill = fam.decoder_module(hf, args, (a, b), opts.prefill_len, opts.context)
-            pre = export(f"s{s}.prefill", "prefill", prefill, (a, b))
-            if cpu:
-                decode = fam.cpu_step_module(hf, args, (a, b), 1, opts.context)
-                if s == last:
-                    decode = WithHead(decode, use_cpu_kernels(fam.head_module(hf, args)))
-            else:
-                decode = fam.decoder_module(hf, args, (a, b), 1, opts.context)
+            step = fam.cpu_step_module if cpu else fam.decoder_module
+            pre = export(f"s{s}.prefill", "prefill",
+                         step(hf, args, (a, b), opts.prefill_len, opts.context), (a, b))
+            decode = step(hf, args, (a, b), 1, opts.context)
+            if cpu and s == last:
+                decode = WithHead(decode, use_cpu_kernels(fam.head_module(hf, args)))
             dec = export(f"s{s}.decode", "decode", decode, (a, b))
         graphs += [pre, dec]
         plan.append(ShardPlan(layers=(a, b), prefill=pre.name, decode=dec.name))
