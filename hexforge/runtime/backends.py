@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import BackendError, BundleError
@@ -136,6 +136,8 @@ class Backend:
     name: str  # "cpu" | "qnn" | "qnn-sim"
     device_arch: int | None = None  # the HTP the binaries must match (qnn-sim: the simulated one)
     allow_cpu_fallback: bool = False
+    # (bundle, target) -> bytes of its prefill graphs' weight files (prepack_prefill)
+    _weight_bytes: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def resolve(cls, name: str, device_arch: int | None = None,
@@ -158,11 +160,16 @@ class Backend:
         """Extra cpu session options for one graph (the build's oracle maps weights once)."""
 
     def _prefill_weight_bytes(self, bundle: Path, target: TargetSpec) -> int:
-        """The bytes of the weight files the target's prefill graphs read, each file once."""
-        files = set()
-        for shard in target.plan.shards:
-            files |= check_external_data(bundle, confine(bundle, target.graph(shard.prefill).file))
-        return sum(f.stat().st_size for f in files)
+        """The bytes of the weight files the target's prefill graphs read, each file once
+        (worked out once per target, not per session)."""
+        key = (bundle.resolve(), target.name)
+        if key not in self._weight_bytes:
+            files = set()
+            for shard in target.plan.shards:
+                files |= check_external_data(bundle,
+                                             confine(bundle, target.graph(shard.prefill).file))
+            self._weight_bytes[key] = sum(f.stat().st_size for f in files)
+        return self._weight_bytes[key]
 
     def session(self, bundle: Path, target: TargetSpec, graph: GraphSpec):
         import onnxruntime as ort
@@ -181,8 +188,9 @@ class Backend:
             # the head serves one row per prompt): the decode session holds the packed weights
             prefill_only = graph.role == "prefill" or (graph.role == "head"
                                                        and target.decode_runs_head)
-            if prefill_only and not prepack_prefill(target.quant or "fp32",
-                                                    self._prefill_weight_bytes(bundle, target)):
+            quant = target.quant or "fp32"
+            if prefill_only and not prepack_prefill(
+                    quant, self._prefill_weight_bytes(bundle, target) if quant == "fp32" else 0):
                 disable_prepacking(so)
             self.configure_cpu_session(so, path, graph)
             try:

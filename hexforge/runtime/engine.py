@@ -228,19 +228,13 @@ class Engine:
         self.media, self.prompt_offset = media, 0
         try:
             if mode == "decode":
-                for i in range(len(ids_arr)):
-                    self.prompt_offset = i
-                    logits = self.forward(ids_arr[i:i + 1], 1, "decode")
-                return logits
+                return self._prefill_ar1(ids_arr, 0)
             N = self.prefill_len
             for start in range(0, len(ids_arr), N):
                 if self.prefill_in_place and self.pos + N > self.context:
                     # the chunk's pad rows would pass the cache's last row: the rest of the
                     # prompt (< N tokens, at most once a prompt) goes through AR-1 instead
-                    for i in range(start, len(ids_arr)):
-                        self.prompt_offset = i
-                        logits = self.forward(ids_arr[i:i + 1], 1, "decode")
-                    return logits
+                    return self._prefill_ar1(ids_arr, start)
                 chunk = ids_arr[start:start + N]
                 n = chunk.shape[0]
                 if n < N:
@@ -255,6 +249,13 @@ class Engine:
             if media is not None:
                 self.rope_delta = media.rope_delta
             self.media = None
+
+    def _prefill_ar1(self, ids: np.ndarray, start: int) -> np.ndarray:
+        """ids[start:] one token a step through the AR-1 graphs; -> the last one's logits."""
+        for i in range(start, len(ids)):
+            self.prompt_offset = i
+            logits = self.forward(ids[i:i + 1], 1, "decode")
+        return logits
 
     def decode(self, token: int) -> np.ndarray:
         return self.forward(np.array([token], dtype=np.int64), 1, "decode")
