@@ -182,23 +182,6 @@ def _mapped_session(path: Path, model, maps: dict):
     return sess
 
 
-class _OutputsOnce:
-    """An InferenceSession whose ``get_outputs()`` list is made once. ORT's
-    ``MinMaxCalibrater.compute_data`` (1.31) calls ``get_outputs()[i]`` for every output i, after
-    every ``collect_data``: O(outputs^2) NodeArgs a call, and an augmented graph has two outputs
-    per tensor (a real-size decode graph: thousands; seconds a call, called once per step)."""
-
-    def __init__(self, session):
-        self._session = session
-        self._outputs = session.get_outputs()
-
-    def get_outputs(self):
-        return self._outputs
-
-    def run(self, *args, **kwargs):
-        return self._session.run(*args, **kwargs)
-
-
 def _minmax_calibrator(float_path: Path, augmented: Path, maps: dict):
     """ORT's MinMaxCalibrater as ``quantize_static`` makes it for the QNN config (same tensor
     selection, same ReduceMin/ReduceMax augmentation), except that its graph keeps the weights in
@@ -227,7 +210,7 @@ def _minmax_calibrator(float_path: Path, augmented: Path, maps: dict):
     finally:
         ort_calibrate.load_model_with_shape_infer = saved
     cal.augment_graph()  # writes the augmented graph next to the float one (its weights resolve)
-    cal.infer_session = _OutputsOnce(_mapped_session(augmented, cal.model, maps))
+    cal.infer_session = _mapped_session(augmented, cal.model, maps)
     cal.model = None
     return cal
 
