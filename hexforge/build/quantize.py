@@ -175,8 +175,10 @@ def _gptq(w: np.ndarray, H: np.ndarray, block: int, block_scale, qlo: int, qhi: 
     The paper's lazy batch, one level deeper: a row's error reaches the rest of its sub-block of
     GPTQ_SUB rows by rank-1 updates (a few cache-resident rows), the rest of its block by one
     GEMM per sub-block, and the rows after the block by one GEMM per block. float32 like the
-    paper's code (the Cholesky factor in float64): the float64 row-by-row loop it replaces spent
-    ~16 min on real-size Qwen3.5-0.8B's weights, mostly streaming [128, N] rank-1 updates.
+    paper's code (the Cholesky factor in float64). With ``_hinv`` ~3x faster than the float64
+    row-by-row loop it replaces (K 6144, N 1536: 12.9 s -> 4.8 s, the same output error); that
+    loop made real-size Qwen3.5-0.8B's prefill graph take 1296 s to quantize vs 368 s for its
+    decode twin, which reuses the solved weights.
     ``block_scale(rows [block, N]) -> [N]``: each block's scale, from its rows as updated so far.
     -> (scales [K/block, N] float32, q [K, N] int8 in [qlo, qhi])."""
     K, N = w.shape
@@ -208,8 +210,8 @@ def _hinv(H: np.ndarray, W: np.ndarray, damp: float) -> np.ndarray:
     W in place), without forming H^-1: with J the row reversal and J H J = L L^T (lower L),
     H^-1 = (J L^-T J)(J L^-1 J) and J L^-1 J is upper with a positive diagonal, so it is U.
     One Cholesky + one triangular inverse, 2K^3/3 flops, vs 3K^3 for inv + Cholesky: the
-    Hessians of the down projections are K = intermediate (12288 for Gemma-4-E2B's wide MLPs),
-    where that was ~2 min per weight."""
+    Hessians of the down projections are K = intermediate (12288 for Gemma-4-E2B's wide MLPs);
+    at K = 6144: 15.7 s -> 5.2 s."""
     from scipy.linalg import cholesky, lapack
 
     K = H.shape[0]
