@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from hexforge.build.calibstats import GraphStats, HessianStore, _Reader, weight_key
+from hexforge.build.calibstats import Gram, GraphStats, HessianStore, _Reader, weight_key
 from hexforge.build.quantize import _qnn_config, _quantize
 
 
@@ -69,12 +69,14 @@ def test_streamed_hessians_are_sum_xtx_per_activation_and_pool_on_disk(tmp_path)
     stats = GraphStats(path, tmp_path / "work", ranges=False)
     for f in feeds:
         stats.add(f)
-    groups = dict((tuple(k), H) for k, H in stats.hessian_groups())
+    groups = dict((tuple(k), g) for k, g in stats.hessian_groups())
     stats.close()
     x = np.concatenate([f["x"].reshape(-1, 8) for f in feeds]).astype(np.float64)
     r = np.maximum(x @ w1.astype(np.float64), 0)
-    np.testing.assert_allclose(groups[(weight_key(w1),)], x.T @ x, rtol=1e-5)
-    np.testing.assert_allclose(groups[(weight_key(w2),)], r.T @ r, rtol=1e-4)
+    # 18 rows of x (K 8) outgrew H and were folded; 18 rows of r (K 16) are kept as rows
+    assert groups[(weight_key(w1),)].H is not None and groups[(weight_key(w2),)].rows is not None
+    np.testing.assert_allclose(groups[(weight_key(w1),)].matrix(), x.T @ x, rtol=1e-5)
+    np.testing.assert_allclose(groups[(weight_key(w2),)].matrix(), r.T @ r, rtol=1e-4)
 
     store = HessianStore(tmp_path / "h")
     store.add(list((list(k), H) for k, H in groups.items()))
@@ -84,6 +86,28 @@ def test_streamed_hessians_are_sum_xtx_per_activation_and_pool_on_disk(tmp_path)
     assert store.solved("k", "int8") is None
     store.solved("k", "int8", (np.ones(3, np.float32), np.zeros((2, 3), np.int8)))
     assert store.solved("k", "int8")[1].shape == (2, 3)
+
+
+def test_hessian_store_keeps_wide_inputs_as_rows_on_disk(tmp_path):
+    """Regression (the real-size Gemma-4-E2B v81 build ran out of disk, ~29 GB of float64 H):
+    an activation seen in fewer rows than 2K is stored as its rows, pooled by concatenating
+    them, and made into H only when a weight asks for it."""
+    rng = np.random.default_rng(1)
+    K = 512
+    xs = [rng.standard_normal((40, K)).astype(np.float32) for _ in range(3)]
+    store = HessianStore(tmp_path / "h")
+    store.add([(["a", "b"], Gram(rows=xs[0]))])
+    store.add([(["a", "b"], Gram(rows=xs[1]))])  # the decode twin of the same weights
+    store.add([(["c"], Gram(rows=xs[2]) + Gram(H=np.eye(K)))])  # rows + H -> H
+    x = np.concatenate(xs[:2]).astype(np.float64)
+    np.testing.assert_allclose(store.get("a"), x.T @ x, rtol=1e-6)
+    assert store.get("b").shape == (K, K) and store.file_of["a"] == store.file_of["b"]
+    sizes = {k: store.file_of[k].stat().st_size for k in ("a", "c")}
+    assert sizes["a"] < 80 * K * 4 + 1024 < K * K * 8 <= sizes["c"]  # rows, not H
+    x2 = xs[2].astype(np.float64)
+    np.testing.assert_allclose(store.get("c"), x2.T @ x2 + np.eye(K), rtol=1e-6)
+    many = Gram(rows=np.ones((2 * K - 1, K), np.float32)) + Gram(rows=np.ones((1, K), np.float32))
+    assert many.rows is None and many.H.shape == (K, K)  # 2K rows: H is the smaller form
 
 
 def _gptq_reference(w, H, B, scale_of, qlo, qhi, damp=0.01):

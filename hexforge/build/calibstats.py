@@ -2,8 +2,9 @@
 
     GraphStats     one float graph: ORT MinMax activation ranges (its calibration cache), the KV
                    state inputs' absmax, and the GPTQ inputs X of every weight MatMul as rows
-    HessianStore   pooled H = sum X^T X per weight content, on disk, + the GPTQ results solved
-                   from them (a shard's prefill and decode share their weights: solved once)
+    HessianStore   pooled H = sum X^T X per weight content on disk (as rows while they are the
+                   smaller form, ``Gram``), + the GPTQ results solved from them (a shard's
+                   prefill and decode share their weights: solved once)
 
 Nothing stores a call's feeds: at real size 64 decode feeds of Qwen3-0.6B (each holding the whole
 KV cache) were 15 GB before any statistic.
@@ -120,6 +121,13 @@ class GraphStats:
             x = np.concatenate(rows).astype(np.float64)
             self.hessians[a] = self.hessians[a] + x.T @ x if a in self.hessians else x.T @ x
 
+    def _gram(self, a: str) -> Gram:
+        """Activation ``a``'s H in its smaller form (its rows while they are fewer than 2K)."""
+        if a in self.hessians:
+            self._fold(a)
+            return Gram(H=self.hessians.pop(a))
+        return Gram(rows=np.concatenate(self._rows.pop(a)))
+
     def save_ranges(self, cache: Path) -> Path:
         from onnxruntime.quantization.calibrate import save_tensors_data
 
@@ -129,8 +137,8 @@ class GraphStats:
         return cache
 
     def hessian_groups(self):
-        """Yields (weight content keys, H): the weights that share one input activation, with its
-        H, made one at a time."""
+        """Yields (weight content keys, Gram): the weights that share one input activation, with
+        its H = sum X^T X, one at a time."""
         import onnx
         from onnx import numpy_helper
 
@@ -142,8 +150,7 @@ class GraphStats:
                 arr = numpy_helper.to_array(inits[w], base_dir=str(self.path.parent))
                 keys.setdefault(a, []).append(weight_key(arr))
         for a, k in keys.items():
-            self._fold(a)
-            yield k, self.hessians.pop(a)
+            yield k, self._gram(a)
 
     def close(self) -> None:
         self._cal = self._hsess = None
@@ -215,9 +222,44 @@ def _minmax_calibrator(float_path: Path, augmented: Path, maps: dict):
     return cal
 
 
+class Gram:
+    """H = sum X^T X of one input activation, kept in the smaller of its two forms: the rows X
+    [r, K] (float32) while r < 2K, else H [K, K] (float64). Calibration sees a few hundred rows,
+    so for wide inputs the rows win by far: a real-size Gemma-4-E2B down projection (K = 12288)
+    has a 1.2 GB H and ~330 rows of 16 MB; its 35 layers' H filled the disk (~29 GB) before."""
+
+    def __init__(self, rows: np.ndarray | None = None, H: np.ndarray | None = None):
+        if (rows is None) == (H is None):
+            raise ValueError("a Gram is rows or H")
+        self.rows, self.H = rows, H
+
+    def __add__(self, other: Gram) -> Gram:
+        if self.rows is not None and other.rows is not None:
+            rows = np.concatenate([self.rows, other.rows])
+            if len(rows) < 2 * rows.shape[1]:
+                return Gram(rows=rows)
+        return Gram(H=self.matrix() + other.matrix())
+
+    def matrix(self) -> np.ndarray:
+        """H [K, K] float64."""
+        if self.H is not None:
+            return self.H
+        x = self.rows.astype(np.float64)
+        return x.T @ x
+
+    def save(self, f: Path) -> None:
+        with open(f, "wb") as fh:  # np.savez would append ".npz" to a name without it
+            np.savez(fh, **({"rows": self.rows} if self.rows is not None else {"H": self.H}))
+
+    @staticmethod
+    def load(f: Path) -> Gram:
+        with np.load(f) as z:
+            return Gram(rows=z["rows"]) if "rows" in z.files else Gram(H=z["H"])
+
+
 class HessianStore:
-    """Pooled GPTQ Hessians on disk, one float64 .npy per input activation group, loaded one at a
-    time by ``get`` (requantize_weights): real-size Qwen3.5-0.8B holds ~3.6 GB of them."""
+    """Pooled GPTQ Hessians on disk, one ``Gram`` per input activation group (rows or H, the
+    smaller), made into H one at a time by ``get`` (requantize_weights)."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -225,30 +267,31 @@ class HessianStore:
         self.file_of: dict[str, Path] = {}
         self._n = 0
 
-    def _new(self, H: np.ndarray) -> Path:
-        f = self.folder / f"h{self._n}.npy"
+    def _new(self, gram: Gram) -> Path:
+        f = self.folder / f"h{self._n}.npz"
         self._n += 1
-        np.save(f, H)
+        gram.save(f)
         return f
 
-    def add(self, groups: list[tuple[list[str], np.ndarray]]) -> None:
-        """Sum each group's H into every one of its weights' pooled H."""
-        for keys, H in groups:
+    def add(self, groups) -> None:
+        """Sum each group's ``Gram`` into every one of its weights' pooled one."""
+        for keys, gram in groups:
             files = {self.file_of.get(k) for k in keys}
             f = files.pop() if len(files) == 1 else None
             if f is not None and {k for k, v in self.file_of.items() if v == f} == set(keys):
-                np.save(f, np.load(f) + H)  # the same weights pooled again (prefill + decode)
+                (Gram.load(f) + gram).save(f)  # the same weights pooled again (prefill + decode)
             elif not any(k in self.file_of for k in keys):
-                f = self._new(H)
+                f = self._new(gram)
                 self.file_of.update(dict.fromkeys(keys, f))
             else:  # groups that overlap differently: each weight its own copy
                 for k in keys:
                     old = self.file_of.get(k)
-                    self.file_of[k] = self._new(H + np.load(old) if old is not None else H)
+                    self.file_of[k] = self._new(gram + Gram.load(old) if old is not None else gram)
 
     def get(self, key: str) -> np.ndarray | None:
+        """Weight ``key``'s pooled H [K, K] float64, or None."""
         f = self.file_of.get(key)
-        return None if f is None else np.load(f)
+        return None if f is None else Gram.load(f).matrix()
 
     def solved(self, key: str, kind: str, result: tuple | None = None):
         """The GPTQ result (scale, q) of weight ``key`` as ``kind``, kept once solved: prefill
