@@ -112,14 +112,14 @@ class GraphStats:
             x = outs[a].reshape(-1, outs[a].shape[-1])
             rows = self._rows.setdefault(a, [])
             rows.append(np.array(x, np.float32))
-            if sum(len(r) for r in rows) >= 2 * x.shape[-1]:  # rows outgrow H: fold them
-                self._fold(a)
+            if not Gram.rows_are_smaller(sum(len(r) for r in rows), x.shape[-1]):
+                self._fold(a)  # rows outgrow H
 
     def _fold(self, a: str) -> None:
         rows = self._rows.pop(a, [])
         if rows:
-            x = np.concatenate(rows).astype(np.float64)
-            self.hessians[a] = self.hessians[a] + x.T @ x if a in self.hessians else x.T @ x
+            H = Gram(rows=np.concatenate(rows)).matrix()
+            self.hessians[a] = self.hessians[a] + H if a in self.hessians else H
 
     def _gram(self, a: str) -> Gram:
         """Activation ``a``'s H in its smaller form (its rows while they are fewer than 2K)."""
@@ -237,9 +237,14 @@ class Gram:
     def __add__(self, other: Gram) -> Gram:
         if self.rows is not None and other.rows is not None:
             rows = np.concatenate([self.rows, other.rows])
-            if len(rows) < 2 * rows.shape[1]:
+            if Gram.rows_are_smaller(*rows.shape):
                 return Gram(rows=rows)
         return Gram(H=self.matrix() + other.matrix())
+
+    @staticmethod
+    def rows_are_smaller(n_rows: int, K: int) -> bool:
+        """n rows float32 [n, K] take less room than H float64 [K, K]."""
+        return n_rows < 2 * K
 
     def matrix(self) -> np.ndarray:
         """H [K, K] float64."""
