@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -156,3 +157,40 @@ def test_host_tensors_are_written_in_chunks_and_read_as_maps(tmp_path):
     from safetensors.numpy import load_file
 
     assert np.array_equal(load_file(str(path))["t"], got["t"])  # a standard safetensors file
+
+
+def _mapped_rss(path) -> int:
+    """Resident bytes of this process's mappings of ``path`` (smaps)."""
+    total, cur = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(" ", 1)[0] and not line.endswith(":\n"):
+            cur = line.rstrip("\n").endswith(str(path))
+        elif cur and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_regression_build_kept_every_checkpoint_page_it_had_read_resident(bf16_ckpt, tmp_path):
+    """E2B v81: the mapped checkpoint stayed in RSS after the host tensors (8.7 of a 17 GB peak)
+    though every later stage reads one shard of it. The build gives those pages back; the model
+    reads the same values after, and a mapping with copy-on-write pages keeps them."""
+    import numpy as np
+
+    from hexforge.build.checkpoint import release_mapped_pages
+
+    path = bf16_ckpt("gemma4")
+    hf = _family(path).load_hf(path)
+    before = [p.detach().float().sum().item() for p in hf.parameters()]  # reads every page
+    st = next(path.glob("*.safetensors")).resolve()
+    resident = _mapped_rss(st)
+    assert resident > 1 << 20, "transformers no longer maps the checkpoint?"
+    assert release_mapped_pages(hf.name_or_path) >= resident
+    assert _mapped_rss(st) == 0
+    assert [p.detach().float().sum().item() for p in hf.parameters()] == before
+
+    (tmp_path / "w.bin").write_bytes(np.arange(1 << 18, dtype=np.float32).tobytes())
+    cow = np.memmap(tmp_path / "w.bin", dtype=np.float32, mode="c")
+    cow[0] = -1.0  # this process's own page now, not the file's
+    release_mapped_pages(tmp_path)
+    assert cow[0] == -1.0 and cow[-1] == (1 << 18) - 1

@@ -62,3 +62,47 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         dir=d, config=config, generation=_read_json(gen) if gen.is_file() else {},
         tokenizer_files=[f for f in TOKENIZER_FILES if (d / f).is_file()],
     )
+
+
+# ---- giving back the pages of mapped files ----------------------------------------------------
+# transformers maps the safetensors (MAP_PRIVATE) and the build's calibration sessions map their
+# weight files: every page the build has read once stays in this process's RSS until unmapped.
+# After the host tensors, that is the whole checkpoint (Gemma-4-E2B: 8.7 of a 17 GB peak), though
+# each later stage reads one shard of it. The pages are clean copies of their files: dropping them
+# costs a page-cache fault on the next read. A mapping holding private (copy-on-write) pages is
+# left alone: MADV_DONTNEED would throw those writes away.
+MADV_DONTNEED = 4
+
+
+def release_mapped_pages(*roots: str | Path) -> int:
+    """Drop this process's resident pages of files mapped from under ``roots`` (nothing is
+    unmapped: the next read faults them back in). -> bytes given back (0 where there is no
+    /proc/self/smaps: Linux only)."""
+    import ctypes
+    import re
+
+    dirs = [str(Path(r).resolve()) + "/" for r in roots]
+    try:
+        smaps = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return 0
+    spans, cur = [], None  # (start, end, rss bytes) of clean mappings under roots
+    for line in smaps.splitlines():
+        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)", line)
+        if m:
+            cur = None
+            if any(m[3].startswith(d) for d in dirs):
+                cur = [int(m[1], 16), int(m[2], 16), 0]
+                spans.append(cur)
+        elif cur is not None and line.startswith("Rss:"):
+            cur[2] = int(line.split()[1]) * 1024
+        elif cur is not None and line.startswith("Anonymous:") and int(line.split()[1]):
+            spans.remove(cur)  # copy-on-write pages: its own data, not the file's
+            cur = None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    freed = 0
+    for start, end, rss in spans:
+        if rss and libc.madvise(start, end - start, MADV_DONTNEED) == 0:
+            freed += rss
+    return freed

@@ -122,8 +122,6 @@ def share_weights(graph_files: list[Path], weights_name: str,
     Returns the bytes written. All graph files must be in the same directory.
     """
     import onnx
-    from onnx import numpy_helper
-    from onnx.external_data_helper import set_external_data
 
     folder = graph_files[0].parent
     wpath = folder / weights_name
@@ -134,23 +132,39 @@ def share_weights(graph_files: list[Path], weights_name: str,
             if transform is not None:
                 transform(model)
             for t in model.graph.initializer:
-                raw = t.raw_data or numpy_helper.to_array(t).tobytes()
-                if len(raw) < MIN_EXTERNAL_BYTES:
-                    continue
-                key = hashlib.sha1(raw).hexdigest() + f":{t.data_type}"
-                if key not in offsets:
-                    pad = (-f.tell()) % ALIGN
-                    f.write(b"\0" * pad)
-                    offsets[key] = (f.tell(), len(raw))
-                    f.write(raw)
-                off, length = offsets[key]
-                for field in ("float_data", "int32_data", "int64_data", "double_data"):
-                    t.ClearField(field)
-                t.raw_data = raw  # set_external_data insists on raw_data being present
-                set_external_data(t, location=weights_name, offset=off, length=length)
-                t.ClearField("raw_data")
-                t.data_location = onnx.TensorProto.EXTERNAL
+                _move_out(t, f, weights_name, offsets)
             for stale in folder.glob(gf.name + ".data"):  # exporter side files, now merged
                 stale.unlink()
             onnx.save(model, str(gf))
+            # protobuf frees a message's bytes with the message, not as fields are cleared: the
+            # next graph loads only once this one is gone (E2B cpu, last shard + head: both
+            # graphs' weights were alive at once)
+            del model
         return f.tell()
+
+
+def _move_out(t, f, location: str, offsets: dict[str, tuple[int, int]]) -> None:
+    """Initializer ``t``'s bytes to ``f`` (unless equal bytes are there already) and ``t`` made to
+    read them from there; small ones stay inline."""
+    import onnx
+    from onnx import numpy_helper
+
+    raw = t.raw_data or numpy_helper.to_array(t).tobytes()
+    if len(raw) < MIN_EXTERNAL_BYTES:
+        return
+    key = hashlib.sha1(raw).hexdigest() + f":{t.data_type}"
+    if key not in offsets:
+        f.write(b"\0" * ((-f.tell()) % ALIGN))
+        offsets[key] = (f.tell(), len(raw))
+        f.write(raw)
+    del raw
+    # onnx's set_external_data, without its demand that raw_data be set: a second copy of
+    # every weight in the message
+    for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data"):
+        t.ClearField(field)
+    del t.external_data[:]
+    offset, length = offsets[key]
+    for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = k, v
+    t.data_location = onnx.TensorProto.EXTERNAL

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..errors import BuildError
 from ..manifest import GraphSpec, RunPlan, ShardPlan
 from ..targets import Target
+from .checkpoint import release_mapped_pages
 from .export import export_module, share_weights
 from .fuse import fuse_cpu_graph
 from .plan import plan_shards
@@ -61,10 +62,12 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
         if s < last or not cpu:
             share_weights([folder / f"{n}.onnx" for n in (pre.name, dec.name)], f"s{s}.weights",
                           fuse)
+        release_mapped_pages(hf.name_or_path)  # the checkpoint pages this shard was read from
     with fam.float32(hf, head=True):
         head_module = fam.head_module(hf, args)
         head = export("head", "head", use_cpu_kernels(head_module) if cpu else head_module)
     graphs.append(head)
+    release_mapped_pages(hf.name_or_path)
     run_plan = RunPlan(prefill_len=opts.prefill_len, shards=plan, head=head.name)
     group = weight_groups(run_plan, cpu)[-1]
     share_weights([folder / f"{n}.onnx" for n in group], weights_file(group), fuse)

@@ -28,6 +28,7 @@ from ..runtime.text import TextTokenizer
 from ..targets import Target
 from .calib import calibration_text
 from .calibstats import GraphStats, HessianStore
+from .checkpoint import release_mapped_pages
 from .compile import compile_graph, compile_shared
 from .graphs import export_float, plan_target
 from .quantize import QuantRecipe, get_recipe, quantize_graph
@@ -140,6 +141,8 @@ def calibrate(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: Run
         finally:
             engine.observer = None
             stats.close()
+            # the replay read every weight file (and checkpoint pages, for media prompts)
+            release_mapped_pages(root, *([hf.name_or_path] if hf is not None else []))
         if log:
             log(f"  calibrated {g.name}: {calls} calls ({time.perf_counter() - t:.1f}s)")
     return out
@@ -196,6 +199,7 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
                     quantize_graph(root / g.file, srcs / f"{g.name}.qdq.onnx", cal.ranges[g.name],
                                    cal.past_absmax[g.name], cal.absmax[g.name], recipe, g.role,
                                    cal.hessians)
+                    release_mapped_pages(root)
                     log(f"  quantized {g.name} ({time.perf_counter() - tq:.1f}s)")
                 shutil.rmtree(srcs / "calib", ignore_errors=True)
                 log(f"[{target.name}] calibrated + quantized {recipe.name} "

@@ -33,7 +33,7 @@ from ..manifest import (
     save_manifest,
 )
 from ..targets import Target, parse_targets
-from .checkpoint import read_checkpoint
+from .checkpoint import read_checkpoint, release_mapped_pages
 from .encoders import compile_encoders, export_encoders
 from .export import share_weights
 from .fuse import fuse_cpu_graph
@@ -143,6 +143,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         for f in ckpt.tokenizer_files:
             shutil.copy2(ckpt.dir / f, tok_dir / f)
         write_host_tensors(tmp / "host.safetensors", fam.host_tensors(hf, args))
+        release_mapped_pages(ckpt.dir)  # the whole checkpoint has been read once by now
         log(f"wrote host tensors ({(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB)")
 
         t = time.perf_counter()
