@@ -89,7 +89,8 @@ def test_bench_cli_reports_every_number(bundle, capsys):
 def test_cpu_graphs_update_the_cache_in_place(bundle, family):
     """Issue 10: the cpu decode and prefill graphs attend with onnxruntime's GroupQueryAttention
     over the rows held (a prefill chunk: causally), writing the state buffers themselves (their
-    present outputs are bound to them, not copies), with fused norms and no mask input."""
+    present outputs are bound to them, not copies), with fused norms, the rope inside the op
+    where it can take it, and no mask input."""
     import onnx
 
     import hexforge
@@ -101,8 +102,15 @@ def test_cpu_graphs_update_the_cache_in_place(bundle, family):
     caches = {s.name for s in model.manifest.state if s.kind == "kv_full"}
     for shard in target.plan.shards:
         for graph in (target.graph(shard.decode), target.graph(shard.prefill)):
-            ops = [n.op_type for n in onnx.load(str(b / graph.file),
-                                                load_external_data=False).graph.node]
+            nodes = onnx.load(str(b / graph.file), load_external_data=False).graph.node
+            ops = [n.op_type for n in nodes]
+            # the rope inside GroupQueryAttention where its kernel takes the width (R/2 a
+            # multiple of 8: qwen3's 16), else RotaryEmbedding nodes (tiny qwen3_5: 8 of 32 dims)
+            inside = [any(a.name == "do_rotary" and a.i == 1 for a in n.attribute)
+                      for n in nodes if n.op_type == "GroupQueryAttention"]
+            fused = family == "qwen3"
+            assert all(inside) == fused and any(inside) == fused
+            assert ("RotaryEmbedding" in ops) != fused
             aliases = [o for o in graph.outputs if o.bind.startswith("alias:")]
             assert ops.count("GroupQueryAttention") == len(aliases) // 2 > 0
             # the rows GQA writes are not outputs as well (a Transpose + an engine write per cache)
@@ -181,3 +189,26 @@ def test_prefill_runs_the_head_on_its_last_chunk_only(bundle):
         eng.observer = None
         del head.run
     np.testing.assert_array_equal(logits, observed)
+
+
+def test_rope_inside_group_query_attention_keeps_mrope_and_partial_rotary_exact(tmp_path):
+    """GroupQueryAttention(do_rotary) reads the step's own host tables (padded to the cache's
+    rows, position_ids 0..T-1), so Qwen3.5's interleaved M-RoPE and partial rotary (16 of 64
+    dims here: R/2 = 8, which the op takes) stay greedy-exact against HF with no RotaryEmbedding
+    node left; the new k rows the op rotates itself are not computed twice."""
+    import json
+
+    import onnx
+
+    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.tiny import make_tiny_checkpoint
+
+    ck = make_tiny_checkpoint("qwen3_5", tmp_path / "ck", head_dim=64)
+    out = build(ck, tmp_path / "b", BuildOptions(context=96, prefill_len=8, verify_tokens=12),
+                log=lambda s: None)
+    report = json.loads((out / "report.json").read_text())["cpu"]
+    assert report["passed"] and report["greedy"]["exact"]
+    for name in ("s0.prefill", "s0.decode"):
+        ops = [n.op_type for n in onnx.load(str(out / "cpu" / f"{name}.onnx"),
+                                            load_external_data=False).graph.node]
+        assert "RotaryEmbedding" not in ops and ops.count("GroupQueryAttention") == 2

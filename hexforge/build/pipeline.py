@@ -183,6 +183,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
 
             t = time.perf_counter()
             refs = hf_references(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens)
+            release_mapped_pages(ckpt.dir)  # the HF forward read all of it; the graphs come next
             log("oracle: HF references computed")
             if not manifest.encoders:  # the graphs are judged against refs alone: free the HF
                 del hf  # model before they load (at real sizes both do not fit)

@@ -19,77 +19,18 @@ Attention over [cache | new] keys::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
 from .base import GraphIO
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [1, H, T, D]; cos/sin [1, 1, T, R] with R <= D (partial rotary: the first R dims rotate)."""
-    rot = cos.shape[-1]
-    if rot == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    xr, xp = x[..., :rot], x[..., rot:]
-    return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
-
-
-class _RotaryEmbeddingOp(torch.autograd.Function):
-    """The op for the torchscript exporter (its symbolic: the reshapes to and from the op's
-    [1, T, H*D] layout included — traced outside it, they broke the exporter's peephole pass on
-    Gemma-4 graphs); eager: ``apply_rope``. x [1, T, H, D], or [1, T, H*D] when ``flat``."""
-
-    @staticmethod
-    def forward(ctx, x, positions, cos_half, sin_half, rot, T, H, D, flat):
-        cos, sin = (torch.cat((t, t), -1)[positions[0]][None, None] for t in (cos_half, sin_half))
-        x4 = x.reshape(1, T, H, D)
-        return apply_rope(x4.transpose(1, 2), cos, sin).transpose(1, 2).reshape(x.shape)
-
-    @staticmethod
-    def symbolic(g, x, positions, cos_half, sin_half, rot, T, H, D, flat):
-        extra = {"rotary_embedding_dim_i": rot} if rot else {}
-        inp = x if flat else g.op("Reshape", x, g.op("Constant", value_t=torch.tensor([1, T, H * D])))
-        out = g.op("com.microsoft::RotaryEmbedding", inp, positions, cos_half, sin_half,
-                   num_heads_i=H, **extra)
-        if not flat:
-            out = g.op("Reshape", out, g.op("Constant", value_t=torch.tensor([1, T, H, D])))
-        out.setType(x.type())
-        return out
-
-
-def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     heads: int | None = None) -> torch.Tensor:
-    """``apply_rope`` as onnxruntime's fused com.microsoft RotaryEmbedding (cpu graphs: one node,
-    not six). x [1, T, H, D], or the op's own flat [1, T, H*D] with ``heads`` = H -> the same
-    layout, rotated (on [1, H, T, D] transposes were left around it: +82 per step at
-    Qwen3-0.6B). The step's own host-made tables serve as its cache, row t for query t, so any
-    position rule the host applies (M-RoPE, offsets) holds; cos/sin [1, 1, T, R] are in
-    rotate-half layout (equal halves: the op takes one)."""
-    flat = x.dim() == 3
-    T, R = int(x.shape[1]), int(cos.shape[-1])  # static: python ints
-    H = int(heads) if flat else int(x.shape[2])
-    D = int(x.shape[-1]) // H if flat else int(x.shape[3])
-    positions = torch.arange(T, dtype=torch.int64)[None]  # [1, T]
-    cos_half, sin_half = cos[0, 0, :, :R // 2], sin[0, 0, :, :R // 2]  # [T, R/2]
-    rot = R if R < D else 0  # partial rotary: the rotated width
-    if torch.jit.is_tracing():  # the torchscript exporter
-        return _RotaryEmbeddingOp.apply(x, positions, cos_half, sin_half, rot, T, H, D, flat)
-    if not torch.onnx.is_in_onnx_export():  # eager
-        return _RotaryEmbeddingOp.forward(None, x, positions, cos_half, sin_half, rot, T, H, D,
-                                          flat)
-    out = torch.onnx.ops.symbolic(  # dynamo
-        "com.microsoft::RotaryEmbedding", [x.reshape(1, T, H * D), positions, cos_half, sin_half],
-        {"num_heads": H, **({"rotary_embedding_dim": rot} if rot else {})},
-        dtype=x.dtype, shape=(1, T, H * D), version=1)
-    return out if flat else out.reshape(1, T, H, D)
-
+from .ortops import (
+    CacheLengths,
+    apply_rope,
+    gqa_rotary,
+    group_query_attention,
+    rotary_embedding,
+    simplified_layer_norm,
+)
 
 # id(HF norm module) -> power-of-two input prescale, measured by ``calibrate_norm_scales``
 NORM_PRESCALE: dict[int, float] = {}
@@ -128,34 +69,6 @@ def calibrate_norm_scales(hf, input_ids: list[int]) -> dict[str, float]:
         NORM_PRESCALE[id(mod)] = k
         out[name] = k
     return out
-
-
-class _SimplifiedLayerNormOp(torch.autograd.Function):
-    """The op for the torchscript exporter (its symbolic); eager: the same math."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * weight
-
-    @staticmethod
-    def symbolic(g, x, weight, eps):
-        out = g.op("SimplifiedLayerNormalization", x, weight, axis_i=-1, epsilon_f=eps,
-                   stash_type_i=1)
-        out.setType(x.type())
-        return out
-
-
-def simplified_layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight as onnxruntime's fused SimplifiedLayerNormalization
-    (one node, not seven: cpu graphs only — the HTP has no such op)."""
-    if torch.jit.is_tracing():  # the torchscript exporter
-        return _SimplifiedLayerNormOp.apply(x, weight, eps)
-    if torch.onnx.is_in_onnx_export():  # dynamo
-        return torch.onnx.ops.symbolic(
-            "::SimplifiedLayerNormalization", [x, weight],
-            dict(axis=-1, epsilon=float(eps), stash_type=1), dtype=x.dtype, shape=x.shape,
-            version=1)
-    return _SimplifiedLayerNormOp.forward(None, x, weight, eps)
 
 
 def use_cpu_kernels(module: nn.Module) -> nn.Module:
@@ -248,48 +161,6 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _GroupQueryAttentionOp(torch.autograd.Function):
-    """The op for the torchscript exporter (its symbolic); eager values are placeholders."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, past_k, past_v, seqlens_k, total, num_heads, kv_num_heads, scale):
-        return torch.zeros_like(q), torch.zeros_like(past_k), torch.zeros_like(past_v)
-
-    @staticmethod
-    def symbolic(g, q, k, v, past_k, past_v, seqlens_k, total, num_heads, kv_num_heads, scale):
-        outs = g.op("com.microsoft::GroupQueryAttention", q, k, v, past_k, past_v, seqlens_k,
-                    total, num_heads_i=num_heads, kv_num_heads_i=kv_num_heads, scale_f=scale,
-                    outputs=3)
-        for out, like in zip(outs, (q, past_k, past_v), strict=True):
-            out.setType(like.type())  # static shapes downstream: constant-folded reshapes
-        return outs
-
-
-def group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, num_heads: int,
-                          kv_num_heads: int, scale: float):
-    """onnxruntime's com.microsoft GroupQueryAttention as one ONNX node, from either exporter:
-    q [1,T,nH*D], k/v [1,T,KVH*D], past [1,KVH,C,D], seqlens_k [1] int32, total [] int32
-    -> (out [1,T,nH*D], present_k, present_v [1,KVH,C,D]). Export-only: eager values are zeros."""
-    if torch.jit.is_tracing():  # the torchscript exporter
-        return _GroupQueryAttentionOp.apply(q, k, v, past_k, past_v, seqlens_k, total, num_heads,
-                                            kv_num_heads, scale)
-    return torch.onnx.ops.symbolic_multi_out(
-        "com.microsoft::GroupQueryAttention", [q, k, v, past_k, past_v, seqlens_k, total],
-        dict(num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale),
-        dtypes=[q.dtype, past_k.dtype, past_v.dtype],
-        shapes=[list(q.shape), list(past_k.shape), list(past_v.shape)], version=1)
-
-
-@dataclass
-class CacheLengths:
-    """Stands in for the ``mask:full`` tensor in cpu graphs (``InPlaceCache``): the cache
-    rows that hold a position once this step is written (a full cache holds position p at row p)."""
-
-    seqlens_k: torch.Tensor  # [1] int32: rows held after the step - 1 (GroupQueryAttention's)
-    total: torch.Tensor  # [] int32: rows held after the step
-    presents: list = field(default_factory=list)  # (cache input, its present output), call order
 
 
 class InPlaceCache(nn.Module):
@@ -452,16 +323,21 @@ class StaticAttention(nn.Module):
             q = self.q_proj(x)  # [1, T, H*D]
         k = self.k_proj(x)  # [1, T, KV*D]
         v = self.v_proj(x) if self.v_proj is not None else k  # k_eq_v: v is the raw k projection
-        q = rotary_embedding(self._head_norm(q, H, self.q_norm), cos, sin, H)
-        k = rotary_embedding(self._head_norm(k, KV, self.k_norm), cos, sin, KV)
+        q, k = self._head_norm(q, H, self.q_norm), self._head_norm(k, KV, self.k_norm)
         v = self._head_norm(v, KV, self.v_norm)
+        rotary = gqa_rotary(cos, sin, D, past_k.shape[2], lengths)
+        k_rows = rotary_embedding(k, cos, sin, KV)  # the new rows as the cache holds them: in the
+        # graph only if a later layer reads them (KV sharing), else dropped as dead code
+        if not rotary:
+            q, k = rotary_embedding(q, cos, sin, H), k_rows
         out, present_k, present_v = group_query_attention(
-            q, k, v, past_k, past_v, lengths.seqlens_k, lengths.total, H, KV, float(self.scaling))
+            q, k, v, past_k, past_v, lengths.seqlens_k, lengths.total, H, KV, float(self.scaling),
+            rotary)
         lengths.presents += [(past_k, present_k), (past_v, present_v)]
         if gate is not None:
             out = out * torch.sigmoid(gate)
         rows = lambda t: t.view(1, T, KV, D).transpose(1, 2)  # noqa: E731  -> [1, KV, T, D]
-        return self.o_proj(out), rows(k), rows(v)
+        return self.o_proj(out), rows(k_rows), rows(v)
 
     def _head_norm(self, t: torch.Tensor, n: int, norm: nn.Module | None) -> torch.Tensor:
         """t [1, T, n*D] or [1, T, n, D] -> each head's D normed (if ``norm``) -> [1, T, n*D]."""

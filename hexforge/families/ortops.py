@@ -1,0 +1,183 @@
+"""onnxruntime contrib ops as single ONNX nodes from either exporter (cpu graphs only: the HTP
+has none of them), with their eager math, and the rope they share with the HTP graphs.
+
+    rotary_embedding       com.microsoft RotaryEmbedding      on the step's host tables
+    simplified_layer_norm  SimplifiedLayerNormalization       one node, not seven
+    group_query_attention  com.microsoft GroupQueryAttention  on the KV cache in place
+                                                              (optionally with the rope inside)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [1, H, T, D]; cos/sin [1, 1, T, R] with R <= D (partial rotary: the first R dims rotate)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    xr, xp = x[..., :rot], x[..., rot:]
+    return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
+
+
+class _RotaryEmbeddingOp(torch.autograd.Function):
+    """The op for the torchscript exporter (its symbolic: the reshapes to and from the op's
+    [1, T, H*D] layout included — traced outside it, they broke the exporter's peephole pass on
+    Gemma-4 graphs); eager: ``apply_rope``. x [1, T, H, D], or [1, T, H*D] when ``flat``."""
+
+    @staticmethod
+    def forward(ctx, x, positions, cos_half, sin_half, rot, T, H, D, flat):
+        cos, sin = (torch.cat((t, t), -1)[positions[0]][None, None] for t in (cos_half, sin_half))
+        x4 = x.reshape(1, T, H, D)
+        return apply_rope(x4.transpose(1, 2), cos, sin).transpose(1, 2).reshape(x.shape)
+
+    @staticmethod
+    def symbolic(g, x, positions, cos_half, sin_half, rot, T, H, D, flat):
+        extra = {"rotary_embedding_dim_i": rot} if rot else {}
+        inp = x if flat else g.op("Reshape", x, g.op("Constant", value_t=torch.tensor([1, T, H * D])))
+        out = g.op("com.microsoft::RotaryEmbedding", inp, positions, cos_half, sin_half,
+                   num_heads_i=H, **extra)
+        if not flat:
+            out = g.op("Reshape", out, g.op("Constant", value_t=torch.tensor([1, T, H, D])))
+        out.setType(x.type())
+        return out
+
+
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     heads: int | None = None) -> torch.Tensor:
+    """``apply_rope`` as onnxruntime's fused com.microsoft RotaryEmbedding (cpu graphs: one node,
+    not six). x [1, T, H, D], or the op's own flat [1, T, H*D] with ``heads`` = H -> the same
+    layout, rotated (on [1, H, T, D] transposes were left around it: +82 per step at
+    Qwen3-0.6B). The step's own host-made tables serve as its cache, row t for query t, so any
+    position rule the host applies (M-RoPE, offsets) holds; cos/sin [1, 1, T, R] are in
+    rotate-half layout (equal halves: the op takes one)."""
+    flat = x.dim() == 3
+    T, R = int(x.shape[1]), int(cos.shape[-1])  # static: python ints
+    H = int(heads) if flat else int(x.shape[2])
+    D = int(x.shape[-1]) // H if flat else int(x.shape[3])
+    positions = torch.arange(T, dtype=torch.int64)[None]  # [1, T]
+    cos_half, sin_half = cos[0, 0, :, :R // 2], sin[0, 0, :, :R // 2]  # [T, R/2]
+    rot = R if R < D else 0  # partial rotary: the rotated width
+    if torch.jit.is_tracing():  # the torchscript exporter
+        return _RotaryEmbeddingOp.apply(x, positions, cos_half, sin_half, rot, T, H, D, flat)
+    if not torch.onnx.is_in_onnx_export():  # eager
+        return _RotaryEmbeddingOp.forward(None, x, positions, cos_half, sin_half, rot, T, H, D,
+                                          flat)
+    out = torch.onnx.ops.symbolic(  # dynamo
+        "com.microsoft::RotaryEmbedding", [x.reshape(1, T, H * D), positions, cos_half, sin_half],
+        {"num_heads": H, **({"rotary_embedding_dim": rot} if rot else {})},
+        dtype=x.dtype, shape=(1, T, H * D), version=1)
+    return out if flat else out.reshape(1, T, H, D)
+
+
+class _SimplifiedLayerNormOp(torch.autograd.Function):
+    """The op for the torchscript exporter (its symbolic); eager: the same math."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * weight
+
+    @staticmethod
+    def symbolic(g, x, weight, eps):
+        out = g.op("SimplifiedLayerNormalization", x, weight, axis_i=-1, epsilon_f=eps,
+                   stash_type_i=1)
+        out.setType(x.type())
+        return out
+
+
+def simplified_layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight as onnxruntime's fused SimplifiedLayerNormalization
+    (one node, not seven: cpu graphs only — the HTP has no such op)."""
+    if torch.jit.is_tracing():  # the torchscript exporter
+        return _SimplifiedLayerNormOp.apply(x, weight, eps)
+    if torch.onnx.is_in_onnx_export():  # dynamo
+        return torch.onnx.ops.symbolic(
+            "::SimplifiedLayerNormalization", [x, weight],
+            dict(axis=-1, epsilon=float(eps), stash_type=1), dtype=x.dtype, shape=x.shape,
+            version=1)
+    return _SimplifiedLayerNormOp.forward(None, x, weight, eps)
+
+
+class _GroupQueryAttentionOp(torch.autograd.Function):
+    """The op for the torchscript exporter (its symbolic); eager values are placeholders.
+    ``rotary``: (cos_cache, sin_cache, position_ids) or () — with it the op rotates q and k."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, past_k, past_v, seqlens_k, total, num_heads, kv_num_heads, scale,
+                *rotary):
+        return torch.zeros_like(q), torch.zeros_like(past_k), torch.zeros_like(past_v)
+
+    @staticmethod
+    def symbolic(g, q, k, v, past_k, past_v, seqlens_k, total, num_heads, kv_num_heads, scale,
+                 *rotary):
+        extra = {"do_rotary_i": 1} if rotary else {}
+        outs = g.op("com.microsoft::GroupQueryAttention", q, k, v, past_k, past_v, seqlens_k,
+                    total, *rotary, num_heads_i=num_heads, kv_num_heads_i=kv_num_heads,
+                    scale_f=scale, outputs=3, **extra)
+        for out, like in zip(outs, (q, past_k, past_v), strict=True):
+            out.setType(like.type())  # static shapes downstream: constant-folded reshapes
+        return outs
+
+
+def group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, num_heads: int,
+                          kv_num_heads: int, scale: float, rotary: tuple = ()):
+    """onnxruntime's com.microsoft GroupQueryAttention as one ONNX node, from either exporter:
+    q [1,T,nH*D], k/v [1,T,KVH*D], past [1,KVH,C,D], seqlens_k [1] int32, total [] int32
+    -> (out [1,T,nH*D], present_k, present_v [1,KVH,C,D]). ``rotary`` = (cos_cache, sin_cache
+    [>= total, R/2], position_ids [1, T] int64): the op applies the rope to q and k itself
+    (``do_rotary``). Export-only: eager values are zeros."""
+    if torch.jit.is_tracing():  # the torchscript exporter
+        return _GroupQueryAttentionOp.apply(q, k, v, past_k, past_v, seqlens_k, total, num_heads,
+                                            kv_num_heads, scale, *rotary)
+    return torch.onnx.ops.symbolic_multi_out(
+        "com.microsoft::GroupQueryAttention", [q, k, v, past_k, past_v, seqlens_k, total, *rotary],
+        dict(num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale,
+             **({"do_rotary": 1} if rotary else {})),
+        dtypes=[q.dtype, past_k.dtype, past_v.dtype],
+        shapes=[list(q.shape), list(past_k.shape), list(past_v.shape)], version=1)
+
+
+def gqa_rotary(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, rows: int,
+               lengths: CacheLengths) -> tuple:
+    """GroupQueryAttention's own rope inputs for the step's host tables cos/sin [1, 1, T, R]:
+    (cos_cache, sin_cache [rows, R/2], position_ids [1, T]) or () where the op cannot take them
+    (its kernel wants R/2 a multiple of 8). Query t reads row t — the step's own rows, so any
+    position rule the host applies (M-RoPE, offsets) holds; the op also checks that the tables
+    have at least ``total`` rows, so they are padded to the cache's ``rows`` (rows past T are
+    never read). Made once per shard and table (``lengths.rotary``): one Concat per step, not
+    two RotaryEmbedding nodes a layer (56 of a Qwen3-0.6B step).
+
+        step tables  [T, R/2] ─Concat zeros─▶ [C, R/2] ─┐
+        position_ids [[0 .. T-1]] ──────────────────────┴─▶ GroupQueryAttention(do_rotary=1)
+    """
+    T, R = int(cos.shape[2]), int(cos.shape[-1])
+    if R > head_dim or (R // 2) % 8:
+        return ()
+    made = lengths.rotary.get(id(cos))
+    if made is None:
+        # rows past T as a constant Concat (the exporter's Pad left a Transpose-Slice-Cast chain
+        # making its pads)
+        zeros = torch.zeros(rows - T, R // 2, dtype=cos.dtype)
+        made = lengths.rotary[id(cos)] = (
+            *(torch.cat((t[0, 0, :, :R // 2], zeros)) for t in (cos, sin)),
+            torch.arange(T, dtype=torch.int64)[None])
+    return made
+
+
+@dataclass
+class CacheLengths:
+    """Stands in for the ``mask:full`` tensor in cpu graphs (``InPlaceCache``): the cache
+    rows that hold a position once this step is written (a full cache holds position p at row p)."""
+
+    seqlens_k: torch.Tensor  # [1] int32: rows held after the step - 1 (GroupQueryAttention's)
+    total: torch.Tensor  # [] int32: rows held after the step
+    presents: list = field(default_factory=list)  # (cache input, its present output), call order
+    rotary: dict = field(default_factory=dict)  # id(host cos table) -> gqa_rotary's inputs
