@@ -199,7 +199,6 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
                     quantize_graph(root / g.file, srcs / f"{g.name}.qdq.onnx", cal.ranges[g.name],
                                    cal.past_absmax[g.name], cal.absmax[g.name], recipe, g.role,
                                    cal.hessians)
-                    release_mapped_pages(root)
                     log(f"  quantized {g.name} ({time.perf_counter() - tq:.1f}s)")
                 shutil.rmtree(srcs / "calib", ignore_errors=True)
                 log(f"[{target.name}] calibrated + quantized {recipe.name} "
