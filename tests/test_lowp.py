@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 
 import pytest
 import torch
@@ -170,7 +169,6 @@ def _mapped_rss(path) -> int:
     return total
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 def test_regression_build_kept_every_checkpoint_page_it_had_read_resident(bf16_ckpt, tmp_path):
     """E2B v81: the mapped checkpoint stayed in RSS after the host tensors (8.7 of a 17 GB peak)
     though every later stage reads one shard of it. The build gives those pages back; the model
