@@ -95,3 +95,57 @@ def test_in_place_prefill_chunk_that_would_pass_the_cache_end_goes_through_ar1(b
     assert eng.pos + N > CONTEXT
     got = [t for t, _ in eng.generate_step(turn, greedy, 2, fresh=False)]
     assert got == hf_greedy("qwen3", first + turn, 2)
+
+
+def test_widened_range_keeps_the_clip_the_qdq_tool_folded_into_its_quantize(tmp_path):
+    """ORT's QDQ tool drops a Clip whose output it quantizes: the QuantizeLinear's range *is* the
+    clamp. Widening that range x3 let Qwen3.5's decay exp(clamp(cum_i - cum_j, -80, 0)) through at
+    [-160, 80] (and gave a Sigmoid [-1, 2]): positive differences reached the Exp. The widened
+    ranges now stop at the float ops' bounds (``value_bounds``)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from hexforge.build.calibstats import GraphStats
+    from hexforge.build.quantize import RECIPES, quantize_graph
+
+    inits = [numpy_helper.from_array(np.array(v, np.float32), n)
+             for n, v in (("two", 2.0), ("lo", -80.0), ("hi", 0.0))]
+    inits.append(numpy_helper.from_array(
+        np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32), "w"))
+    nodes = [helper.make_node("Mul", ["x", "two"], ["d"]),
+             helper.make_node("Clip", ["d", "lo", "hi"], ["c"]),
+             helper.make_node("Exp", ["c"], ["e"]),
+             helper.make_node("MatMul", ["e", "w"], ["y"]),
+             helper.make_node("Sigmoid", ["x"], ["s"]),
+             helper.make_node("MatMul", ["s", "w"], ["y2"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+                          [helper.make_tensor_value_info(y, TensorProto.FLOAT, [1, 8])
+                           for y in ("y", "y2")], inits)
+    float_path = tmp_path / "f.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9),
+              str(float_path))
+    # calibration never sees x > 0: the Clip's max 0 is only ever met, never cut
+    calib = np.linspace(-60, 0, 8, dtype=np.float32)[None]
+    stats = GraphStats(float_path, tmp_path / "calib", hessians=False)
+    stats.add({"x": calib})
+    ranges = stats.save_ranges(tmp_path / "ranges.json")
+    stats.close()
+    qdq_path = tmp_path / "q.onnx"
+    quantize_graph(float_path, qdq_path, ranges, {}, {}, RECIPES["w8a16"], "prefill")
+
+    qm = onnx.load(str(qdq_path))
+    assert "Clip" not in {n.op_type for n in qm.graph.node}  # folded, as the tool does
+    init = {t.name: numpy_helper.to_array(t) for t in qm.graph.initializer}
+    span = {}
+    for n in qm.graph.node:
+        if n.op_type == "QuantizeLinear":
+            s, z = float(init[n.input[1]]), int(init[n.input[2]])
+            span[n.input[0]] = (-z * s, (65535 - z) * s)
+    assert span["c"][0] >= -80.001 and span["c"][1] <= 1e-6  # widened, but within the clamp
+    assert span["s"][0] >= -1e-6 and span["s"][1] <= 1.0 + 1e-6
+    x = np.array([[-50, -20, -3, -0.5, 0.5, 3, 20, 50]], np.float32)  # half of it clamped
+    run = lambda p: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(  # noqa: E731
+        None, {"x": x})[0]
+    ref, got = run(float_path), run(qdq_path)
+    assert np.abs(got - ref).max() < 2e-2 * np.abs(ref).max()
+

@@ -84,7 +84,8 @@ def calibrate(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: Run
     kept_bytes = 0
     for gi, g in enumerate(graphs):
         t = time.perf_counter()
-        stats = GraphStats(root / g.file, work, hessians=g.role != "head", maps=maps)
+        stats = GraphStats(root / g.file, work, hessians=recipe.gptq and g.role != "head",
+                           maps=maps)
         seen = out.absmax[g.name] = {}
         later = {h.name for h in graphs[gi + 1:]}
         now: list = []  # the (prompt, phase) run in progress, the graphs keeping its calls
@@ -176,11 +177,14 @@ def _media_prompts(engine: Engine, manifest: Manifest, ids: list[int], hf):
 
 
 def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, manifest: Manifest,
-                      log) -> dict[str, TargetSpec]:
+                      log) -> tuple[dict[str, TargetSpec], dict[str, dict[str, str]]]:
+    """-> (target specs, per target: graph name -> the QDQ graph it was compiled from, under
+    ``root/_work``: the oracle runs those on the CPU EP when a target fails its gate)."""
     recipe = get_recipe(opts.quant)
     sdk = qnn.sdk_version()
     prepared: dict[tuple, tuple[list[GraphSpec], RunPlan, Path]] = {}
     specs: dict[str, TargetSpec] = {}
+    qdq: dict[str, dict[str, str]] = {}
     for target in targets:
         shards = plan_target(fam, hf, target, opts, log)
         key = tuple(shards)
@@ -205,6 +209,9 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
                     f"({time.perf_counter() - t:.1f}s)")
             prepared[key] = (graphs, plan, srcs)
         graphs, plan, srcs = prepared[key]
+        if recipe.activations:
+            qdq[target.name] = {g.name: (srcs / f"{g.name}.qdq.onnx").relative_to(root).as_posix()
+                                for g in graphs}
         soc = target.default_soc
         folder = root / target.name
         folder.mkdir()
@@ -223,7 +230,10 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
             name=target.name, htp_arch=target.htp_arch, soc_model=soc.soc_model, qnn_sdk=sdk,
             quant=recipe.name, mask_value=recipe.mask_value, graphs=compiled, plan=plan,
             weight_shared=opts.share_weights)
-    return specs
+    for f in (root / "_work").rglob("*"):  # the float graphs are done with: keep the QDQ ones
+        if f.is_file() and not f.name.endswith(".qdq.onnx"):
+            f.unlink()
+    return specs, qdq
 
 
 def _share(compiled: list[GraphSpec], plan: RunPlan, srcs: Path, folder: Path, target: Target,

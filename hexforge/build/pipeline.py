@@ -165,21 +165,23 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
             report="report.json" if opts.verify else None,
         )
         htp_targets = [tg for tg in targets if tg.is_htp]
+        qdq: dict[str, dict[str, str]] = {}  # the oracle's CPU twins of failed HTP targets
         if htp_targets:
             from .htp import build_htp_targets
 
             with fam.float32_forward(hf):  # calibration runs the towers on media prompts
-                manifest.targets.update(
-                    build_htp_targets(fam, hf, args, htp_targets, opts, tmp, manifest, log))
+                specs, qdq = build_htp_targets(fam, hf, args, htp_targets, opts, tmp, manifest, log)
+                manifest.targets.update(specs)
             for tg in htp_targets:
                 manifest.targets[tg.name].graphs += compile_encoders(
                     enc_graphs, tmp, tg, tg.default_soc.soc_model, log)
-            shutil.rmtree(tmp / "_work", ignore_errors=True)
+            if not opts.verify:
+                shutil.rmtree(tmp / "_work", ignore_errors=True)
         opts.timings["export_s"] = time.perf_counter() - t
         save_manifest(tmp, manifest)
 
         if opts.verify:
-            from .verify import hf_references, verify_bundle
+            from .verify import hf_references, qdq_verdict, verify_bundle
 
             t = time.perf_counter()
             refs = hf_references(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens)
@@ -190,7 +192,8 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                 gc.collect()
                 hf = None
             report = verify_bundle(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens,
-                                   references=refs)
+                                   references=refs, qdq_twins=qdq)
+            shutil.rmtree(tmp / "_work", ignore_errors=True)
             opts.timings["verify_s"] = time.perf_counter() - t
             (tmp / "report.json").write_text(json.dumps(report, indent=1))
             for name, r in report.items():
@@ -204,7 +207,8 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                 # output, not in it (no bundle is written)
                 kept = out.with_name(out.name + ".report.json")
                 kept.write_text(json.dumps(report, indent=1))
-                detail = "; ".join(f"{n}: {', '.join(f)}" for n, f in failed.items())
+                detail = "; ".join(f"{n}: {', '.join(f)}{qdq_verdict(report[n])}"
+                                   for n, f in failed.items())
                 raise ParityGateError(f"parity gate failed ({detail}); the bundle was not written "
                                       f"(its oracle report: {kept}; use --no-verify to skip the "
                                       "oracle)")

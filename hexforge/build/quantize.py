@@ -38,6 +38,11 @@ class QuantRecipe:
     range_margin: float = 3.0  # calibrated activation ranges widened x this: unseen prompts exceed
     # MinMax ranges and clipping, not 16-bit resolution, dominated the error (measured: x1 cos 0.9942,
     # x1.5 0.9980, x3 0.99983 teacher-forced on tiny llama w8a16)
+    # GPTQ with the calibration Hessians, else round to nearest. Not for int8: with a few hundred
+    # calibration rows per graph (H of rank << K at real widths) it fits those rows and loses on
+    # others — real-width 4-layer Qwen3.5 cut, oracle teacher-forced cos on the CPU EP: int8 per
+    # channel GPTQ 0.99816 vs round-to-nearest 0.99894; blocks of 128 0.99886 vs 0.99926
+    gptq: bool = True
     rhs_int16: bool = True  # input 1 of activation x activation MatMuls (QK^T keys, probs.V
     # values) as symmetric int16: the HTP holds a dynamic uint16 input 1 at 8 bits (see
     # int16_matmul_rhs); tiny Gemma-4 w8a16 on v81 went 0.878 -> 0.987 (= its CPU-QDQ 0.989)
@@ -45,13 +50,18 @@ class QuantRecipe:
 
 RECIPES = {
     "fp16": QuantRecipe("fp16", None, None, bytes_per_weight=2.0, mask_value=-30000.0),
-    "w8a16": QuantRecipe("w8a16", "uint16", 8, bytes_per_weight=1.0, mask_value=-100.0),
+    "w8a16": QuantRecipe("w8a16", "uint16", 8, bytes_per_weight=1.0, mask_value=-100.0,
+                         gptq=False),
     # decoder weights int4 (block 64) via GPTQ with Hessians pooled over the prefill + decode graphs
     # of a shard, lm_head int8. Held-out relative output error per weight on the tiny random llama:
     # RTN 0.0955, GPTQ per-graph H 0.0978 (overfits 64 decode rows), GPTQ pooled H 0.0849.
     # Random Gaussian weights with near-isotropic activations are int4's worst case.
     "w4a16": QuantRecipe("w4a16", "uint16", 4, block_size=64, bytes_per_weight=0.5 + 2 / 64,
                          mask_value=-100.0, head_bits=8),
+    # int8 weights with one scale per 128 input rows (DequantizeLinear block_size, as w4a16) instead
+    # of one per output channel: the real-width Qwen3.5 cut above, 0.99894 -> 0.99926
+    "w8a16-b128": QuantRecipe("w8a16-b128", "uint16", 8, block_size=128,
+                              bytes_per_weight=1.0 + 4 / 128, mask_value=-100.0, gptq=False),
 }
 
 
@@ -100,8 +110,9 @@ def quantize_graph(float_path: Path, out_path: Path, ranges: Path, past_absmax: 
         root_log.setLevel(level)
     del model
     bits = recipe.head_bits if role == "head" and recipe.head_bits else recipe.weight_bits
-    requantize_weights(out_path, float_path, bits, recipe.block_size, recipe.range_margin,
-                       hessians or {}, rhs_int16=recipe.rhs_int16)
+    block = recipe.block_size if bits == recipe.weight_bits else None  # a mixed head: per channel
+    requantize_weights(out_path, float_path, bits, block, recipe.range_margin,
+                       (hessians or {}) if recipe.gptq else {}, rhs_int16=recipe.rhs_int16)
 
 
 def _qnn_config(float_path: Path, reader, overrides: dict):
@@ -133,18 +144,21 @@ def _quantize(float_path: Path, out_path: Path, ranges: Path, overrides: dict) -
         calibration_cache_path=str(ranges))
 
 
-def rtn_int8(w: np.ndarray, cols: int = 16384) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 per output channel, round to nearest -> (scale [N], q [K, N] int8), in
-    column blocks (a real-size lm_head is [1024, 248320]: whole-array temporaries were GBs)."""
+def rtn_int8(w: np.ndarray, block: int | None = None,
+             cols: int = 16384) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8, round to nearest, one scale per output channel (``block`` None) or per
+    ``block`` input rows of it -> (scale [N] or [K/block, N], q [K, N] int8), in column blocks (a
+    real-size lm_head is [1024, 248320]: whole-array temporaries were GBs)."""
     K, N = w.shape
-    scale = np.empty(N, np.float32)
+    B = block or K
+    scale = np.empty((K // B, N), np.float32)
     q = np.empty((K, N), np.int8)
     for c in range(0, N, cols):
-        blk = w[:, c:c + cols]
-        s = np.maximum(np.abs(blk).max(axis=0), 1e-8) / 127.0
-        scale[c:c + cols] = s
-        q[:, c:c + cols] = np.clip(np.round(blk / s), -127, 127)
-    return scale, q
+        blk = w[:, c:c + cols].reshape(K // B, B, -1)
+        s = np.maximum(np.abs(blk).max(axis=1), 1e-8) / 127.0  # [K/B, cols]
+        scale[:, c:c + cols] = s
+        q[:, c:c + cols] = np.clip(np.round(blk / s[:, None]), -127, 127).reshape(K, -1)
+    return (scale[0] if block is None else scale), q
 
 
 GPTQ_BLOCK = 128  # rows per lazy batch (the paper's); int4 uses its scale group instead
@@ -157,6 +171,13 @@ def gptq_int8(w: np.ndarray, H: np.ndarray, damp: float = 0.01):
     s = (np.maximum(np.abs(w).max(axis=0), 1e-8) / 127.0).astype(np.float32)  # [N]
     _, Q = _gptq(w, H, GPTQ_BLOCK, lambda rows: s, -127, 127, damp)
     return s, Q
+
+
+def gptq_int8_blocks(w: np.ndarray, H: np.ndarray, B: int, damp: float = 0.01):
+    """GPTQ with symmetric int8 groups of B input rows, each group's scale its rows' absmax / 127
+    as updated by the groups before it. -> (scale [K/B, N] float32, q [K, N] int8)."""
+    return _gptq(w, H, B, lambda rows: np.maximum(np.abs(rows).max(axis=0), 1e-8) / 127.0,
+                 -127, 127, damp)
 
 
 def gptq_int4(w: np.ndarray, H: np.ndarray, B: int, damp: float = 0.01):
@@ -175,7 +196,7 @@ def _gptq(w: np.ndarray, H: np.ndarray, block: int, block_scale, qlo: int, qhi: 
     The paper's lazy batch, one level deeper: a row's error reaches the rest of its sub-block of
     GPTQ_SUB rows by rank-1 updates (a few cache-resident rows), the rest of its block by one
     GEMM per sub-block, and the rows after the block by one GEMM per block. float32 like the
-    paper's code (the Cholesky factor in float64). With ``_hinv`` ~3x faster than the float64
+    paper's code (``_hinv`` too). With ``_hinv`` ~3x faster than the float64
     row-by-row loop it replaces (K 6144, N 1536: 12.9 s -> 4.8 s, the same output error); that
     loop made real-size Qwen3.5-0.8B's prefill graph take 1296 s to quantize vs 368 s for its
     decode twin, which reuses the solved weights.
@@ -183,7 +204,7 @@ def _gptq(w: np.ndarray, H: np.ndarray, block: int, block_scale, qlo: int, qhi: 
     -> (scales [K/block, N] float32, q [K, N] int8 in [qlo, qhi])."""
     K, N = w.shape
     W = np.array(w, np.float32)
-    Hinv = _hinv(H, W, damp).astype(np.float32)  # upper: Hinv[i, i:] drives row i's error
+    Hinv = _hinv(H, W, damp)  # upper: Hinv[i, i:] drives row i's error
     scales = np.empty((-(-K // block), N), np.float32)
     Q = np.empty((K, N), np.int8)
     for b0 in range(0, K, block):
@@ -211,20 +232,28 @@ def _hinv(H: np.ndarray, W: np.ndarray, damp: float) -> np.ndarray:
     H^-1 = (J L^-T J)(J L^-1 J) and J L^-1 J is upper with a positive diagonal, so it is U.
     One Cholesky + one triangular inverse, 2K^3/3 flops, vs 3K^3 for inv + Cholesky: the
     Hessians of the down projections are K = intermediate (12288 for Gemma-4-E2B's wide MLPs);
-    at K = 6144: 15.7 s -> 5.2 s."""
-    from scipy.linalg import cholesky, lapack
+    at K = 6144: 15.7 s -> 5.2 s.
+
+    In float32, as the GPTQ paper's code: half the float64 time (K 12288: 23.7 -> 12.9 s; 20
+    such weights in Gemma-4-E2B), the same output error (the damping bounds the condition
+    number); float64 where float32 fails (not positive definite in its rounding)."""
+    from scipy.linalg import LinAlgError, cholesky, lapack
 
     K = H.shape[0]
-    H = np.array(H, np.float64)
     dead = np.diag(H) == 0
-    H[dead, dead] = 1.0
     W[dead] = 0.0
-    H[np.diag_indices(K)] += damp * np.mean(np.diag(H))
-    L = cholesky(H[::-1, ::-1], lower=True, overwrite_a=True, check_finite=False)
-    Linv, info = lapack.dtrtri(L, lower=1, overwrite_c=1)
-    if info:
-        raise BuildError(f"GPTQ: the damped Hessian is singular (dtrtri info {info})")
-    return np.ascontiguousarray(Linv[::-1, ::-1])
+    for dtype, trtri in ((np.float32, lapack.strtri), (np.float64, lapack.dtrtri)):
+        Hd = np.array(H, dtype)
+        Hd[dead, dead] = 1.0
+        Hd[np.diag_indices(K)] += damp * np.mean(np.diag(Hd))
+        try:
+            L = cholesky(Hd[::-1, ::-1], lower=True, overwrite_a=True, check_finite=False)
+        except LinAlgError:
+            continue
+        Linv, info = trtri(L, lower=1, overwrite_c=1)
+        if not info and np.isfinite(np.diag(Linv)).all():
+            return np.ascontiguousarray(Linv[::-1, ::-1], np.float32)
+    raise BuildError("GPTQ: the damped Hessian is not positive definite")
 
 
 def _graph_bytes(path: Path) -> int:
@@ -239,7 +268,7 @@ def _graph_bytes(path: Path) -> int:
 
 
 def _block(k: int, want: int) -> int | None:
-    """The int4 block size for input dim k, or None when no block of >= 16 divides it (such narrow
+    """The block size for input dim k, or None when no block of >= 16 divides it (such narrow
     weights, e.g. Gemma-4's PLE projection with P = 8, stay int8 per-channel)."""
     for b in (want, 128, 64, 32, 16):
         if b <= k and k % b == 0:
@@ -279,7 +308,11 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
 
     qm = onnx.load(str(qdq_path))
     # the float weights one at a time (a real-size graph holds GBs of them)
-    floats = {t.name: t for t in onnx.load(str(float_path), load_external_data=False).graph.initializer}
+    float_graph = onnx.load(str(float_path), load_external_data=False).graph
+    floats = {t.name: t for t in float_graph.initializer}
+    # graph inputs/outputs keep the plain widened range: a state's past/new/Concat share one scale
+    io = {v.name for v in (*float_graph.input, *float_graph.output)}
+    bounds = {k: b for k, b in value_bounds(float_graph).items() if k not in io}
     inits = {t.name: t for t in qm.graph.initializer}
     solved = getattr(hessians, "solved", None)  # HessianStore: prefill + decode share weights
     matmul_b = {n.input[1] for n in qm.graph.node if n.op_type == "MatMul"}
@@ -305,8 +338,10 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
             zp_name = qname + "_zero_point"
             node.input[:] = [node.input[0], node.input[1], zp_name]
             inits[zp_name] = qm.graph.initializer.add(name=zp_name)
-        B = _block(K, block_size or 64) if bits == 4 else None
-        if bits == 8 or B is None:
+        # int4: blocks (of ``block_size``, else 64); int8: blocks only when ``block_size`` is
+        # given; None (no block divides K): int8 per output channel
+        B = _block(K, block_size or 64) if bits == 4 else block_size and _block(K, block_size)
+        if not B:
             if H is not None:
                 scale, q = (solved(key, "int8") if solved else None) or (None, None)
                 if scale is None:
@@ -319,15 +354,22 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
             zp = numpy_helper.from_array(np.zeros(N, np.int8), node.input[2])
             attrs = {"axis": 1}
         else:
-            scale, q = (solved(key, f"int4b{B}") or (None, None)) if solved and H is not None \
+            kind = f"int{bits}b{B}"
+            scale, q = (solved(key, kind) or (None, None)) if solved and H is not None \
                 else (None, None)
             if scale is None:
-                scale, q = gptq_int4(w, H, B) if H is not None else int4_blocks(w, B)
+                gptq, rtn = (gptq_int4, int4_blocks) if bits == 4 else (gptq_int8_blocks,
+                                                                        rtn_int8)
+                scale, q = gptq(w, H, B) if H is not None else rtn(w, B)
                 if solved and H is not None:
-                    solved(key, f"int4b{B}", (scale, q))
-            qt = helper.make_tensor(qname, TensorProto.INT4, [K, N], q.flatten().tolist())
-            zp = helper.make_tensor(node.input[2], TensorProto.INT4, [K // B, N],
-                                    [0] * (K // B * N))
+                    solved(key, kind, (scale, q))
+            if bits == 4:
+                qt = helper.make_tensor(qname, TensorProto.INT4, [K, N], q.flatten().tolist())
+                zp = helper.make_tensor(node.input[2], TensorProto.INT4, [K // B, N],
+                                        [0] * (K // B * N))
+            else:
+                qt = numpy_helper.from_array(q, qname)
+                zp = numpy_helper.from_array(np.zeros((K // B, N), np.int8), node.input[2])
             attrs = {"axis": 0, "block_size": B}
         st = numpy_helper.from_array(scale.astype(np.float32), node.input[1])
         for t in (qt, st, zp):
@@ -335,7 +377,7 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
         del node.attribute[:]
         node.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
         changed += 1
-    widen_activation_ranges(qm, inits, range_margin)
+    widen_activation_ranges(qm, inits, range_margin, bounds)
     if rhs_int16:
         int16_matmul_rhs(qm)
     # 16-bit Q/DQ and block_size are standard at opset 21: leave the com.microsoft twins behind
@@ -350,43 +392,100 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
     return changed
 
 
-def widen_activation_ranges(qm, inits: dict, factor: float) -> None:
-    """Scale every activation (uint16) quantization range by ``factor`` about its center.
+# ops whose outputs lie in a fixed interval whatever their inputs, and ops that only move values
+_FIXED_BOUNDS = {"Sigmoid": (0.0, 1.0), "Softmax": (0.0, 1.0), "Tanh": (-1.0, 1.0),
+                 "Relu": (0.0, np.inf)}
+_MOVES_VALUES = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Slice", "Gather",
+                 "Expand", "Tile", "Identity"}
+
+
+def value_bounds(graph) -> dict[str, tuple[float, float]]:
+    """The intervals a float graph's ops guarantee for their outputs, by tensor name: Clip with
+    constant bounds, Relu, Sigmoid, Softmax, Tanh; Exp of a bounded input; ops that only move
+    values (Reshape, Slice, ...) and Concat pass them on. Nodes are in topological order."""
+    from onnx import numpy_helper
+
+    const = {t.name: t for t in graph.initializer if not t.external_data}
+    const |= {n.output[0]: n.attribute[0].t for n in graph.node
+              if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
+
+    def scalar(name: str, default: float) -> float:
+        t = const.get(name) if name else None
+        return default if t is None or np.prod(t.dims) != 1 else float(numpy_helper.to_array(t))
+
+    out: dict[str, tuple[float, float]] = {}
+    for n in graph.node:
+        if n.op_type in _FIXED_BOUNDS:
+            b = _FIXED_BOUNDS[n.op_type]
+        elif n.op_type == "Clip":
+            ins = [*n.input, "", ""]
+            lo, hi = out.get(n.input[0], (-np.inf, np.inf))
+            b = (max(lo, scalar(ins[1], -np.inf)), min(hi, scalar(ins[2], np.inf)))
+        elif n.op_type == "Exp" and n.input[0] in out:
+            b = tuple(float(np.exp(v)) for v in out[n.input[0]])
+        elif n.op_type in _MOVES_VALUES and n.input[0] in out:
+            b = out[n.input[0]]
+        elif n.op_type == "Concat" and all(i in out for i in n.input):
+            b = (min(out[i][0] for i in n.input), max(out[i][1] for i in n.input))
+        else:
+            continue
+        out[n.output[0]] = b
+    return out
+
+
+def widen_activation_ranges(qm, inits: dict, factor: float,
+                            bounds: dict[str, tuple[float, float]] | None = None) -> None:
+    """Scale every activation (uint16) quantization range by ``factor`` about its center, within
+    the interval the tensor's op guarantees (``bounds``, from ``value_bounds`` of the float graph).
 
     MinMax calibration clips anything a prompt reaches beyond the calibration text; 16 bits leave
-    room for a margin. Weights (DQ-only, no QuantizeLinear) are untouched. The tool shares
-    scale/zero-point initializers between tensors (one all-zero zp for many), so every
-    (scale, zp) pair gets its own widened copies, made from the original values.
+    room for a margin. But not past an op's own bounds: the QDQ tool folds a Clip (or Relu) into
+    the QuantizeLinear after it — the Q's range *is* the clamp — so a widened range let values
+    the Clip had cut through (Qwen3.5's decay exp(clamp(cum_i - cum_j, -80, 0)) took [-160, 80]),
+    and a Sigmoid's widened [-1, 2] wasted 1.6 of its 16 bits. Weights (DQ-only, no
+    QuantizeLinear) are untouched. The tool shares scale/zero-point initializers between tensors
+    (one all-zero zp for many), so each Q gets its own copies, made from the original values, and
+    its DequantizeLinear the same.
     """
     from onnx import numpy_helper
 
     if factor == 1.0:
         return
+    bounds = bounds or {}
     # constants (initializers, Constant nodes) keep the exact grid the tool gave them: widening it
     # moves e.g. Pow's exponent 2.0 to 1.99997 (NaN for negative bases)
     constants = {t.name for t in qm.graph.initializer}
     constants |= {o for n in qm.graph.node if n.op_type == "Constant" for o in n.output}
-    pairs = {(n.input[1], n.input[2]) for n in qm.graph.node
-             if n.op_type == "QuantizeLinear" and len(n.input) > 2 and n.input[0] not in constants}
-    original = {name: numpy_helper.to_array(inits[name]) for pair in pairs for name in pair
-                if name in inits}
-    renamed: dict[tuple[str, str], tuple[str, str]] = {}
-    for k, (scale_name, zp_name) in enumerate(sorted(pairs)):
-        zp = original.get(zp_name)
-        if zp is None or zp.dtype != np.uint16 or scale_name not in original:
-            continue
-        mid = 32767.5
-        new_zp = np.clip(np.round(mid - (mid - zp.astype(np.float64)) / factor), 0, 65535)
-        s_name, z_name = f"{scale_name}_wide{k}", f"{zp_name}_wide{k}"
-        qm.graph.initializer.append(numpy_helper.from_array(
-            (original[scale_name].astype(np.float32) * factor).astype(np.float32), s_name))
-        qm.graph.initializer.append(numpy_helper.from_array(new_zp.astype(np.uint16), z_name))
-        renamed[(scale_name, zp_name)] = (s_name, z_name)
+    original: dict[str, np.ndarray] = {}
+    made: dict[tuple, tuple[str, str]] = {}  # (scale, zp, bound) -> widened copies' names
+    of_q: dict[str, tuple[str, str]] = {}  # Q output -> its widened pair (for its DQs)
     for n in qm.graph.node:
-        if n.op_type in ("QuantizeLinear", "DequantizeLinear") and len(n.input) > 2:
-            key = (n.input[1], n.input[2])
-            if key in renamed:
-                n.input[1], n.input[2] = renamed[key]
+        if n.op_type != "QuantizeLinear" or len(n.input) < 3 or n.input[0] in constants:
+            continue
+        for name in n.input[1:3]:
+            if name not in original and name in inits:
+                original[name] = numpy_helper.to_array(inits[name])
+        scale, zp = original.get(n.input[1]), original.get(n.input[2])
+        if zp is None or scale is None or zp.dtype != np.uint16:
+            continue
+        bound = bounds.get(n.input[0], (-np.inf, np.inf))
+        key = (n.input[1], n.input[2], bound)
+        if key not in made:
+            mid = 32767.5
+            s = scale.astype(np.float64) * factor
+            z = np.clip(np.round(mid - (mid - zp.astype(np.float64)) / factor), 0, 65535)
+            lo = np.maximum(-z * s, min(bound[0], 0.0))  # a range always holds 0
+            hi = np.minimum((65535 - z) * s, max(bound[1], 0.0))
+            s = np.maximum((hi - lo) / 65535, np.finfo(np.float32).tiny)
+            z = np.clip(np.round(-lo / s), 0, 65535)
+            k = len(made)
+            names = made[key] = (f"{n.input[1]}_wide{k}", f"{n.input[2]}_wide{k}")
+            qm.graph.initializer.append(numpy_helper.from_array(s.astype(np.float32), names[0]))
+            qm.graph.initializer.append(numpy_helper.from_array(z.astype(np.uint16), names[1]))
+        n.input[1], n.input[2] = of_q[n.output[0]] = made[key]
+    for n in qm.graph.node:
+        if n.op_type == "DequantizeLinear" and n.input[0] in of_q and len(n.input) > 2:
+            n.input[1], n.input[2] = of_q[n.input[0]]
     used = {i for n in qm.graph.node for i in n.input}
     keep = [t for t in qm.graph.initializer if t.name in used]
     del qm.graph.initializer[:]
