@@ -60,8 +60,11 @@ def example(spec, hf):
 
 @pytest.fixture(scope="module")
 def onnx_graph(hf, spec, tmp_path_factory):
+    """The graph exported the way the build does it: norm prescales recorded on the example."""
+    from hexforge.build.encoders import calibrate_encoder_norms
     from hexforge.build.export import export_module
 
+    calibrate_encoder_norms([ENCODER], [spec], hf)
     path = tmp_path_factory.mktemp("g4audio") / "audio.onnx"
     export_module(ENCODER.encoder_module(hf, spec), path, exporter="torchscript")
     return path

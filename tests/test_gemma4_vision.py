@@ -77,11 +77,14 @@ def cases(hf, spec, prep):
 
 @pytest.fixture(scope="module")
 def onnx_path(hf, spec, tmp_path_factory):
-    """The graph exported the way the build does it (torchscript, initializer identities folded)."""
+    """The graph exported the way the build does it (torchscript, initializer identities folded,
+    norm prescales recorded on the example image)."""
     import torch
 
+    from hexforge.build.encoders import calibrate_encoder_norms
     from hexforge.build.export import export_module
 
+    calibrate_encoder_norms([ENCODER], [spec], hf)
     module = ENCODER.encoder_module(hf, spec)
     feeds = ENCODER.example_inputs(spec)
     module.example_inputs = lambda: tuple(torch.from_numpy(feeds[k]) for k in INPUT_KEYS)

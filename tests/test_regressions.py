@@ -149,3 +149,54 @@ def test_widened_range_keeps_the_clip_the_qdq_tool_folded_into_its_quantize(tmp_
     ref, got = run(float_path), run(qdq_path)
     assert np.abs(got - ref).max() < 2e-2 * np.abs(ref).max()
 
+
+def test_media_tower_norms_are_prescaled_out_of_the_fp16_subnormals(ckpt, monkeypatch):
+    """CI's simulator host scored the tiny Gemma-4 vision tower cos 0.99888 in fp16 (this host
+    0.999999, same graph): the post-FFN norm's input has rms ~1e-3, so its squares (~1e-6) are fp16
+    subnormals, and an HTP that flushes them to zero loses the norm's scale (0.989 emulated). The
+    decoder's text calibration never reached the towers' norms; the build now records their
+    power-of-two prescales on the encoders' example inputs: every norm squares O(1) values."""
+    import json
+
+    from hexforge.build.encoders import calibrate_encoder_norms
+    from hexforge.families import gemma4_audio, load_family
+    from hexforge.families.base import encoder_families
+
+    hf = load_family("gemma4").FAMILY.load_hf(ckpt("gemma4_mm"))
+    config = json.loads((ckpt("gemma4_mm") / "config.json").read_text())
+    encoders = encoder_families(config)
+    specs = [enc.spec(hf, config) for enc in encoders]
+    assert sorted(s.modality for s in specs) == ["audio", "image"]
+
+    def norm_mean_squares() -> list[float]:
+        """Median over rows of mean((k·x)^2) at every norm of both towers' export modules."""
+        seen: list[float] = []
+
+        def record(x, k):
+            seen.append(float(((x.detach() * k) ** 2).mean(-1).flatten().median()))
+
+        def rms(x, weight, eps, k=1.0, inner=gemma4_audio._rms):
+            record(x, k)
+            return inner(x, weight, eps, k)
+
+        monkeypatch.setattr(gemma4_audio, "_rms", rms)
+        for enc, spec in zip(encoders, specs, strict=True):
+            module = enc.encoder_module(hf, spec)
+            hooks = [m.register_forward_pre_hook(lambda m, a: record(a[0], m.prescale))
+                     for m in module.modules() if isinstance(m, blocks.RMSNorm)]
+            feeds = {k: torch.from_numpy(v) for k, v in enc.example_inputs(spec).items()}
+            with torch.no_grad():
+                module(*(feeds[b.removeprefix("media:")] for _, b in module.io.inputs))
+            for h in hooks:
+                h.remove()
+        monkeypatch.undo()
+        return seen
+
+    for m in hf.modules():  # this model's norms start uncalibrated, as in a fresh build
+        blocks.NORM_PRESCALE.pop(id(m), None)
+    before = norm_mean_squares()
+    assert len(before) > 20 and min(before) < 2.0**-14  # the bug: a subnormal mean square
+    calibrate_encoder_norms(encoders, specs, hf)
+    after = norm_mean_squares()
+    assert len(after) == len(before)
+    assert 2.0**-2 <= min(after) and max(after) <= 2.0**2

@@ -28,6 +28,21 @@ def example_feeds(encoder, spec: EncoderSpec) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in encoder.example_inputs(spec).items()}
 
 
+def calibrate_encoder_norms(encoders: list, specs: list[EncoderSpec], hf) -> dict[str, float]:
+    """Record the towers' RMSNorm prescales on each encoder's example inputs (HF forward): the
+    decoder's text calibration never reaches them. Must run before ``export_encoders`` builds the
+    modules. Regression (fp16 vision on the simulator, cos 0.99888 on CI's host vs 0.999999 here):
+    the tiny tower's post-FFN norm input has rms ~1e-3, its squares are fp16 subnormals, and an
+    HTP that flushes those to zero loses the norm's scale."""
+    from ..families.blocks import record_norm_prescales
+
+    out = {}
+    for enc, spec in zip(encoders, specs, strict=True):
+        feeds = example_feeds(enc, spec)
+        out.update(record_norm_prescales(hf, lambda enc=enc, feeds=feeds: enc.reference(hf, feeds)))
+    return out
+
+
 def export_encoders(encoders: list, specs: list[EncoderSpec], hf, root: Path, rel_folder: str,
                     exporter: str, log) -> list[GraphSpec]:
     """Export each encoder's static module as float ONNX into root/rel_folder/<name>.onnx."""

@@ -34,7 +34,7 @@ from ..manifest import (
 )
 from ..targets import Target, parse_targets
 from .checkpoint import read_checkpoint, release_mapped_pages
-from .encoders import compile_encoders, export_encoders
+from .encoders import calibrate_encoder_norms, compile_encoders, export_encoders
 from .export import share_weights
 from .fuse import fuse_cpu_graph
 from .graphs import export_float, plan_target, weight_groups, weights_file
@@ -136,7 +136,9 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         calib_ids = TextTokenizer(ckpt.dir).encode(calibration_text(opts.calib))[:opts.context]
         with fam.float32_forward(hf):  # a bf16/fp16 model computes as fp32 (no-op on fp32)
             calibrate_norm_scales(hf, calib_ids)
-        log(f"calibrated norm prescales on {len(calib_ids)} tokens")
+            calibrate_encoder_norms(encoders, enc_specs, hf)
+        log(f"calibrated norm prescales on {len(calib_ids)} tokens"
+            + (" and the encoders' example inputs" if encoders else ""))
 
         tok_dir = tmp / "tokenizer"
         tok_dir.mkdir()

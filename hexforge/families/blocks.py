@@ -37,17 +37,27 @@ NORM_PRESCALE: dict[int, float] = {}
 
 
 def calibrate_norm_scales(hf, input_ids: list[int]) -> dict[str, float]:
-    """Run HF on calibration ids; for every RMSNorm module record k = 2^-round(log2(rms(input)))
-    so the export computes the norm on k*x, whose mean square is O(1).
+    """Run the HF decoder on calibration ids; record every RMSNorm's prescale (``record_norm_
+    prescales``). The media towers' norms are not reached by a text forward: the build records
+    theirs on the encoders' own inputs (build/encoders.py ``calibrate_encoder_norms``)."""
+    ids = torch.tensor([input_ids])
+    return record_norm_prescales(hf, lambda: hf(ids, attention_mask=torch.ones_like(ids)))
 
-    Why: activations entering some norms are tiny (Gemma-4's PLE branch ~1e-3, mean square ~1e-6):
-    fp16 puts that in its subnormals (HTP decode cos fell to 0.64) and a 16-bit fixed-point range
-    cannot resolve it. A power of two is exact in floating point, so the cpu graphs stay exact.
-    -> {module name: k} for the record."""
+
+def record_norm_prescales(root: nn.Module, run) -> dict[str, float]:
+    """Run ``run()`` (an HF forward) with a hook on every RMSNorm under ``root``; for each norm it
+    reached record k = 2^-round(log2(rms(input))) so the export computes the norm on k*x, whose
+    mean square is O(1).
+
+    Why: activations entering some norms are tiny (Gemma-4's PLE branch ~1e-3, mean square ~1e-6;
+    the tiny vision tower's post-FFN norm the same): fp16 puts that in its subnormals (HTP decode
+    cos fell to 0.64; an HTP that flushes them to zero, 0.989 on the vision tower) and a 16-bit
+    fixed-point range cannot resolve it. A power of two is exact in floating point, so the cpu
+    graphs stay exact. -> {module name: k} for the record."""
     import math
 
     hooks, seen = [], {}
-    for name, mod in hf.named_modules():
+    for name, mod in root.named_modules():
         if type(mod).__name__.endswith("RMSNorm"):
             def pre(m, args, name=name):
                 x = args[0].detach().float()
@@ -58,8 +68,7 @@ def calibrate_norm_scales(hf, input_ids: list[int]) -> dict[str, float]:
             hooks.append(mod.register_forward_pre_hook(pre))
     try:
         with torch.no_grad():
-            ids = torch.tensor([input_ids])
-            hf(ids, attention_mask=torch.ones_like(ids))
+            run()
     finally:
         for h in hooks:
             h.remove()

@@ -39,6 +39,7 @@ from torch import nn
 from ..errors import CheckpointError, UnsupportedModelError
 from ..manifest import EncoderSpec
 from .base import EncoderFamily, GraphIO, from_config
+from .blocks import NORM_PRESCALE
 
 FP16_MAX = 65504.0
 MASK_GAP = 30.0  # masked attention logits sit this far below the softcapped range
@@ -82,8 +83,12 @@ def _clamp(x: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
     return x if lo is None and hi is None else torch.clamp(x, lo, hi)
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Gemma4RMSNorm over the last dim of a rank-3 tensor (the HTP norm chain is right at rank 3)."""
+def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float, k: float = 1.0) -> torch.Tensor:
+    """Gemma4RMSNorm over the last dim of a rank-3 tensor (the HTP norm chain is right at rank 3),
+    on k·x (k: the calibrated power-of-two prescale, blocks.record_norm_prescales; exact in fp32,
+    keeps the fp16 squares out of the subnormals)."""
+    if k != 1.0:
+        x, eps = x * k, eps * k * k
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return x if weight is None else x * weight
 
@@ -169,7 +174,8 @@ class ConformerLayer(nn.Module):
         return nn.ModuleList([ClipLinear(ff.ffw_layer_1), ClipLinear(ff.ffw_layer_2)])
 
     def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        return _rms(x, norm.weight if norm.with_scale else None, norm.eps)
+        return _rms(x, norm.weight if norm.with_scale else None, norm.eps,
+                    NORM_PRESCALE.get(id(norm), 1.0))
 
     def ffn(self, x: torch.Tensor, ff: nn.Module, lin: nn.ModuleList) -> torch.Tensor:
         g = -self.gc if self.gc is not None else None
@@ -241,7 +247,8 @@ class AudioEncoder(nn.Module):
             h = layer(h, allowed, self.index)
         h = self.tower.output_proj(h)  # [1, S, output_proj_dims]
         e = self.embed
-        h = e.embedding_projection(_rms(h, None, e.embedding_pre_projection_norm.eps))
+        pre = e.embedding_pre_projection_norm
+        h = e.embedding_projection(_rms(h, None, pre.eps, NORM_PRESCALE.get(id(pre), 1.0)))
         return h * mask.unsqueeze(-1)  # [1, S, H_text]; rows past the audio zeroed
 
 
