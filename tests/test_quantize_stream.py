@@ -134,7 +134,7 @@ def _gptq_reference(w, H, B, scale_of, qlo, qhi, damp=0.01):
 
 
 def test_blocked_float32_gptq_matches_the_row_by_row_reference_and_beats_rtn():
-    from hexforge.build.quantize import (
+    from hexforge.build.weightquant import (
         gptq_int4,
         gptq_int8,
         gptq_int8_blocks,
@@ -180,14 +180,14 @@ def test_inverse_hessian_factor_in_float32_matches_float64_and_refuses_a_broken_
     where float32 fails; a Hessian no precision can factor is a build error, not NaN weights."""
     from scipy.linalg import lapack
 
-    from hexforge.build import quantize
+    from hexforge.build import weightquant
     from hexforge.errors import BuildError
 
     rng = np.random.default_rng(1)
     K = 256
     X = rng.standard_normal((60, K)) * (1 + 30 * (rng.random(K) < 0.02))  # outlier channels
     H = X.T @ X
-    U32 = quantize._hinv(H, np.zeros((K, 4), np.float32), 0.01)
+    U32 = weightquant._hinv(H, np.zeros((K, 4), np.float32), 0.01)
     assert U32.dtype == np.float32
     ref = H.copy()
     ref[np.diag_indices(K)] += 0.01 * np.mean(np.diag(H))
@@ -201,12 +201,12 @@ def test_inverse_hessian_factor_in_float32_matches_float64_and_refuses_a_broken_
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(lapack, "strtri", failing_strtri)
-        U64 = quantize._hinv(H, np.zeros((K, 4), np.float32), 0.01)
+        U64 = weightquant._hinv(H, np.zeros((K, 4), np.float32), 0.01)
     assert calls == [np.float32]
     np.testing.assert_allclose(U64, U32, rtol=0, atol=1e-4 * np.abs(U32).max())
     H[3, 3] = np.nan
     with pytest.raises(BuildError, match="not positive definite"):
-        quantize._hinv(H, np.zeros((K, 4), np.float32), 0.01)
+        weightquant._hinv(H, np.zeros((K, 4), np.float32), 0.01)
 
 
 def test_w8_block_recipe_writes_int8_blocks_and_beats_per_channel_scales(tmp_path):
