@@ -252,3 +252,44 @@ def test_w8_block_recipe_writes_int8_blocks_and_beats_per_channel_scales(tmp_pat
             deq = q * np.repeat(scale, 128, axis=0)
         errs[quant] = np.linalg.norm(x @ (deq - w)) / np.linalg.norm(x @ w)
     assert errs["w8a16-b128"] < 0.8 * errs["w8a16"]  # measured 0.0057 vs 0.0081
+
+
+def test_gptq_is_kept_only_where_it_beats_round_to_nearest_on_held_out_rows():
+    """Regression (real-width Qwen3.5 cut, w4a16: GPTQ from 264 calibration rows, K 1024-3584,
+    moved held-out outputs 0.114 vs round to nearest 0.096; teacher-forced cos 0.75 vs 0.86):
+    GPTQ is solved without every 5th row and kept only if those rows' outputs move less."""
+    from hexforge.build.weightquant import (
+        dequantize,
+        gptq_int4,
+        int4_blocks,
+        validated_gptq,
+    )
+
+    rng = np.random.default_rng(3)
+    K, N, B = 128, 32, 32
+    w = (rng.standard_normal((K, N)) * 0.05).astype(np.float32)
+
+    def gptq(w, H):
+        return gptq_int4(w, H, B)
+
+    def rtn(w):
+        return int4_blocks(w, B)
+
+    iso = rng.standard_normal((60, K)).astype(np.float32)  # fewer rows than inputs, no structure
+    s, q, kept = validated_gptq(w, iso, gptq, rtn)
+    rs, rq = rtn(w)
+    assert not kept and (q == rq).all() and (s == rs).all()
+    held = rng.standard_normal((200, K))  # unseen rows of the same distribution: RTN was right
+    xg = iso[1:].astype(np.float64)
+    gs, gq = gptq(w, xg.T @ xg)
+    def moved(s, q):
+        return np.linalg.norm(held @ (dequantize(s, q) - w))
+
+    assert moved(gs, gq) > moved(rs, rq)
+
+    basis = rng.standard_normal((6, K))  # activations on a few directions (as real ones are)
+    low = (rng.standard_normal((60, 6)) @ basis).astype(np.float32)
+    s, q, kept = validated_gptq(w, low, gptq, rtn)
+    assert kept
+    held = rng.standard_normal((200, 6)) @ basis
+    assert moved(s, q) < 0.5 * moved(rs, rq)

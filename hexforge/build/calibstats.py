@@ -272,6 +272,7 @@ class HessianStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.file_of: dict[str, Path] = {}
         self._n = 0
+        self.gptq_kept = [0, 0]  # weights quantized by round to nearest / GPTQ (_weight_format)
 
     def _new(self, gram: Gram) -> Path:
         f = self.folder / f"h{self._n}.npz"
@@ -294,10 +295,15 @@ class HessianStore:
                     old = self.file_of.get(k)
                     self.file_of[k] = self._new(gram + Gram.load(old) if old is not None else gram)
 
+    def gram(self, key: str) -> Gram | None:
+        """Weight ``key``'s pooled ``Gram`` (its rows while they are fewer than 2K), or None."""
+        f = self.file_of.get(key)
+        return None if f is None else Gram.load(f)
+
     def get(self, key: str) -> np.ndarray | None:
         """Weight ``key``'s pooled H [K, K] float64, or None."""
-        f = self.file_of.get(key)
-        return None if f is None else Gram.load(f).matrix()
+        gram = self.gram(key)
+        return None if gram is None else gram.matrix()
 
     def solved(self, key: str, kind: str, result: tuple | None = None):
         """The GPTQ result (scale, q) of weight ``key`` as ``kind``, kept once solved: prefill

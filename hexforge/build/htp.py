@@ -204,6 +204,10 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
                                    cal.past_absmax[g.name], cal.absmax[g.name], recipe, g.role,
                                    cal.hessians)
                     log(f"  quantized {g.name} ({time.perf_counter() - tq:.1f}s)")
+                rtn, kept = cal.hessians.gptq_kept
+                if rtn + kept:
+                    log(f"  GPTQ kept for {kept} of {rtn + kept} weights (the others lost to round "
+                        "to nearest on held-out calibration rows)")
                 shutil.rmtree(srcs / "calib", ignore_errors=True)
                 log(f"[{target.name}] calibrated + quantized {recipe.name} "
                     f"({time.perf_counter() - t:.1f}s)")

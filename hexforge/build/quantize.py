@@ -25,8 +25,15 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BuildError
-from .calibstats import weight_key
-from .weightquant import gptq_int4, gptq_int8, gptq_int8_blocks, int4_blocks, rtn_int8
+from .calibstats import HessianStore, weight_key
+from .weightquant import (
+    gptq_int4,
+    gptq_int8,
+    gptq_int8_blocks,
+    int4_blocks,
+    rtn_int8,
+    validated_gptq,
+)
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,8 @@ class QuantRecipe:
     range_margin: float = 3.0  # calibrated activation ranges widened x this: unseen prompts exceed
     # MinMax ranges and clipping, not 16-bit resolution, dominated the error (measured: x1 cos 0.9942,
     # x1.5 0.9980, x3 0.99983 teacher-forced on tiny llama w8a16)
-    # GPTQ with the calibration Hessians, else round to nearest. Not for int8: with a few hundred
+    # GPTQ with the calibration Hessians (validated per weight on held-out calibration rows,
+    # weightquant.validated_gptq), else round to nearest. Not for int8: with a few hundred
     # calibration rows per graph (H of rank << K at real widths) it fits those rows and loses on
     # others — real-width 4-layer Qwen3.5 cut, oracle teacher-forced cos on the CPU EP: int8 per
     # channel GPTQ 0.99816 vs round-to-nearest 0.99894; blocks of 128 0.99886 vs 0.99926
@@ -56,8 +64,11 @@ RECIPES = {
     "w8a16": QuantRecipe("w8a16", "uint16", 8, bytes_per_weight=1.0, mask_value=-100.0,
                          gptq=False),
     # decoder weights int4 (block 64) via GPTQ with Hessians pooled over the prefill + decode graphs
-    # of a shard, lm_head int8. Held-out relative output error per weight on the tiny random llama:
-    # RTN 0.0955, GPTQ per-graph H 0.0978 (overfits 64 decode rows), GPTQ pooled H 0.0849.
+    # of a shard, each weight's GPTQ kept only where it beats round to nearest on held-out rows;
+    # lm_head int8. Held-out relative output error per weight on the tiny random llama: RTN
+    # 0.0955, GPTQ per-graph H 0.0978 (overfits 64 decode rows), GPTQ pooled H 0.0849. Real-width
+    # 4-layer cuts, QDQ graphs on the CPU EP, teacher-forced cos (16 tokens): Qwen3 GPTQ 0.9415 /
+    # RTN 0.9347 / validated 0.9433 (28 of 28 kept); Qwen3.5 0.7485 / 0.8644 / 0.8365 (5 of 32).
     # Random Gaussian weights with near-isotropic activations are int4's worst case.
     "w4a16": QuantRecipe("w4a16", "uint16", 4, block_size=64, bytes_per_weight=0.5 + 2 / 64,
                          mask_value=-100.0, head_bits=8),
@@ -99,7 +110,7 @@ def quantize_graph(float_path: Path, out_path: Path, ranges: Path, past_absmax: 
     """float ONNX + calibration statistics (``GraphStats``: ``ranges`` ORT's calibration cache,
     ``past_absmax``) -> QDQ ONNX per ``recipe`` (not for fp16).
 
-    ``hessians`` (``HessianStore`` or a dict) are keyed by weight content, so graphs sharing a
+    ``hessians`` (``HessianStore``) are keyed by weight content, so graphs sharing a
     weight (prefill and decode of a shard) get the same int4 weights."""
     import onnx
 
@@ -115,7 +126,7 @@ def quantize_graph(float_path: Path, out_path: Path, ranges: Path, past_absmax: 
     bits = recipe.head_bits if role == "head" and recipe.head_bits else recipe.weight_bits
     block = recipe.block_size if bits == recipe.weight_bits else None  # a mixed head: per channel
     requantize_weights(out_path, float_path, bits, block, recipe.range_margin,
-                       (hessians or {}) if recipe.gptq else {}, rhs_int16=recipe.rhs_int16)
+                       hessians if recipe.gptq else None, rhs_int16=recipe.rhs_int16)
 
 
 def _qnn_config(float_path: Path, reader, overrides: dict):
@@ -167,8 +178,37 @@ def _block(k: int, want: int) -> int | None:
     return None
 
 
+def _weight_format(w: np.ndarray, key: str, bits: int, B: int | None,
+                   hessians: HessianStore | None) -> tuple[np.ndarray, np.ndarray]:
+    """w [K, N] -> (scale, q) as int``bits`` in blocks of B input rows (None: int8 per output
+    channel): GPTQ where the calibration gave the weight a Hessian (``validated_gptq`` when it
+    is still its rows: fewer than 2K of them), else round to nearest. Solved once per weight:
+    the prefill and decode graphs of a shard share it."""
+    if B:
+        def gptq(w, H):
+            return (gptq_int4 if bits == 4 else gptq_int8_blocks)(w, H, B)
+
+        def rtn(w):
+            return (int4_blocks if bits == 4 else rtn_int8)(w, B)
+    else:
+        gptq, rtn = gptq_int8, rtn_int8
+    gram = hessians.gram(key) if hessians is not None else None
+    if gram is None:
+        return rtn(w)
+    kind = f"int{bits}b{B}" if B else "int8"
+    done = hessians.solved(key, kind)
+    if done is not None:
+        return done
+    if gram.rows is not None:
+        scale, q, kept = validated_gptq(w, gram.rows, gptq, rtn)
+    else:
+        (scale, q), kept = gptq(w, gram.matrix()), True
+    hessians.gptq_kept[kept] += 1
+    return hessians.solved(key, kind, (scale, q))
+
+
 def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: int | None,
-                       range_margin: float, hessians: dict[str, np.ndarray] | None = None,
+                       range_margin: float, hessians: HessianStore | None = None,
                        rhs_int16: bool = False) -> int:
     """Replace each MatMul weight's DequantizeLinear with the recipe's format (and, with
     ``rhs_int16``, give activation x activation MatMuls an int16 input 1); -> weights changed."""
@@ -183,7 +223,6 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
     io = {v.name for v in (*float_graph.input, *float_graph.output)}
     bounds = {k: b for k, b in value_bounds(float_graph).items() if k not in io}
     inits = {t.name: t for t in qm.graph.initializer}
-    solved = getattr(hessians, "solved", None)  # HessianStore: prefill + decode share weights
     matmul_b = {n.input[1] for n in qm.graph.node if n.op_type == "MatMul"}
     changed = 0
     for node in qm.graph.node:
@@ -200,8 +239,6 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
         w = w.astype(np.float32, copy=False)  # [K, N]
         if w.ndim != 2:
             continue
-        key = weight_key(w)
-        H = (hessians or {}).get(key)
         K, N = w.shape
         if len(node.input) < 3 or not node.input[2]:  # give the DQ an explicit zero point
             zp_name = qname + "_zero_point"
@@ -210,28 +247,12 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
         # int4: blocks (of ``block_size``, else 64); int8: blocks only when ``block_size`` is
         # given; None (no block divides K): int8 per output channel
         B = _block(K, block_size or 64) if bits == 4 else block_size and _block(K, block_size)
+        scale, q = _weight_format(w, weight_key(w), 4 if B and bits == 4 else 8, B, hessians)
         if not B:
-            if H is not None:
-                scale, q = (solved(key, "int8") if solved else None) or (None, None)
-                if scale is None:
-                    scale, q = gptq_int8(w, H)
-                    if solved:
-                        solved(key, "int8", (scale, q))
-            else:
-                scale, q = rtn_int8(w)
             qt = numpy_helper.from_array(q, qname)
             zp = numpy_helper.from_array(np.zeros(N, np.int8), node.input[2])
             attrs = {"axis": 1}
         else:
-            kind = f"int{bits}b{B}"
-            scale, q = (solved(key, kind) or (None, None)) if solved and H is not None \
-                else (None, None)
-            if scale is None:
-                gptq, rtn = (gptq_int4, int4_blocks) if bits == 4 else (gptq_int8_blocks,
-                                                                        rtn_int8)
-                scale, q = gptq(w, H, B) if H is not None else rtn(w, B)
-                if solved and H is not None:
-                    solved(key, kind, (scale, q))
             if bits == 4:
                 qt = helper.make_tensor(qname, TensorProto.INT4, [K, N], q.flatten().tolist())
                 zp = helper.make_tensor(node.input[2], TensorProto.INT4, [K // B, N],

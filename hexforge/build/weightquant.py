@@ -148,3 +148,35 @@ def int4_blocks(w: np.ndarray, B: int) -> tuple[np.ndarray, np.ndarray]:
         best_scale = np.where(better, s, best_scale)
     q = np.clip(np.round(wb / best_scale[:, None]), -8, 7).astype(np.int8).reshape(K, N)
     return best_scale.astype(np.float32), q
+
+
+HOLDOUT = 5  # every 5th calibration row judges GPTQ against round to nearest (validated_gptq)
+
+
+def dequantize(scale: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """(scale [N] per channel or [K/B, N] per block, q [K, N]) -> float32 [K, N]."""
+    if scale.ndim == 1:
+        return q * scale
+    return q * np.repeat(scale, q.shape[0] // scale.shape[0], axis=0)
+
+
+def validated_gptq(w: np.ndarray, rows: np.ndarray, gptq, rtn) -> tuple[np.ndarray, np.ndarray, bool]:
+    """GPTQ from the calibration rows [r, K] minus every HOLDOUT-th one, kept only where it moves
+    the outputs of those held-out rows less than round to nearest does; else round to nearest.
+    ``gptq(w, H)`` / ``rtn(w)`` -> (scale, q). -> (scale, q, whether GPTQ was kept).
+
+    Why: with fewer calibration rows than inputs (H of rank r < K) GPTQ fits the rows it saw and
+    spreads its error into the directions they leave out. Measured per weight on the real-width
+    Qwen3.5 4-layer cut, int4 block 64, relative output error on the oracle's prompt: GPTQ 0.114
+    vs round to nearest 0.096 from the built-in 264-token calibration (0.028 vs 0.095 on the rows
+    it was solved on); 0.100 vs 0.095 from 2047 tokens. End to end (QDQ graphs on the CPU EP,
+    teacher-forced logits cos): 0.75 vs 0.86. On the tiny llama (K <= 256, ~330 rows) GPTQ won on
+    held-out rows (0.085 vs 0.096): which one wins depends on the model and the calibration."""
+    val = rows[::HOLDOUT]
+    train = np.delete(rows, np.s_[::HOLDOUT], axis=0).astype(np.float64)
+    ref = val @ w
+    sg, qg = gptq(w, train.T @ train)
+    sr, qr = rtn(w)
+    if np.linalg.norm(val @ dequantize(sg, qg) - ref) < np.linalg.norm(val @ dequantize(sr, qr) - ref):
+        return sg, qg, True
+    return sr, qr, False
