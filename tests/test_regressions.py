@@ -200,3 +200,23 @@ def test_media_tower_norms_are_prescaled_out_of_the_fp16_subnormals(ckpt, monkey
     after = norm_mean_squares()
     assert len(after) == len(before)
     assert 2.0**-2 <= min(after) and max(after) <= 2.0**2
+
+
+def test_gated_deltanet_output_norm_gets_its_prescale(ckpt):
+    """The prescale hook matched class names ending in "RMSNorm", so Qwen3.5's GatedDeltaNet output
+    norm (Qwen3_5RMSNormGated) kept k = 1: on the real-width 4-layer cut its input is ~1e-3 (a
+    uint16 scale of 8e-8), and the HTP's x*x of it differed from its own QDQ graph on the CPU by
+    10 % (the largest gap in the decode graph). Every RMSNorm-like module is calibrated now."""
+    import json
+
+    from hexforge.families import load_family
+
+    hf = load_family("qwen3_5_text").FAMILY.load_hf(ckpt("qwen3_5"))
+    got = blocks.calibrate_norm_scales(hf, list(range(3, 60)))
+    config = json.loads((ckpt("qwen3_5") / "config.json").read_text())
+    linear = [i for i, t in enumerate(config["layer_types"]) if t == "linear_attention"]
+    for i in linear:
+        norm = hf.model.layers[i].linear_attn.norm
+        assert type(norm).__name__ == "Qwen3_5RMSNormGated"
+        name = f"model.layers.{i}.linear_attn.norm"
+        assert name in got and blocks.RMSNorm.from_hf(norm).prescale == got[name]

@@ -58,7 +58,7 @@ def record_norm_prescales(root: nn.Module, run) -> dict[str, float]:
 
     hooks, seen = [], {}
     for name, mod in root.named_modules():
-        if type(mod).__name__.endswith("RMSNorm"):
+        if "RMSNorm" in type(mod).__name__:  # Qwen3_5RMSNormGated too (its input: args[0])
             def pre(m, args, name=name):
                 x = args[0].detach().float()
                 rms = x.pow(2).mean(-1).sqrt().flatten()
