@@ -97,6 +97,22 @@ def test_in_place_prefill_chunk_that_would_pass_the_cache_end_goes_through_ar1(b
     assert got == hf_greedy("qwen3", first + turn, 2)
 
 
+def _w8a16_qdq(float_path, calib, tmp_path):
+    """The build's path for one graph: GraphStats ranges over ``calib`` (feeds of x), ORT's QDQ
+    tool, our weight + range pass (w8a16) -> the QDQ graph's path."""
+    from hexforge.build.calibstats import GraphStats
+    from hexforge.build.quantize import RECIPES, quantize_graph
+
+    stats = GraphStats(float_path, tmp_path / "calib", hessians=False)
+    for x in calib:
+        stats.add({"x": x})
+    ranges = stats.save_ranges(tmp_path / "ranges.json")
+    stats.close()
+    qdq_path = tmp_path / "q.onnx"
+    quantize_graph(float_path, qdq_path, ranges, {}, {}, RECIPES["w8a16"], "prefill")
+    return qdq_path
+
+
 def test_widened_range_keeps_the_clip_the_qdq_tool_folded_into_its_quantize(tmp_path):
     """ORT's QDQ tool drops a Clip whose output it quantizes: the QuantizeLinear's range *is* the
     clamp. Widening that range x3 let Qwen3.5's decay exp(clamp(cum_i - cum_j, -80, 0)) through at
@@ -104,9 +120,6 @@ def test_widened_range_keeps_the_clip_the_qdq_tool_folded_into_its_quantize(tmp_
     ranges now stop at the float ops' bounds (``value_bounds``)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
-
-    from hexforge.build.calibstats import GraphStats
-    from hexforge.build.quantize import RECIPES, quantize_graph
 
     inits = [numpy_helper.from_array(np.array(v, np.float32), n)
              for n, v in (("two", 2.0), ("lo", -80.0), ("hi", 0.0))]
@@ -126,12 +139,7 @@ def test_widened_range_keeps_the_clip_the_qdq_tool_folded_into_its_quantize(tmp_
               str(float_path))
     # calibration never sees x > 0: the Clip's max 0 is only ever met, never cut
     calib = np.linspace(-60, 0, 8, dtype=np.float32)[None]
-    stats = GraphStats(float_path, tmp_path / "calib", hessians=False)
-    stats.add({"x": calib})
-    ranges = stats.save_ranges(tmp_path / "ranges.json")
-    stats.close()
-    qdq_path = tmp_path / "q.onnx"
-    quantize_graph(float_path, qdq_path, ranges, {}, {}, RECIPES["w8a16"], "prefill")
+    qdq_path = _w8a16_qdq(float_path, [calib], tmp_path)
 
     qm = onnx.load(str(qdq_path))
     assert "Clip" not in {n.op_type for n in qm.graph.node}  # folded, as the tool does
@@ -231,9 +239,6 @@ def test_act_x_act_matmul_inputs_keep_their_calibrated_range(tmp_path):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from hexforge.build.calibstats import GraphStats
-    from hexforge.build.quantize import RECIPES, quantize_graph
-
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), n)
              for n in ("wa", "wb")]
@@ -246,16 +251,8 @@ def test_act_x_act_matmul_inputs_keep_their_calibrated_range(tmp_path):
     float_path = tmp_path / "f.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9),
               str(float_path))
-    stats = GraphStats(float_path, tmp_path / "calib", hessians=False)
     calib = rng.standard_normal((16, 1, 8)).astype(np.float32)
-    for x in calib:
-        stats.add({"x": x})
-    ranges = stats.save_ranges(tmp_path / "ranges.json")
-    stats.close()
-    qdq_path = tmp_path / "q.onnx"
-    quantize_graph(float_path, qdq_path, ranges, {}, {}, RECIPES["w8a16"], "prefill")
-
-    qm = onnx.load(str(qdq_path))
+    qm = onnx.load(str(_w8a16_qdq(float_path, calib, tmp_path)))
     init = {t.name: numpy_helper.to_array(t) for t in qm.graph.initializer}
     width = {n.input[0]: float(init[n.input[1]]) * 65535 for n in qm.graph.node
              if n.op_type == "QuantizeLinear" and init[n.input[2]].dtype == np.uint16}
