@@ -192,13 +192,13 @@ def _weight_format(w: np.ndarray, key: str, bits: int, B: int | None,
             return (int4_blocks if bits == 4 else rtn_int8)(w, B)
     else:
         gptq, rtn = gptq_int8, rtn_int8
-    gram = hessians.gram(key) if hessians is not None else None
-    if gram is None:
+    if hessians is None or key not in hessians.file_of:
         return rtn(w)
     kind = f"int{bits}b{B}" if B else "int8"
-    done = hessians.solved(key, kind)
+    done = hessians.solved(key, kind)  # before the Gram: the decode twin need not read it again
     if done is not None:
         return done
+    gram = hessians.gram(key)
     if gram.rows is not None:
         scale, q, kept = validated_gptq(w, gram.rows, gptq, rtn)
     else:
@@ -323,7 +323,33 @@ def value_bounds(graph) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _act_matmul_inputs(qm, constants: set[str]) -> set[str]:
+def _act_x_act_matmuls(qm) -> list[tuple]:
+    """(MatMul, dq0, dq1) for every MatMul whose two inputs dequantize dynamic uint16 tensors
+    (activation x activation: QK^T, probs.V, GatedDeltaNet's state reads). The HTP runs these
+    differently from weight MatMuls: see ``_act_matmul_inputs`` and ``int16_matmul_rhs``."""
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in qm.graph.initializer}
+    consts = set(inits) | {o for n in qm.graph.node if n.op_type == "Constant" for o in n.output}
+    producer = {o: n for n in qm.graph.node for o in n.output}
+
+    def dynamic_u16(name: str):
+        n = producer.get(name)
+        if (n is None or n.op_type != "DequantizeLinear" or n.input[0] in consts
+                or len(n.input) < 3 or n.input[2] not in inits):
+            return None
+        return n if numpy_helper.to_array(inits[n.input[2]]).dtype == np.uint16 else None
+
+    found = []
+    for node in qm.graph.node:
+        if node.op_type == "MatMul":
+            dqs = [dynamic_u16(i) for i in node.input[:2]]
+            if all(dqs):
+                found.append((node, *dqs))
+    return found
+
+
+def _act_matmul_inputs(qm) -> set[str]:
     """Outputs of the QuantizeLinear nodes whose tensors both inputs of an activation x activation
     MatMul dequantize: they keep their calibrated range. The HTP's act x act MatMul keeps only
     the high bits of its 16-bit inputs. Measured on the state read k·(S·decay) of the real-width
@@ -333,19 +359,10 @@ def _act_matmul_inputs(qm, constants: set[str]) -> set[str]:
     (CPU EP 0.043)."""
     producer = {o: n for n in qm.graph.node for o in n.output}
     keep: set[str] = set()
-    for n in qm.graph.node:
-        if n.op_type != "MatMul":
-            continue
-        qs = []
-        for i in n.input[:2]:
-            dq = producer.get(i)
-            q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" \
-                else None
-            if q is None or q.op_type != "QuantizeLinear" or q.input[0] in constants:
-                break
-            qs.append(q.output[0])
-        else:
-            keep.update(qs)
+    for _, *dqs in _act_x_act_matmuls(qm):
+        qs = [producer.get(dq.input[0]) for dq in dqs]
+        if all(q is not None and q.op_type == "QuantizeLinear" for q in qs):
+            keep.update(q.output[0] for q in qs)
     return keep
 
 
@@ -376,7 +393,7 @@ def widen_activation_ranges(qm, inits: dict, factor: float,
     original: dict[str, np.ndarray] = {}
     made: dict[tuple, tuple[str, str]] = {}  # (scale, zp, bound) -> widened copies' names
     of_q: dict[str, tuple[str, str]] = {}  # Q output -> its widened pair (for its DQs)
-    act_matmul = _act_matmul_inputs(qm, constants)
+    act_matmul = _act_matmul_inputs(qm)
     for n in qm.graph.node:
         if n.op_type != "QuantizeLinear" or len(n.input) < 3 or n.input[0] in constants:
             continue
@@ -425,23 +442,8 @@ def int16_matmul_rhs(qm) -> int:
     from onnx import helper, numpy_helper
 
     inits = {t.name: t for t in qm.graph.initializer}
-    consts = set(inits) | {o for n in qm.graph.node if n.op_type == "Constant" for o in n.output}
-    producer = {o: n for n in qm.graph.node for o in n.output}
-
-    def dynamic_u16(name: str):
-        n = producer.get(name)
-        if (n is None or n.op_type != "DequantizeLinear" or n.input[0] in consts
-                or len(n.input) < 3 or n.input[2] not in inits):
-            return None
-        return n if numpy_helper.to_array(inits[n.input[2]]).dtype == np.uint16 else None
-
     inserts = []
-    for node in qm.graph.node:
-        if node.op_type != "MatMul" or not dynamic_u16(node.input[0]):
-            continue
-        dq = dynamic_u16(node.input[1])
-        if dq is None:
-            continue
+    for node, _, dq in _act_x_act_matmuls(qm):
         s = float(numpy_helper.to_array(inits[dq.input[1]]))
         z = float(numpy_helper.to_array(inits[dq.input[2]]))
         absmax = max(z * s, (65535.0 - z) * s)
