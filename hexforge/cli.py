@@ -53,7 +53,8 @@ def cmd_build(a) -> int:
                         max_shard_bytes=a.max_shard_bytes, verify=not a.no_verify,
                         exporter=a.exporter, quant=a.quant, calib=a.calib,
                         share_weights=a.share_weights, audio_seconds=a.audio_seconds,
-                        cpu_weights=a.cpu_weights, verify_tokens=a.verify_tokens)
+                        cpu_weights=a.cpu_weights, verify_tokens=a.verify_tokens,
+                        keep_work=a.keep_work)
     build(a.checkpoint, a.output, opts, log=lambda m: print(m, file=sys.stderr))
     return 0
 
@@ -239,6 +240,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the oracle's teacher-forced / greedy tokens (default 64); on the x86 HTP "
                         "simulator a real-size decode step takes about a minute (bench/htp_sim_step.py)")
     b.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript")
+    b.add_argument("--keep-work", action="store_true",
+                   help="HTP: keep _work/ (each graph's float and QDQ ONNX) in the bundle for "
+                        "per-tensor accuracy probes (bench/htp_tensors.py); large")
     b.add_argument("--image-size", type=_image_size, default=None, metavar="HxW",
                    help="fixed-resolution vision graphs (Qwen-VL): the build resolution, e.g. "
                         "512x512 (default) or 448; images are resized to it")

@@ -208,3 +208,23 @@ def test_failed_htp_gate_says_whether_the_htp_or_the_quantization_lost_it(ckpt, 
     assert twin["passed"] and twin["teacher_forced"]["cos_min"] >= GATES["w8a16"].tf_cos
     assert "qdq_on_cpu" not in report["cpu"]
     assert not list(tmp_path.glob(".b.partial-*"))  # the QDQ graphs went with the rest
+
+
+def test_tensor_probe_names_each_ops_error_on_cpu_and_htp(htp_bundle):
+    """bench/htp_tensors.py's probe on a --keep-work bundle: every re-quantized activation of the
+    decode graph, its error vs float on the CPU EP and on the simulator; a bundle without
+    _work/ is refused with the option to use."""
+    from hexforge.build.probe import tensor_errors
+
+    b = htp_bundle("llama", "w8a16", keep_work=True, verify=False)
+    rows = tensor_errors(b, "v81", step=3)
+    ops = {r.op for r in rows}
+    assert {"MatMul", "Softmax", "output"} <= ops, ops
+    assert len([r for r in rows if r.op == "MatMul"]) >= 4  # q/k/v/o, gate/up/down, QK^T, PV
+    for r in rows:  # 16-bit activations, 8-bit weights: small errors (none where the op's
+        assert r.cpu < 0.05 and r.htp < 0.05, r  # inputs are exact: positions, masks)
+    assert all(r.cpu > 0 and r.htp > 0 for r in rows if r.op == "MatMul")
+    hidden = [r for r in rows if r.op == "output"]
+    assert hidden and all(r.ratio < 4 for r in hidden), hidden
+    with pytest.raises(FileNotFoundError, match="--keep-work"):
+        tensor_errors(htp_bundle("llama", "w8a16"), "v81")

@@ -235,7 +235,7 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
             quant=recipe.name, mask_value=recipe.mask_value, graphs=compiled, plan=plan,
             weight_shared=opts.share_weights)
     for f in (root / "_work").rglob("*"):  # the float graphs are done with: keep the QDQ ones
-        if f.is_file() and not f.name.endswith(".qdq.onnx"):
+        if f.is_file() and not f.name.endswith(".qdq.onnx") and not opts.keep_work:
             f.unlink()
     return specs, qdq
 

@@ -60,6 +60,8 @@ class BuildOptions:
     audio_seconds: float | None = None  # the audio encoder's fixed window (default: the model's)
     image_size: tuple[int, int] | None = None  # fixed-resolution vision graphs (Qwen-VL): H, W
     force: bool = True  # replace an existing bundle at the output path
+    keep_work: bool = False  # HTP: leave _work/ (each graph's float and QDQ ONNX) in the bundle,
+    # for per-tensor accuracy probes (bench/htp_tensors.py)
     timings: dict = field(default_factory=dict)
 
 
@@ -177,7 +179,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
             for tg in htp_targets:
                 manifest.targets[tg.name].graphs += compile_encoders(
                     enc_graphs, tmp, tg, tg.default_soc.soc_model, log)
-            if not opts.verify:
+            if not opts.verify and not opts.keep_work:
                 shutil.rmtree(tmp / "_work", ignore_errors=True)
         opts.timings["export_s"] = time.perf_counter() - t
         save_manifest(tmp, manifest)
@@ -195,7 +197,8 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                 hf = None
             report = verify_bundle(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens,
                                    references=refs, qdq_twins=qdq)
-            shutil.rmtree(tmp / "_work", ignore_errors=True)
+            if not opts.keep_work:
+                shutil.rmtree(tmp / "_work", ignore_errors=True)
             opts.timings["verify_s"] = time.perf_counter() - t
             (tmp / "report.json").write_text(json.dumps(report, indent=1))
             for name, r in report.items():

@@ -299,16 +299,11 @@ def _qdq_on_cpu(bundle: Path, manifest: Manifest, family, hf, tok: TextTokenizer
     Measured (real-width 4-layer Qwen3.5 cut, v81 w8a16): HTP teacher-forced cos 0.9974, its QDQ
     graphs on the CPU 0.9981, the float graphs with only the int8 weights 0.9981: the gate missed
     on the weights' rounding, which a compiler fix would not change."""
-    spec = manifest.targets[name]
-    graphs = [g.model_copy(update={"file": files[g.name], "verify_file": None})
-              for g in spec.graphs if g.name in files]
-    graphs += [g for g in manifest.targets["cpu"].graphs if g.role in ("vision", "audio")]
-    twin = spec.model_copy(update={"name": f"{name}-qdq-cpu", "graphs": graphs, "htp_arch": None,
-                                   "soc_model": None, "qnn_sdk": None, "weight_shared": False})
-    m = manifest.model_copy(deep=True)
-    m.targets = {twin.name: twin}
-    engine = Engine(bundle, m, twin.name, Backend("cpu"))
-    r = verify_target(family, hf, engine, tok, m, twin.name, spec.quant,
+    from .probe import qdq_twin
+
+    m, twin = qdq_twin(manifest, name, files)
+    engine = Engine(bundle, m, twin, Backend("cpu"))
+    r = verify_target(family, hf, engine, tok, m, twin, manifest.targets[name].quant,
                       new_tokens=min(new_tokens, manifest.context - 2), ref=ref)
     return {k: r[k] for k in ("graphs", "teacher_forced", "passed", "failures")} | {
         "greedy": {k: r["greedy"][k] for k in ("new_tokens", "matching_prefix")}}
