@@ -317,7 +317,8 @@ def qdq_verdict(target_report: dict) -> str:
     cos = twin["teacher_forced"]["cos_min"]
     if twin["passed"]:
         return (f" (its QDQ graphs on the CPU pass, cos {cos:.6f}: the HTP compile or runtime "
-                "lost the accuracy)")
+                "lost the accuracy; bench/htp_tensors.py on a --no-verify --keep-work build names "
+                "the ops)")
     hint = "; weight scales per 128 input rows may pass: --quant w8a16-b128" \
         if target_report.get("quant") == "w8a16" else ""
     return (f" (its QDQ graphs on the CPU fail too, cos {cos:.6f}: the quantization lost the "
