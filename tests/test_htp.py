@@ -200,7 +200,8 @@ def test_failed_htp_gate_says_whether_the_htp_or_the_quantization_lost_it(ckpt, 
     monkeypatch.setattr(htp, "compile_graph", compile_corrupted)
     opts = BuildOptions(targets="v81", quant="w8a16", context=HTP_CONTEXT, prefill_len=HTP_N,
                         verify_tokens=8)
-    with pytest.raises(ParityGateError, match=r"QDQ graphs on the CPU pass.*HTP compile or runtime.*--keep-work"):
+    with pytest.raises(ParityGateError,
+                       match=r"QDQ graphs on the CPU pass.*HTP compile or runtime.*--keep-work"):
         build(ckpt("llama"), tmp_path / "b", opts, log=lambda m: None)
     report = json.loads((tmp_path / "b.report.json").read_text())
     assert report["cpu"]["passed"] and not report["v81"]["passed"]
