@@ -213,6 +213,7 @@ def cmd_demo(a) -> int:
 
 def parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .build.quantize import RECIPES  # numpy only: no torch, no onnx
 
     p = argparse.ArgumentParser(prog="hexforge", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"hexforge {__version__}")
@@ -226,8 +227,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--prefill-len", type=int, default=64, help="N of the AR-N prefill graph")
     b.add_argument("--max-shard-bytes", type=_shard_bytes, default=None,
                    help="per-graph weight ceiling (default: the target's): 1.8G, or cpu=3G,v81=1.8G")
-    b.add_argument("--quant", choices=("fp16", "w8a16", "w8a16-b128", "w4a16", "w4a16-rtn"),
-                   default="w8a16",
+    b.add_argument("--quant", choices=tuple(RECIPES), default="w8a16",
                    help="HTP targets' precision (the cpu target: see --cpu-weights)")
     b.add_argument("--cpu-weights", choices=("fp32", "int8", "int4"), default="fp32",
                    help="cpu target weights: fp32 (greedy-exact vs HF) or weight-only int8 / int4 "

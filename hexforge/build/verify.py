@@ -44,7 +44,6 @@ GATES = {
     # int4 on random-weight tiny models: ~8.5% output error per matmul (quantize.py), 0.97-0.99
     # teacher-forced over 6 layers; the gate catches broken builds (bad scales give cos < 0.5)
     "w4a16": Gate(graph_cos=0.95, tf_cos=0.95, top1=0.5, greedy_exact=False),
-    "w4a16-rtn": Gate(graph_cos=0.95, tf_cos=0.95, top1=0.5, greedy_exact=False),
     # cpu target, weight-only MatMulNBits (fp32 activations, int8 activations inside the matmul
     # at accuracy level 4): teacher-forced cosine, not exact tokens
     "int8": Gate(graph_cos=0.99, tf_cos=0.995, top1=0.8, greedy_exact=False),
@@ -53,6 +52,7 @@ GATES = {
     # the gate catches broken builds (wrong scales / packing give cos < 0.5)
     "int4": Gate(graph_cos=0.88, tf_cos=0.88, top1=0.5, greedy_exact=False),
 }
+GATES["w4a16-rtn"] = GATES["w4a16"]  # the same format, rounded to nearest
 
 
 def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
