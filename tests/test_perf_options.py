@@ -74,6 +74,35 @@ def test_io_binding_matches_plain_session_run(bundle, family, monkeypatch):
             e.reset()
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma4", "qwen3_5"])
+def test_decode_fast_path_gives_the_general_paths_logits_bit_for_bit(bundle, family, monkeypatch):
+    """A decode step writes its host inputs into the last step's arrays (Engine._decode_inputs);
+    forced through the general path (_step_inputs) every step, the logits are the same bits.
+    gemma4: per-layer host embeddings, two ropes, sliding-window masks; qwen3_5: recurrent state.
+    Two prompts, the second after a reset: the kept dict outlives reset()."""
+    import hexforge
+    from hexforge.runtime.engine import Engine
+
+    b = bundle(family)
+    fast, general = hexforge.load(b).engine, hexforge.load(b).engine
+    general._decode_inputs = lambda token: None  # every step through _step_inputs
+    taken = []
+    real = Engine._decode_inputs
+    monkeypatch.setattr(Engine, "_decode_inputs",
+                        lambda self, token: taken.append(real(self, token)) or taken[-1])
+    rng = np.random.default_rng(2)
+    for n in (21, 5):
+        prompt = [int(x) for x in rng.integers(3, fast.vocab_size, n)]
+        got = [e.prefill(prompt) for e in (fast, general)]
+        for _ in range(40):  # past a sliding window of the tiny gemma4
+            tok = int(np.argmax(got[0]))
+            got = [e.decode(tok) for e in (fast, general)]
+            np.testing.assert_array_equal(got[0], got[1])
+        for e in (fast, general):
+            e.reset()
+    assert taken[0] is None and all(t is not None for t in taken[1:40])  # the first builds
+
+
 def test_bench_cli_reports_every_number(bundle, capsys):
     from hexforge.cli import main
 

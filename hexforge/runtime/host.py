@@ -118,6 +118,7 @@ class HostInputs:
             raise BundleError(f"embedding table must be 2-D, got {self.embed_table.shape}")
         self.embed_scale = np.float32(recipe.embed.scale)
         self.placeholder_ids = list(placeholder_ids)  # media placeholders (manifest encoders)
+        self.max_positions = max_positions  # rows of the rope tables
         # cos/sin tables for every position a (padded) step can touch: [P, R], fp32 as HF computes
         pos = np.arange(max_positions, dtype=np.float32)[:, None]
         self.rope: dict[str, tuple[np.ndarray, np.ndarray]] = {}
