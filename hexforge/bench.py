@@ -74,6 +74,94 @@ def bench_bundle(bundle: str | Path, prompt_tokens: int = 128, new_tokens: int =
     }
 
 
+def op_profile(bundle: str | Path, tokens: int = 32, prompt_tokens: int = 32,
+               backend: str = "cpu", arch: str | None = None, seed: int = 0) -> dict:
+    """Where a decode token's time goes, from onnxruntime's per-node profile of ``tokens`` greedy
+    decode steps (after a warm-up generation)::
+
+        wall per token ─┬─ in session runs ─┬─ kernels, by op type (MatMulNBits, ...)
+                        │                   └─ between kernels (the executor: allocation,
+                        │                      dispatch, thread-pool hand-offs)
+                        └─ host (Python: the engine's inputs, binding, argmax)
+
+    Profiling adds ~1 us per node, so every number is a little above an unprofiled run's; the
+    shares are what to read. Per token = summed over the step's graphs (shards, and the head where
+    it is a graph of its own), averaged over the timed steps."""
+    import dataclasses
+    import json
+    import tempfile
+    from collections import defaultdict
+
+    from .errors import RequestError
+    from .runtime.backends import Backend
+    from .runtime.model import load, parse_arch
+
+    with tempfile.TemporaryDirectory(prefix="hexforge-profile-") as tmp:
+        be = dataclasses.replace(Backend.resolve(backend, parse_arch(arch)),
+                                 profile_prefix=str(Path(tmp) / "p"))
+        model = load(bundle, backend=be)
+        eng = model.engine
+        rng = np.random.default_rng(seed)
+        ids = [int(x) for x in rng.integers(0, eng.vocab_size, min(prompt_tokens, eng.prefill_len))]
+        if len(ids) + tokens + 2 > eng.context:
+            raise RequestError(f"{tokens} tokens after a {len(ids)}-token prompt pass the bundle's "
+                             f"context ({eng.context})")
+        time_generation(eng, ids, 3)  # warm-up
+        _, decode_s = time_generation(eng, ids, tokens + 1)  # the last `tokens` runs of each graph
+        graphs = list(eng.step_graphs["decode"])
+        if not eng.head_in_step["decode"]:
+            graphs.append(eng.head)
+        run_us = kernel_us = 0.0
+        ops: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        for sess in eng.sessions.values():
+            sess.end_profiling()
+        for graph in graphs:
+            path = next(Path(tmp).glob(f"p-{graph.name}_*.json"))
+            events = json.loads(path.read_text())
+            runs = sorted((e for e in events if e.get("cat") == "Session"
+                           and e["name"] == "model_run"), key=lambda e: e["ts"])[-tokens:]
+            nodes = [e for e in events if e.get("cat") == "Node"
+                     and e["name"].endswith("_kernel_time")]
+            start, end = runs[0]["ts"], runs[-1]["ts"] + runs[-1]["dur"]
+            run_us += sum(r["dur"] for r in runs)
+            for e in nodes:
+                if start <= e["ts"] <= end:
+                    op = ops[e["args"].get("op_name", "?")]
+                    op[0] += e["dur"]
+                    op[1] += 1
+                    kernel_us += e["dur"]
+    wall_ms = 1e3 * decode_s / tokens
+    per = 1e-3 / tokens  # us summed over the steps -> ms per token
+    return {
+        "bundle": str(bundle), "backend": model.backend.name, "target": model.target,
+        "tokens": tokens, "wall_ms": round(wall_ms, 3), "run_ms": round(run_us * per, 3),
+        "kernel_ms": round(kernel_us * per, 3),
+        "between_kernels_ms": round((run_us - kernel_us) * per, 3),
+        "host_ms": round(wall_ms - run_us * per, 3),
+        "nodes_per_token": round(sum(n for _, n in ops.values()) / tokens, 1),
+        "ops": {name: {"ms": round(us * per, 3), "count": round(n / tokens, 1),
+                       "share": round(us * per / wall_ms, 4)}
+                for name, (us, n) in sorted(ops.items(), key=lambda kv: -kv[1][0])},
+    }
+
+
+def print_op_profile(r: dict, top: int = 12) -> None:
+    w = r["wall_ms"]
+    line = lambda name, ms, extra="": print(f"  {name:34s} {ms:8.3f} ms {100 * ms / w:6.1f} %{extra}")  # noqa: E731
+    print(f"{r['bundle']}  [{r['backend']} / target {r['target']}]  decode, {r['tokens']} tokens "
+          f"profiled: {w:.3f} ms a token, {r['nodes_per_token']:g} nodes")
+    line("in session runs", r["run_ms"])
+    line("  kernels", r["kernel_ms"])
+    shown = list(r["ops"].items())[:top]
+    for name, o in shown:
+        line(f"    {name}", o["ms"], f"  x{o['count']:g}")
+    rest = r["kernel_ms"] - sum(o["ms"] for _, o in shown)
+    if len(r["ops"]) > top:
+        line(f"    {len(r['ops']) - top} more op types", rest)
+    line("  between kernels", r["between_kernels_ms"])
+    line("outside runs (host; profiling slows it)", r["host_ms"])
+
+
 def print_bench(r: dict) -> None:
     def fmt(s: dict | None, unit: str) -> str:
         return "-" if s is None else f"{s['median']:g} {unit} (min {s['min']:g}, max {s['max']:g})"

@@ -196,8 +196,13 @@ def cmd_targets(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    from .bench import bench_bundle, print_bench
+    from .bench import bench_bundle, op_profile, print_bench, print_op_profile
 
+    if a.op_profile:
+        r = op_profile(a.bundle, tokens=a.n, prompt_tokens=a.prompt_tokens, backend=a.backend,
+                       arch=a.arch)
+        print(json.dumps(r)) if a.json else print_op_profile(r)
+        return 0
     r = bench_bundle(a.bundle, prompt_tokens=a.prompt_tokens, new_tokens=a.n, runs=a.runs,
                      backend=a.backend, arch=a.arch, prefill_mode=a.prefill_mode)
     print(json.dumps(r)) if a.json else print_bench(r)
@@ -324,6 +329,9 @@ def parser() -> argparse.ArgumentParser:
                     help="chunked: AR-N prefill graphs; decode: the AR-1 graph over the prompt")
     bb.add_argument("--backend", default="cpu", choices=("cpu", "qnn", "qnn-sim", "auto"))
     bb.add_argument("--arch", default=None)
+    bb.add_argument("--op-profile", action="store_true",
+                    help="instead: where a decode token's time goes, by op type (onnxruntime's "
+                         "per-node profile of -n tokens after a prompt of at most one chunk)")
     bb.add_argument("--json", action="store_true")
     bb.set_defaults(fn=cmd_bench)
     return p

@@ -103,6 +103,32 @@ def test_decode_fast_path_gives_the_general_paths_logits_bit_for_bit(bundle, fam
     assert taken[0] is None and all(t is not None for t in taken[1:40])  # the first builds
 
 
+def test_op_profile_splits_a_decode_token_by_op_type(bundle, capsys):
+    """hexforge bench --op-profile: onnxruntime's per-node profile of the timed decode steps,
+    summed by op type; the parts add up and the counts are the decode graph's nodes a token."""
+    from hexforge.bench import op_profile
+    from hexforge.cli import main
+    from hexforge.errors import RequestError
+    from hexforge.manifest import load_manifest
+
+    b = bundle("qwen3")
+    r = op_profile(b, tokens=6)
+    ops = r["ops"]
+    # one in-place GroupQueryAttention per layer
+    assert ops["GroupQueryAttention"]["count"] == load_manifest(b).num_layers
+    assert "MatMul" in ops and ops["MatMul"]["ms"] > 0
+    assert 0 < r["kernel_ms"] < r["run_ms"] < r["wall_ms"]
+    assert sum(o["ms"] for o in ops.values()) == pytest.approx(r["kernel_ms"], abs=0.01)
+    assert r["between_kernels_ms"] == pytest.approx(r["run_ms"] - r["kernel_ms"], abs=0.002)
+    assert r["nodes_per_token"] == pytest.approx(sum(o["count"] for o in ops.values()), abs=0.2)
+    assert load_manifest(b).targets["cpu"].decode_runs_head  # one graph a step: the head in it
+    with pytest.raises(RequestError, match="context"):
+        op_profile(b, tokens=10_000)
+    assert main(["bench", str(b), "--op-profile", "-n", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "GroupQueryAttention" in out and "between kernels" in out
+
+
 def test_bench_cli_reports_every_number(bundle, capsys):
     from hexforge.cli import main
 

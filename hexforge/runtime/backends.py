@@ -136,6 +136,9 @@ class Backend:
     name: str  # "cpu" | "qnn" | "qnn-sim"
     device_arch: int | None = None  # the HTP the binaries must match (qnn-sim: the simulated one)
     allow_cpu_fallback: bool = False
+    # every session writes onnxruntime's per-node profile to <profile_prefix>-<graph>_<time>.json
+    # (``hexforge bench --op-profile``); None: no profiling
+    profile_prefix: str | None = None
     # (bundle, target) -> bytes of its prefill graphs' weight files (prepack_prefill)
     _weight_bytes: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -158,6 +161,11 @@ class Backend:
 
     def configure_cpu_session(self, so, path: Path, graph: GraphSpec) -> None:
         """Extra cpu session options for one graph (the build's oracle maps weights once)."""
+
+    def _profile(self, so, graph: GraphSpec) -> None:
+        if self.profile_prefix is not None:
+            so.enable_profiling = True
+            so.profile_file_prefix = f"{self.profile_prefix}-{graph.name}"
 
     def _prefill_weight_bytes(self, bundle: Path, target: TargetSpec) -> int:
         """The bytes of the weight files the target's prefill graphs read, each file once
@@ -193,6 +201,7 @@ class Backend:
                     quant, self._prefill_weight_bytes(bundle, target) if quant == "fp32" else 0):
                 disable_prepacking(so)
             self.configure_cpu_session(so, path, graph)
+            self._profile(so, graph)
             try:
                 sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
             except Exception as e:  # ORT raises its own Fail/InvalidGraph types
@@ -231,6 +240,7 @@ class Backend:
         opts = qnn.provider_options(target.htp_arch, target.soc_model, target.quant == "fp16")
         record = {"session.record_ep_graph_assignment_info": "1"}  # to name any CPU split
         so = qnn.session_options(opts, record, self.allow_cpu_fallback)
+        self._profile(so, graph)
         try:
             with qnn.native_stdout_to_stderr():
                 sess = ort.InferenceSession(str(path), so)

@@ -94,11 +94,13 @@ class StopStrings:
 
 
 class Model:
-    def __init__(self, bundle: str | Path, backend: str = "cpu", arch: str | int | None = None,
-                 target: str | None = None, allow_cpu_fallback: bool = False):
+    def __init__(self, bundle: str | Path, backend: str | Backend = "cpu",
+                 arch: str | int | None = None, target: str | None = None,
+                 allow_cpu_fallback: bool = False):
         self.bundle = Path(bundle)
         self.manifest = load_manifest(self.bundle)
-        self.backend = Backend.resolve(backend, parse_arch(arch), allow_cpu_fallback)
+        self.backend = (backend if isinstance(backend, Backend) else
+                        Backend.resolve(backend, parse_arch(arch), allow_cpu_fallback))
         self.target = pick_target(self.manifest, self.backend, target)
         if self.backend.is_htp and self.backend.device_arch is None:
             # qnn-sim simulates the target's arch; on a device QNN itself checks the SoC
@@ -317,8 +319,8 @@ def parse_arch(arch: str | int | None) -> int | None:
     return int(digits)
 
 
-def load(bundle: str | Path, backend: str = "cpu", arch: str | int | None = None,
+def load(bundle: str | Path, backend: str | Backend = "cpu", arch: str | int | None = None,
          target: str | None = None, allow_cpu_fallback: bool = False) -> Model:
-    """Load a bundle: backend "cpu" (default), "qnn", "qnn-sim" or "auto"; ``arch`` = the device's
-    Hexagon arch (e.g. "v81") when running HTP targets."""
+    """Load a bundle: backend "cpu" (default), "qnn", "qnn-sim" or "auto" (or a resolved
+    ``Backend``); ``arch`` = the device's Hexagon arch (e.g. "v81") when running HTP targets."""
     return Model(bundle, backend, arch, target, allow_cpu_fallback)
