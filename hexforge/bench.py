@@ -84,9 +84,10 @@ def op_profile(bundle: str | Path, tokens: int = 32, prompt_tokens: int = 32,
                         │                      dispatch, thread-pool hand-offs)
                         └─ host (Python: the engine's inputs, binding, argmax)
 
-    Profiling adds ~1 us per node, so every number is a little above an unprofiled run's; the
-    shares are what to read. Per token = summed over the step's graphs (shards, and the head where
-    it is a graph of its own), averaged over the timed steps."""
+    Profiling adds ~1 us per node, so every number is above an unprofiled run's and the shares
+    are what to read. "between kernels" moves most: it doubled in a process that held other
+    sessions while the unprofiled speed did not move. Per token = summed over the step's graphs
+    (shards, and the head where it is a graph of its own), averaged over the timed steps."""
     import dataclasses
     import json
     import tempfile
@@ -104,8 +105,8 @@ def op_profile(bundle: str | Path, tokens: int = 32, prompt_tokens: int = 32,
         rng = np.random.default_rng(seed)
         ids = [int(x) for x in rng.integers(0, eng.vocab_size, min(prompt_tokens, eng.prefill_len))]
         if len(ids) + tokens + 2 > eng.context:
-            raise RequestError(f"{tokens} tokens after a {len(ids)}-token prompt pass the bundle's "
-                             f"context ({eng.context})")
+            raise RequestError(f"{tokens} tokens after a {len(ids)}-token prompt pass the "
+                               f"bundle's context ({eng.context})")
         time_generation(eng, ids, 3)  # warm-up
         _, decode_s = time_generation(eng, ids, tokens + 1)  # the last `tokens` runs of each graph
         graphs = list(eng.step_graphs["decode"])
