@@ -99,7 +99,7 @@ def test_hessian_store_keeps_wide_inputs_as_rows_on_disk(tmp_path):
     store = HessianStore(tmp_path / "h")
     store.add([(["a", "b"], Gram(rows=xs[0]))])
     store.add([(["a", "b"], Gram(rows=xs[1]))])  # the decode twin of the same weights
-    store.add([(["c"], Gram(rows=xs[2]) + Gram(H=np.eye(K)))])  # rows + H -> H
+    store.add([(["c"], Gram(rows=xs[2]) + Gram(H=np.eye(K), n=7))])  # rows + H -> H
     x = np.concatenate(xs[:2]).astype(np.float64)
     np.testing.assert_allclose(store.get("a"), x.T @ x, rtol=1e-6)
     assert store.get("b").shape == (K, K) and store.file_of["a"] == store.file_of["b"]
@@ -109,6 +109,8 @@ def test_hessian_store_keeps_wide_inputs_as_rows_on_disk(tmp_path):
     np.testing.assert_allclose(store.get("c"), x2.T @ x2 + np.eye(K), rtol=1e-6)
     many = Gram(rows=np.ones((2 * K - 1, K), np.float32)) + Gram(rows=np.ones((1, K), np.float32))
     assert many.rows is None and many.H.shape == (K, K)  # 2K rows: H is the smaller form
+    # the row count survives pooling and the disk (GPTQ's damping reads it: gptq_damp)
+    assert (store.gram("a").n, store.gram("c").n, many.n) == (80, 47, 2 * K)
 
 
 def _gptq_reference(w, H, B, scale_of, qlo, qhi, damp=0.01):
@@ -269,19 +271,22 @@ def test_gptq_is_kept_only_where_it_beats_round_to_nearest_on_held_out_rows():
     K, N, B = 128, 32, 32
     w = (rng.standard_normal((K, N)) * 0.05).astype(np.float32)
 
-    def gptq(w, H):
-        return gptq_int4(w, H, B)
+    def gptq(w, H, damp):
+        return gptq_int4(w, H, B, damp)
+
+    def overfit(w, H, damp=None):  # the paper's damping whatever the rows (gptq_damp's "before")
+        return gptq_int4(w, H, B, 0.01)
 
     def rtn(w):
         return int4_blocks(w, B)
 
     iso = rng.standard_normal((60, K)).astype(np.float32)  # fewer rows than inputs, no structure
-    s, q, kept = validated_gptq(w, iso, gptq, rtn)
+    s, q, kept = validated_gptq(w, iso, overfit, rtn)
     rs, rq = rtn(w)
     assert not kept and (q == rq).all() and (s == rs).all()
     held = rng.standard_normal((200, K))  # unseen rows of the same distribution: RTN was right
     xg = iso[1:].astype(np.float64)
-    gs, gq = gptq(w, xg.T @ xg)
+    gs, gq = overfit(w, xg.T @ xg)
     def moved(s, q):
         return np.linalg.norm(held @ (dequantize(s, q) - w))
 
@@ -293,6 +298,35 @@ def test_gptq_is_kept_only_where_it_beats_round_to_nearest_on_held_out_rows():
     assert kept
     held = rng.standard_normal((200, 6)) @ basis
     assert moved(s, q) < 0.5 * moved(rs, rq)
+
+
+def test_gptq_damping_grows_as_calibration_rows_fall_below_the_inputs():
+    """Regression (real-width 4-layer cuts, w4a16 from the built-in ~300 calibration rows against
+    K 1024-3584: teacher-forced cos Qwen3 0.9432 -> 0.9535, Qwen3.5 0.8346 -> 0.8698 with damping
+    3 instead of the paper's 0.01): gptq_damp damps a few-row Hessian hard and a many-row one as
+    the paper does, and each beats the other's damping on held-out rows."""
+    from hexforge.build.weightquant import dequantize, gptq_damp, gptq_int4
+
+    rng = np.random.default_rng(0)
+    K, N, B = 256, 48, 64
+    w = (rng.standard_normal((K, N)) * 0.05).astype(np.float32)
+    mix = rng.standard_normal((K, K)) * np.linspace(3, 0.1, K)[None, :]  # anisotropic inputs
+
+    def rows(n):
+        return (rng.standard_normal((n, K)) @ mix.T).astype(np.float32)
+
+    held = rows(2000)
+
+    def held_error(x, damp):
+        x = x.astype(np.float64)
+        s, q = gptq_int4(w, x.T @ x, B, damp)
+        return np.linalg.norm(held @ (dequantize(s, q) - w))
+
+    assert gptq_damp(K // 16, K) == 3.0 and gptq_damp(64 * K, K) == 0.01
+    assert gptq_damp(K // 4, K) > 0.5 > gptq_damp(K, K) > 0.05 > gptq_damp(4 * K, K)
+    few, many = rows(K // 4), rows(4 * K)
+    assert held_error(few, gptq_damp(len(few), K)) < 0.9 * held_error(few, 0.01)
+    assert held_error(many, gptq_damp(len(many), K)) < 0.9 * held_error(many, 3.0)
 
 
 def test_w4a16_rtn_rounds_every_weight_where_w4a16_keeps_gptq(tmp_path):

@@ -73,6 +73,7 @@ class GraphStats:
         # form (real-size Qwen3.5-0.8B: ~0.2 GB of rows vs 3.6 GB of H per graph)
         self._rows: dict[str, list[np.ndarray]] = {}
         self.hessians: dict[str, np.ndarray] = {}
+        self.n_rows: dict[str, int] = {}  # rows folded into hessians[a] (GPTQ's damping reads it)
         self.act_of: dict[str, str] = {}
         if not hessians:
             return
@@ -120,12 +121,13 @@ class GraphStats:
         if rows:
             H = Gram(rows=np.concatenate(rows)).matrix()
             self.hessians[a] = self.hessians[a] + H if a in self.hessians else H
+            self.n_rows[a] = self.n_rows.get(a, 0) + sum(len(r) for r in rows)
 
     def _gram(self, a: str) -> Gram:
         """Activation ``a``'s H in its smaller form (its rows while they are fewer than 2K)."""
         if a in self.hessians:
             self._fold(a)
-            return Gram(H=self.hessians.pop(a))
+            return Gram(H=self.hessians.pop(a), n=self.n_rows.pop(a))
         return Gram(rows=np.concatenate(self._rows.pop(a)))
 
     def save_ranges(self, cache: Path) -> Path:
@@ -154,7 +156,7 @@ class GraphStats:
 
     def close(self) -> None:
         self._cal = self._hsess = None
-        self.hessians, self._rows = {}, {}
+        self.hessians, self._rows, self.n_rows = {}, {}, {}
         for f in self._tmp:
             f.unlink(missing_ok=True)
 
@@ -229,17 +231,20 @@ class Gram:
     has a 1.2 GB H and ~330 rows of 16 MB; storing every H (~29 GB, estimated) ran that build
     out of its 42 GB of free disk."""
 
-    def __init__(self, rows: np.ndarray | None = None, H: np.ndarray | None = None):
-        if (rows is None) == (H is None):
-            raise ValueError("a Gram is rows or H")
+    def __init__(self, rows: np.ndarray | None = None, H: np.ndarray | None = None,
+                 n: int | None = None):
+        """rows [n, K], or H [K, K] with n, the number of rows summed into it."""
+        if (rows is None) == (H is None) or (H is not None and n is None):
+            raise ValueError("a Gram is rows, or H and its row count")
         self.rows, self.H = rows, H
+        self.n = rows.shape[0] if rows is not None else int(n)
 
     def __add__(self, other: Gram) -> Gram:
         if self.rows is not None and other.rows is not None:
             rows = np.concatenate([self.rows, other.rows])
             if Gram.rows_are_smaller(*rows.shape):
                 return Gram(rows=rows)
-        return Gram(H=self.matrix() + other.matrix())
+        return Gram(H=self.matrix() + other.matrix(), n=self.n + other.n)
 
     @staticmethod
     def rows_are_smaller(n_rows: int, K: int) -> bool:
@@ -255,12 +260,14 @@ class Gram:
 
     def save(self, f: Path) -> None:
         with open(f, "wb") as fh:  # np.savez would append ".npz" to a name without it
-            np.savez(fh, **({"rows": self.rows} if self.rows is not None else {"H": self.H}))
+            np.savez(fh, **({"rows": self.rows} if self.rows is not None
+                            else {"H": self.H, "n": np.int64(self.n)}))
 
     @staticmethod
     def load(f: Path) -> Gram:
         with np.load(f) as z:
-            return Gram(rows=z["rows"]) if "rows" in z.files else Gram(H=z["H"])
+            return (Gram(rows=z["rows"]) if "rows" in z.files
+                    else Gram(H=z["H"], n=int(z["n"])))
 
 
 class HessianStore:
