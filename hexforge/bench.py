@@ -114,11 +114,9 @@ def op_profile(bundle: str | Path, tokens: int = 32, prompt_tokens: int = 32,
             graphs.append(eng.head)
         run_us = kernel_us = 0.0
         ops: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-        for sess in eng.sessions.values():
-            sess.end_profiling()
+        files = {name: sess.end_profiling() for name, sess in eng.sessions.items()}
         for graph in graphs:
-            path = next(Path(tmp).glob(f"p-{graph.name}_*.json"))
-            events = json.loads(path.read_text())
+            events = json.loads(Path(files[graph.name]).read_text())
             runs = sorted((e for e in events if e.get("cat") == "Session"
                            and e["name"] == "model_run"), key=lambda e: e["ts"])[-tokens:]
             nodes = [e for e in events if e.get("cat") == "Node"
