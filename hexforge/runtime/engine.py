@@ -200,15 +200,9 @@ class Engine:
         rope_pos = p + self.rope_delta
         if inputs is None or self.media is not None or not 0 <= rope_pos < host.max_positions:
             return None
-        if token in host.placeholder_ids and host.recipe.media_pad_id is not None:
-            token = host.recipe.media_pad_id  # as media_ids()
-        row = host.embed_table[token].astype(np.float32)
-        hidden = self._kept_rows["hidden"]
-        hidden[0, 0] = row * host.embed_scale if host.embed_scale != 1.0 else row
-        inputs["hidden"] = inputs["embed"] = hidden  # a shard's output replaced it last step
-        for e in host.recipe.extra_embeds:
-            self._kept_rows[f"host:{e.name}"][0, 0] = (host.extra[e.name][token].astype(np.float32)
-                                                      * np.float32(e.scale))
+        host.write_token_rows(token, self._kept_rows)
+        # a shard's output replaced "hidden" last step
+        inputs["hidden"] = inputs["embed"] = self._kept_rows["hidden"]
         for name, (cos, sin) in host.rope.items():
             self._kept_rows[f"rope_cos:{name}"][0, 0] = cos[rope_pos]
             self._kept_rows[f"rope_sin:{name}"][0, 0] = sin[rope_pos]

@@ -143,17 +143,31 @@ class HostInputs:
     def vocab_size(self) -> int:
         return self.embed_table.shape[0]
 
+    def _embed_rows(self, ids: np.ndarray | int) -> np.ndarray:
+        """ids [T] -> [T, H] float32 (a token id -> [H])."""
+        h = self.embed_table[ids].astype(np.float32)
+        return h * self.embed_scale if self.embed_scale != 1.0 else h
+
+    def _extra_rows(self, e, ids: np.ndarray | int) -> np.ndarray:
+        return self.extra[e.name][ids].astype(np.float32) * np.float32(e.scale)
+
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """ids [T] -> hidden [1, T, H] float32."""
-        h = self.embed_table[ids].astype(np.float32)
-        if self.embed_scale != 1.0:
-            h = h * self.embed_scale
-        return h[None]
+        return self._embed_rows(ids)[None]
 
     def extra_embeds(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         """Other per-token host gathers (e.g. Gemma-4 per-layer inputs): {name: [1, T, D]}."""
-        return {e.name: (self.extra[e.name][ids].astype(np.float32) * np.float32(e.scale))[None]
-                for e in self.recipe.extra_embeds}
+        return {e.name: self._extra_rows(e, ids)[None] for e in self.recipe.extra_embeds}
+
+    def write_token_rows(self, token: int, rows: dict[str, np.ndarray]) -> None:
+        """One token's embed() and extra_embeds() rows written in place, by the same float ops:
+        rows["hidden"] and rows["host:<name>"] (a decode step's kept [1, 1, D] arrays, any float
+        dtype); a media placeholder reads media_pad_id's rows, as media_ids()."""
+        if token in self.placeholder_ids and self.recipe.media_pad_id is not None:
+            token = self.recipe.media_pad_id
+        rows["hidden"][...] = self._embed_rows(token)
+        for e in self.recipe.extra_embeds:
+            rows[f"host:{e.name}"][...] = self._extra_rows(e, token)
 
     def rope_tables(self, name: str, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """positions [T] (1-D, or M-RoPE text rows: t = h = w) or [3, T] (M-RoPE t, h, w)
