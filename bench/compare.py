@@ -107,12 +107,14 @@ class Hexforge:
 class HFEager:
     def __init__(self, ckpt: Path, threads: int):
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         torch.set_num_threads(threads)
         self.torch = torch
         self.name = "hf-eager-fp32"
-        self.model = AutoModelForCausalLM.from_pretrained(
+        config = json.loads((ckpt / "config.json").read_text())
+        auto = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
+        self.model = auto.from_pretrained(
             str(ckpt), dtype=torch.float32, attn_implementation="eager").eval()
         self.past = None
 

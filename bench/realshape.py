@@ -1,12 +1,17 @@
 """Real-shape random-weight checkpoints (speed does not depend on the weights' values).
 
-    python bench/realshape.py qwen3-0.6b|qwen3.5-0.8b|gemma-4-e2b OUT_DIR [--dtype bfloat16|float32]
+    python bench/realshape.py qwen3-0.6b|qwen3.5-0.8b|qwen3.5-0.8b-vl|gemma-4-e2b OUT_DIR
+        [--dtype bfloat16|float32] [--layers N]
 
 Shapes are the published configs' numbers (hidden, layers, heads, head_dim, intermediate, vocab,
 tying). The model is made once in the saved dtype and written with ``save_pretrained``: one copy
 in memory (Qwen3-0.6B: 2.4 GB fp32, 1.2 GB bf16; Gemma-4-E2B text, 4.63B parameters: 9.3 GB bf16,
 made in ~2 min). Tokenizer: hexforge's tiny byte-level BPE (the benchmarks feed token ids; only the
 vocab size of the *model* matters for speed).
+
+``qwen3.5-0.8b-vl`` is the layout Qwen/Qwen3.5-0.8B ships (Qwen3_5ForConditionalGeneration: the
+same text model under ``model.language_model`` plus its vision tower); onnxruntime-genai's builder
+takes only that layout, so bench/compare.py's Qwen3.5 side-by-side uses it.
 """
 
 from __future__ import annotations
@@ -52,6 +57,13 @@ SHAPES: dict[str, dict] = {
                              mrope_interleaved=True, mrope_section=[11, 11, 10]),
     ),
 }
+SHAPES["qwen3.5-0.8b-vl"] = SHAPES["qwen3.5-0.8b"]
+# shape -> (the composite's model_type, its vision_config): Qwen/Qwen3.5-0.8B vision_config
+TOWERS: dict[str, tuple[str, dict]] = {
+    "qwen3.5-0.8b-vl": ("qwen3_5", dict(
+        depth=12, hidden_size=768, intermediate_size=3072, num_heads=12, out_hidden_size=1024,
+        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304)),
+}
 
 
 def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: int = 0,
@@ -59,7 +71,12 @@ def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: 
     """layers: keep only the first ``layers`` decoder layers (a real-width cut: the HTP simulator
     runs a full-depth model at about a minute per decode step)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        GenerationConfig,
+    )
 
     from hexforge.tiny import condition_weights, make_tokenizer
 
@@ -70,13 +87,20 @@ def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: 
     model_type = cfg.pop("model_type")
     if layers:
         cfg["num_hidden_layers"] = layers
-    config = AutoConfig.for_model(model_type, bos_token_id=tok.bos_token_id,
-                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                  **cfg)
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id)
+    auto = AutoModelForCausalLM
+    if shape in TOWERS:
+        model_type, vision = TOWERS[shape]
+        config = AutoConfig.for_model(model_type, text_config={**cfg, **ids}, vision_config=vision,
+                                      tie_word_embeddings=cfg["tie_word_embeddings"], **ids)
+        auto = AutoModelForImageTextToText
+    else:
+        config = AutoConfig.for_model(model_type, **ids, **cfg)
     torch.manual_seed(seed)
     t = time.perf_counter()
     # made directly in the saved dtype: never two full copies
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model = auto.from_config(config, dtype=getattr(torch, dtype))
     # norms perturbed; Gemma-4 conditioned as a trained model is (else it is chaotic at depth)
     condition_weights(model, model_type.removesuffix("_text"))
     model.save_pretrained(str(out), safe_serialization=True)
@@ -84,7 +108,8 @@ def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: 
                      pad_token_id=tok.pad_token_id).save_pretrained(str(out))
     n = sum(p.numel() for p in model.parameters())
     (out / "hexforge_realshape.json").write_text(json.dumps(
-        {"shape": shape, "dtype": dtype, "layers": config.num_hidden_layers, "params": n,
+        {"shape": shape, "dtype": dtype, "layers": config.get_text_config().num_hidden_layers,
+         "params": n,
          "conditioned": True, "make_s": time.perf_counter() - t}))
     del model
     return out

@@ -103,8 +103,22 @@ TINY_CONFIGS["qwen3_vl"] = dict(
         num_position_embeddings=64, deepstack_visual_indexes=[0, 2],
     ),
 )
+# Qwen3.5 as the hub ships it (Qwen3_5ForConditionalGeneration): the 8-layer qwen3_5 text model
+# above (rope theta 1e4 so image positions turn its 4 rotary frequencies visibly) and a 2-block
+# Qwen3-VL-style vision tower without deepstack.
+TINY_CONFIGS["qwen3_5_vl"] = dict(
+    model_type="qwen3_5", tie_word_embeddings=False,
+    text_config={k: v for k, v in TINY_CONFIGS["qwen3_5"].items() if k != "model_type"}
+    | dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25,
+                                mrope_interleaved=True, mrope_section=[2, 1, 1])),
+    vision_config=dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+        temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
+        num_position_embeddings=64,
+    ),
+)
 # placeholder / boundary tokens per multimodal family (default: MM_TOKENS, Gemma-4's)
-FAMILY_MM_TOKENS = {"qwen3_vl": QWEN_VL_TOKENS}
+FAMILY_MM_TOKENS = {"qwen3_vl": QWEN_VL_TOKENS, "qwen3_5_vl": QWEN_VL_TOKENS}
 
 
 # Weight scales applied after from_config, by parameter-name substring. Gemma-4 at from_config
@@ -259,7 +273,8 @@ def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **over
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg_kwargs = copy.deepcopy({**TINY_CONFIGS[family], **overrides})
-    add_bos = cfg_kwargs["model_type"] not in ("qwen3", "qwen2", "qwen3_5_text", "qwen3_vl")
+    add_bos = cfg_kwargs["model_type"] not in ("qwen3", "qwen2", "qwen3_5_text", "qwen3_5",
+                                               "qwen3_vl")
     multimodal = "text_config" in cfg_kwargs
     mm_tokens = FAMILY_MM_TOKENS.get(family, MM_TOKENS)
     tok = make_tokenizer(out, add_bos=add_bos,
@@ -289,7 +304,7 @@ def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **over
     model.save_pretrained(str(out), safe_serialization=True)
     if family == "gemma4_mm":
         _save_gemma4_processor_config(out)
-    if family == "qwen3_vl":
+    if family in FAMILY_MM_TOKENS:
         _save_qwen2vl_processor_config(out, cfg_kwargs["vision_config"])
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                      pad_token_id=tok.pad_token_id).save_pretrained(str(out))

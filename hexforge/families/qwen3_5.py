@@ -109,12 +109,25 @@ class Qwen35Family(DecoderFamily):
         return out
 
     def host_recipe(self, hf, args: Args) -> HostRecipe:
-        # text positions: M-RoPE with t = h = w is plain rope over the rotary part of head_dim
+        """Text positions: M-RoPE with t = h = w is plain rope over the rotary part of head_dim.
+        With the vision tower (qwen3_5, as the hub ships it) image tokens take their (t, row, col)
+        grid: interleaved M-RoPE on the host as Qwen3-VL's (``families/qwen3_vl.py``); the
+        tower itself is Qwen3-VL's without deepstack (``qwen3_vl_vision.py``)."""
         rot = self.text_model(hf).rotary_emb
+        scaling = float(getattr(rot, "attention_scaling", 1.0))
+        if getattr(hf.model, "visual", None) is None:
+            return HostRecipe(
+                embed=EmbedSpec(table="embed_tokens", scale=1.0),
+                ropes=[RopeSpec(name="default", inv_freq="rope.default.inv_freq",
+                                attention_scaling=scaling)],
+            )
         return HostRecipe(
-            embed=EmbedSpec(table="embed_tokens", scale=1.0),
+            embed=EmbedSpec(table="embed_tokens", scale=1.0), positions="mrope",
             ropes=[RopeSpec(name="default", inv_freq="rope.default.inv_freq",
-                            attention_scaling=float(getattr(rot, "attention_scaling", 1.0)))],
+                            attention_scaling=scaling,
+                            # HF Qwen3_5TextRotaryEmbedding: Qwen3-VL's, always interleaved
+                            mrope_section=[int(x) for x in rot.mrope_section],
+                            mrope_interleaved=True)],
         )
 
     def decoder_module(self, hf, args: Args, layers: tuple[int, int], seq_len: int, context: int):

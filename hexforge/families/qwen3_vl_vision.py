@@ -1,4 +1,5 @@
 """Qwen3-VL vision tower (vision_config.model_type qwen3_vl_vision) as one fixed-resolution graph.
+Qwen3.5's tower (qwen3_5_vision) is the same without the deepstack mergers: it comes here too.
 
 HF's tower is data-dependent (grid_thw -> interpolation taps, rotary ids, cu_seqlens splits); for
 one image at a resolution fixed at build time every one of those is a constant, so the build
@@ -114,7 +115,7 @@ class Qwen3VLVisionEncoder(EncoderFamily):
             out = hf.model.visual(torch.from_numpy(inputs["pixel_values"][0]),
                                   grid_thw=torch.from_numpy(inputs["image_grid_thw"]))
         ref = {"soft": out.pooler_output.float().numpy()}
-        for i, feat in enumerate(out.deepstack_features):
+        for i, feat in enumerate(getattr(out, "deepstack_features", None) or []):  # Qwen3.5: none
             ref[f"deepstack:{i}"] = feat.float().numpy()
         return ref
 
@@ -189,8 +190,11 @@ class VisionGraph(nn.Module):
         act = blocks.ACTIVATIONS.get(cfg.hidden_act) or visual.blocks[0].mlp.act_fn
         self.blocks = nn.ModuleList([Block(b, cfg.num_heads, act) for b in visual.blocks])
         self.merger = Merger(visual.merger)
-        self.deepstack = {int(layer): i for i, layer in enumerate(visual.deepstack_visual_indexes)}
-        self.ds_mergers = nn.ModuleList([Merger(x) for x in visual.deepstack_merger_list])
+        # Qwen3.5's tower deletes both attributes: no deepstack features
+        indexes = getattr(visual, "deepstack_visual_indexes", [])
+        self.deepstack = {int(layer): i for i, layer in enumerate(indexes)}
+        self.ds_mergers = nn.ModuleList([Merger(x) for x in getattr(visual, "deepstack_merger_list",
+                                                                    [])])
         self.n_patches, self.patch_dim = gh * gw, self.patch_w.shape[1]
         self.io = GraphIO(inputs=[("pixel_values", "media:pixel_values")],
                           outputs=[("soft", "soft")] + [(f"deepstack_{i}", f"deepstack:{i}")
