@@ -67,6 +67,58 @@ def test_two_shards_equal_one(bundle, hf_greedy):
     assert a.token_ids == b.token_ids == hf_greedy("qwen3_5", ids, 64)
 
 
+def test_cpu_decode_runs_the_gated_delta_net_as_onnxruntimes_fused_ops(bundle):
+    """Issue 10: the real-shape Qwen3.5-0.8B decoded at 0.90-0.93x onnxruntime-genai at 2 threads
+    with the GatedDeltaNet written out (~95 nodes a linear layer: shifted-add conv, expanded key
+    heads, softplus gate, l2 norms, delta-rule matmuls) and its 1 MiB states copied after every
+    step. The cpu decode graph runs one CausalConvWithState, LinearAttentionGate, LinearAttention
+    and GatedRMSNorm per linear layer, LinearAttention writing the state in place; the prefill
+    graph keeps the chunk form (the tests above hold both to HF's greedy tokens)."""
+    import onnx
+
+    b = bundle("qwen3_5")
+    m = json.loads((b / "manifest.json").read_text())
+    linear = [s["layer"] for s in m["state"] if s["kind"] == "ssm"]
+    fused = ("CausalConvWithState", "LinearAttentionGate", "LinearAttention", "GatedRMSNorm")
+    graphs = {g["role"]: g for g in m["targets"]["cpu"]["graphs"]}
+    for role, count in (("decode", len(linear)), ("prefill", 0)):
+        g = graphs[role]
+        ops = [n.op_type for n in onnx.load(str(b / g["file"]),
+                                            load_external_data=False).graph.node]
+        assert [ops.count(op) for op in fused] == [count] * 4, role
+        in_place = {o["bind"] for o in g["outputs"] if o["bind"].startswith("alias:")}
+        assert {f"alias:past.L{i}.ssm" for i in linear} & in_place == (
+            {f"alias:past.L{i}.ssm" for i in linear} if count else set()), role
+    ops = [n.op_type for n in onnx.load(str(b / graphs["decode"]["file"]),
+                                        load_external_data=False).graph.node]
+    assert not {"Softplus", "Exp", "ReduceSum", "Expand", "Where"} & set(ops)
+    # 620 nodes before (tiny: 6 linear + 2 full layers + the head)
+    assert len([op for op in ops if op != "Constant"]) < 300
+
+
+def test_fused_gated_delta_net_step_equals_the_written_out_one(ckpt, hf_model):
+    """The cpu decode form's wiring (q|k|v split, l2 norm as an RMSNorm, q's scale moved into the
+    op, interleaved key heads) in eager torch, with the ops' math as onnxruntime documents it,
+    against the HTP form: the same output, fifo and state."""
+    import torch
+
+    from hexforge.families.qwen3_5 import Args, GatedDeltaNet
+
+    args = Args.from_config(json.loads((ckpt("qwen3_5") / "config.json").read_text()))
+    hf_lin = hf_model("qwen3_5").model.layers[0].linear_attn
+    plain, fused = GatedDeltaNet(hf_lin, args, 1), GatedDeltaNet(hf_lin, args, 1)
+    fused.cpu_kernel = True
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, args.hidden_size, generator=g)
+    fifo = torch.randn(1, args.linear_conv_kernel_dim - 1, args.conv_dim, generator=g)
+    S = torch.randn(1, args.linear_num_value_heads, args.linear_key_head_dim,
+                    args.linear_value_head_dim, generator=g) * 0.1
+    with torch.no_grad():
+        want, got = plain(x, fifo, S), fused(x, fifo, S)
+    for w, o in zip(want, got, strict=True):
+        assert torch.allclose(w, o, atol=1e-5, rtol=1e-4), (w - o).abs().max()
+
+
 def test_tail_selector_picks_the_last_valid_rows():
     """Regression: a padded last chunk must leave the fifo holding real inputs, not pad rows."""
     ext = np.arange(3 + 8, dtype=np.float32)[None, :, None]  # [fifo 0..2 | step rows 3..10]

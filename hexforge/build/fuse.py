@@ -143,7 +143,6 @@ def _shapes(model) -> dict[str, list]:
     the com.microsoft ops), run on a skeleton: the weights enter as typed graph inputs, so no
     weight bytes are copied."""
     from onnx import helper
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     g = model.graph
     small = [t for t in g.initializer if _nbytes(t) < 4096]  # shape constants and the like
@@ -153,7 +152,15 @@ def _shapes(model) -> dict[str, list]:
                              initializer=small)
     sk = helper.make_model(skel, opset_imports=list(model.opset_import),
                            ir_version=model.ir_version)
-    inferred = SymbolicShapeInference.infer_shapes(sk, auto_merge=True)
+    inference = _shape_inference_class()(2**31 - 1, True, False, 0)  # int_max, auto_merge
+    inference._preprocess(sk)
+    done = False
+    while inference.run_:
+        done = inference._infer_impl()
+    if not done:  # a bug in an export, never user input
+        raise ValueError(f"{g.name}: incomplete shape inference")
+    inference._update_output_from_vi()
+    inferred = inference.out_mp_
     out = {}
     for v in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
         dims = v.type.tensor_type.shape.dim
@@ -162,6 +169,35 @@ def _shapes(model) -> dict[str, list]:
     for t in g.initializer:
         out[t.name] = list(t.dims)
     return out
+
+
+def _shape_inference_class():
+    from onnx import helper
+    from onnxruntime.tools.symbolic_shape_infer import (
+        SymbolicShapeInference,
+        get_elem_type_from_type_proto,
+    )
+
+    from ..families.ortops import OUTPUT_LIKES
+
+    class ShapeInference(SymbolicShapeInference):
+        """onnxruntime's symbolic inference, plus the contrib ops ``families/ortops.py`` emits
+        that it does not know (GatedDeltaNet's): each output has one input's type and shape.
+        (Its own ``infer_shapes`` also writes sym_shape_infer_temp.onnx into the working
+        directory when it fails.)"""
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            for op in OUTPUT_LIKES:
+                self.dispatcher_[op] = self._like_inputs
+
+        def _like_inputs(self, node):
+            for out, i in zip(node.output, OUTPUT_LIKES[node.op_type], strict=False):
+                elem = get_elem_type_from_type_proto(self.known_vi_[node.input[i]].type)
+                self.known_vi_[out].CopyFrom(
+                    helper.make_tensor_value_info(out, elem, self._get_shape(node, i)))
+
+    return ShapeInference
 
 
 def _nbytes(t) -> int:

@@ -89,7 +89,7 @@ def use_cpu_kernels(module: nn.Module) -> nn.Module:
     The graph-level fusions (residual Add + norm, int8/int4 q/k/v packed into one MatMulNBits)
     are made on the exported ONNX: ``build/fuse.py``."""
     for m in module.modules():
-        if isinstance(m, RMSNorm | StaticAttention):
+        if hasattr(m, "cpu_kernel"):  # RMSNorm, StaticAttention, qwen3_5.GatedDeltaNet
             m.cpu_kernel = True
     return module
 

@@ -5,6 +5,10 @@ has none of them), with their eager math, and the rope they share with the HTP g
     simplified_layer_norm  SimplifiedLayerNormalization       one node, not seven
     group_query_attention  com.microsoft GroupQueryAttention  on the KV cache in place
                                                               (optionally with the rope inside)
+    causal_conv_with_state com.microsoft CausalConvWithState  GatedDeltaNet's short conv + SiLU
+    linear_attention_gate  com.microsoft LinearAttentionGate  its decay and beta
+    linear_attention       com.microsoft LinearAttention      its gated delta rule, T >= 1
+    gated_rms_norm         com.microsoft GatedRMSNorm         its per-head norm x SiLU(z)
 """
 
 from __future__ import annotations
@@ -181,3 +185,118 @@ class CacheLengths:
     total: torch.Tensor  # [] int32: rows held after the step
     presents: list = field(default_factory=list)  # (cache input, its present output), call order
     rotary: dict = field(default_factory=dict)  # id(host cos table) -> gqa_rotary's inputs
+
+
+# ---- GatedDeltaNet (Qwen3.5) as four contrib ops ---------------------------------------------------
+# Measured on the tiny Qwen3.5 cpu decode graph: ~95 nodes a linear layer written out (conv as K
+# shifted multiply-adds, the key heads expanded to the value heads, l2 norms, softplus gate, the
+# delta-rule matmuls, the gated norm); the per-node cost is what the CPU decode step spends.
+
+
+class _ContribOp(torch.autograd.Function):
+    """One com.microsoft node for the torchscript exporter (its symbolic). Non-tensor arguments:
+    the op name, its attributes as (key, value) pairs, for each output the index of the input
+    whose type it has. Traced values are placeholders (the tracer broke on the eager math of
+    a Function's forward: "Argument passed to at() was not in the map"); eager is ``_EAGER``."""
+
+    @staticmethod
+    def forward(ctx, name, attrs, likes, *inputs):
+        outs = tuple(torch.zeros_like(inputs[i]) for i in likes)
+        return outs if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def symbolic(g, name, attrs, likes, *inputs):
+        suffix = {int: "_i", float: "_f", str: "_s"}
+        kw = {k + suffix[type(v)]: v for k, v in attrs}
+        outs = g.op(f"com.microsoft::{name}", *inputs, outputs=len(likes), **kw)
+        outs = outs if isinstance(outs, tuple | list) else (outs,)
+        for out, i in zip(outs, likes, strict=True):
+            out.setType(inputs[i].type())
+        return tuple(outs) if len(outs) > 1 else outs[0]
+
+
+def _contrib(name: str, inputs: list, attrs: dict):
+    """``name`` as one node from either exporter; eager: ``_EAGER[name](attrs, *inputs)``. Each
+    output has the dtype and shape of ``inputs[OUTPUT_LIKES[name][j]]``."""
+    likes = OUTPUT_LIKES[name]
+    if torch.jit.is_tracing():
+        return _ContribOp.apply(name, tuple(attrs.items()), likes, *inputs)
+    if torch.onnx.is_in_onnx_export():
+        outs = torch.onnx.ops.symbolic_multi_out(
+            f"com.microsoft::{name}", inputs, attrs, dtypes=[inputs[i].dtype for i in likes],
+            shapes=[list(inputs[i].shape) for i in likes], version=1)
+        return tuple(outs) if len(likes) > 1 else outs[0]
+    return _EAGER[name](attrs, *inputs)
+
+
+def _conv_eager(attrs, x, weight, bias, past):
+    T, K = x.shape[1], weight.shape[-1]
+    ext = torch.cat((past, x), dim=1)
+    conv = sum(ext[:, j:j + T] * weight[:, 0, j] for j in range(K)) + bias
+    return torch.nn.functional.silu(conv), ext[:, T:]
+
+
+def _gate_eager(attrs, a, dt_bias, decay_scale, b):
+    return decay_scale * torch.nn.functional.softplus(a + dt_bias), torch.sigmoid(b)
+
+
+def _linear_attention_eager(attrs, q, k, v, S, g, beta):
+    hq, hv, scale = attrs["q_num_heads"], attrs["kv_num_heads"], attrs["scale"]
+    T, dk, dv = q.shape[1], q.shape[2] // hq, v.shape[2] // hv
+
+    def heads(x, n, d):
+        return x.reshape(1, T, n, d).repeat_interleave(hv // n, 2).transpose(1, 2)
+
+    q, k, v = heads(q, hq, dk) * scale, heads(k, hq, dk), heads(v, hv, dv)
+    outs = []
+    for t in range(T):
+        S = S * torch.exp(g[:, t])[..., None, None]
+        kt = k[:, :, t:t + 1]
+        delta = (v[:, :, t:t + 1] - torch.matmul(kt, S)) * beta[:, t, :, None, None]
+        S = S + torch.matmul(kt.transpose(2, 3), delta)
+        outs.append(torch.matmul(q[:, :, t:t + 1], S))
+    return torch.cat(outs, 2).transpose(1, 2).reshape(1, T, hv * dv), S
+
+
+def _gated_norm_eager(attrs, x, weight, gate):
+    h = x.reshape(*x.shape[:-1], -1, weight.shape[0])
+    h = h * torch.rsqrt((h * h).mean(-1, keepdim=True) + attrs["epsilon"]) * weight
+    return h.reshape(x.shape) * torch.nn.functional.silu(gate)
+
+
+# op -> for each output, the input whose dtype and shape it has (also build/fuse.py's shape
+# inference for these ops, which onnxruntime's symbolic inference does not know)
+OUTPUT_LIKES = {"CausalConvWithState": (0, 3), "LinearAttentionGate": (0, 3),
+                "LinearAttention": (2, 3), "GatedRMSNorm": (0,)}
+_EAGER = {"CausalConvWithState": _conv_eager, "LinearAttentionGate": _gate_eager,
+          "LinearAttention": _linear_attention_eager, "GatedRMSNorm": _gated_norm_eager}
+
+
+def causal_conv_with_state(x, weight, bias, past):
+    """SiLU(depthwise causal conv) over [past | x], time-major (channels_last): x [1,T,C],
+    weight [C,1,K], bias [C], past [1,K-1,C] -> (out [1,T,C], present [1,K-1,C] = the last K-1
+    rows of [past | x])."""
+    return _contrib("CausalConvWithState", [x, weight, bias, past],
+                    dict(channels_last=1, activation="silu"))
+
+
+def linear_attention_gate(a, dt_bias, decay_scale, b):
+    """(decay, beta) = (decay_scale * softplus(a + dt_bias), sigmoid(b)); a, b [1,T,Hv]."""
+    return _contrib("LinearAttentionGate", [a, dt_bias, decay_scale, b], {})
+
+
+def linear_attention(q, k, v, state, decay, beta, q_heads: int, v_heads: int, scale: float):
+    """The gated delta rule over T tokens, state S [1,Hv,dk,dv] (decay g in log space):
+
+        S <- exp(g_t) S;  S <- S + k_t^T (beta_t (v_t - k_t S));  o_t = scale q_t S
+
+    q, k [1,T,Hq*dk] (key heads repeated interleaved up to v_heads, as HF), v [1,T,Hv*dv],
+    decay / beta [1,T,Hv] -> (o [1,T,Hv*dv], S')."""
+    return _contrib("LinearAttention", [q, k, v, state, decay, beta],
+                    dict(q_num_heads=q_heads, kv_num_heads=v_heads, update_rule="gated_delta",
+                         scale=float(scale)))
+
+
+def gated_rms_norm(x, weight, gate, eps: float):
+    """Per-head RMSNorm x SiLU(gate) on packed rows: x, gate [1,T,H*D], weight [D]."""
+    return _contrib("GatedRMSNorm", [x, weight, gate], dict(activation="silu", epsilon=float(eps)))
