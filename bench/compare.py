@@ -7,6 +7,10 @@ contender is measured in turn, `--runs` times, and medians + min-max are reporte
         [--ttft-prompt 512] [--ttft-runs 2] [--ttft-warmup 1] [--genai fp32,int4] [--no-hf]
         [--also DIR,DIR]
 
+--shape: a bench/realshape.py shape. Qwen3.5 side by side with genai: qwen3.5-0.8b-vl (the hub's
+layout, which genai's builder needs; one process holding fp32 + int4 of every contender and HF ran
+out of 24 GB in the TTFT round: run fp32 and int4 apart).
+
 Stages (each reused when its output exists under --work):
   checkpoint  bench/realshape.py (bf16 safetensors, made once, one copy in memory)
   hexforge    hexforge build -> <work>/hf-<shape>-<w>   per --cpu-weights (fp32 = the oracle-exact one)
