@@ -183,8 +183,9 @@ def _shape_inference_class():
     class ShapeInference(SymbolicShapeInference):
         """onnxruntime's symbolic inference, plus the contrib ops ``families/ortops.py`` emits
         that it does not know (GatedDeltaNet's): each output has one input's type and shape.
-        (Its own ``infer_shapes`` also writes sym_shape_infer_temp.onnx into the working
-        directory when it fails.)"""
+        Driven as its own ``infer_shapes`` drives it (those private members are what its
+        subclass hook is), less the sym_shape_infer_temp.onnx that one writes into the working
+        directory when it fails."""
 
         def __init__(self, *args):
             super().__init__(*args)
