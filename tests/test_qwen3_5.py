@@ -70,10 +70,10 @@ def test_two_shards_equal_one(bundle, hf_greedy):
 def test_cpu_decode_runs_the_gated_delta_net_as_onnxruntimes_fused_ops(bundle):
     """Issue 10: the real-shape Qwen3.5-0.8B decoded at 0.90-0.93x onnxruntime-genai at 2 threads
     with the GatedDeltaNet written out (~95 nodes a linear layer: shifted-add conv, expanded key
-    heads, softplus gate, l2 norms, delta-rule matmuls) and its 1 MiB states copied after every
-    step. The cpu decode graph runs one CausalConvWithState, LinearAttentionGate, LinearAttention
-    and GatedRMSNorm per linear layer, LinearAttention writing the state in place; the prefill
-    graph keeps the chunk form (the tests above hold both to HF's greedy tokens)."""
+    heads, softplus gate, l2 norms, delta-rule matmuls) and its states copied after every step.
+    The cpu decode graph runs one CausalConvWithState, LinearAttentionGate, LinearAttention and
+    GatedRMSNorm per linear layer, the conv and LinearAttention writing their states in place;
+    the prefill graph keeps the chunk form (the tests above hold both to HF's greedy tokens)."""
     import onnx
 
     b = bundle("qwen3_5")
@@ -81,14 +81,19 @@ def test_cpu_decode_runs_the_gated_delta_net_as_onnxruntimes_fused_ops(bundle):
     linear = [s["layer"] for s in m["state"] if s["kind"] == "ssm"]
     fused = ("CausalConvWithState", "LinearAttentionGate", "LinearAttention", "GatedRMSNorm")
     graphs = {g["role"]: g for g in m["targets"]["cpu"]["graphs"]}
+    states = {f"alias:past.L{i}.{s}" for i in linear for s in ("ssm", "conv")}
     for role, count in (("decode", len(linear)), ("prefill", 0)):
         g = graphs[role]
-        ops = [n.op_type for n in onnx.load(str(b / g["file"]),
-                                            load_external_data=False).graph.node]
+        nodes = onnx.load(str(b / g["file"]), load_external_data=False).graph.node
+        ops = [n.op_type for n in nodes]
         assert [ops.count(op) for op in fused] == [count] * 4, role
-        in_place = {o["bind"] for o in g["outputs"] if o["bind"].startswith("alias:")}
-        assert {f"alias:past.L{i}.ssm" for i in linear} & in_place == (
-            {f"alias:past.L{i}.ssm" for i in linear} if count else set()), role
+        in_place = {o["bind"]: o["name"] for o in g["outputs"] if o["bind"].startswith("alias:")}
+        assert states & set(in_place) == (states if count else set()), role
+        # in place is safe only where the node that writes a state is the one node reading it:
+        # no other node may read the old state after (or while) it is overwritten
+        for bind in states & set(in_place):
+            readers = [n for n in nodes if bind[6:] in n.input]
+            assert len(readers) == 1 and in_place[bind] in readers[0].output, bind
     ops = [n.op_type for n in onnx.load(str(b / graphs["decode"]["file"]),
                                         load_external_data=False).graph.node]
     assert not {"Softplus", "Exp", "ReduceSum", "Expand", "Where"} & set(ops)

@@ -142,17 +142,22 @@ class Qwen35Family(DecoderFamily):
 
     def cpu_step_module(self, hf, args: Args, layers: tuple[int, int], seq_len: int, context: int):
         """The cpu form (fused GatedDeltaNet decode ops, in-place KV caches), and in the decode
-        graph LinearAttention writes each ssm state in place: its output aliases the state input
-        (bind ``alias:past.L<i>.ssm``) instead of being copied into the state buffer after the
-        step — 1.1-1.3 ms of a 20.4 ms Qwen3.5-0.8B int4 token (18 x 1 MiB). onnxruntime's kernel
-        gives the same bits with past and present in one buffer (the greedy and IO-binding tests
-        run it so). Not the prefill's chunk form: onnxruntime may schedule a read of the old
-        state after the node that writes the new one."""
+        graph each linear layer's states are written in place: LinearAttention's ssm state and
+        CausalConvWithState's fifo are outputs bound to their own inputs (``alias:past.L<i>.*``)
+        instead of being copied into the state buffers after the step. Copying the ssm states
+        cost 1.1-1.3 ms of a 20.4 ms Qwen3.5-0.8B int4 token (18 x 1 MiB), the conv fifos
+        0.12-0.16 ms of a 18.9 ms one (18 x 72 KiB). Both kernels give the same bits in place:
+        LinearAttention measured (50 steps, past and present one buffer vs two), and the conv's
+        decode path shifts its fifo forward from the higher index, which onnxruntime's source
+        says is meant to allow one buffer; the greedy and IO-binding tests run it so. Not the
+        prefill's chunk form: onnxruntime may schedule a read of the old state after the node
+        that writes the new one."""
         module = super().cpu_step_module(hf, args, layers, seq_len, context)
         if seq_len > 1:
             return module
         outputs = [(name, f"alias:past.{bind[6:]}" if bind.startswith("state:")
-                    and bind.endswith(".ssm") else bind) for name, bind in module.io.outputs]
+                    and bind.endswith((".ssm", ".conv")) else bind)
+                   for name, bind in module.io.outputs]
         module.io = GraphIO(inputs=module.io.inputs, outputs=outputs)
         return module
 
