@@ -119,3 +119,34 @@ def test_regression_exporter_side_files_were_left_in_the_bundle(tmp_path):
     np.testing.assert_array_equal(got["w1"], w1)
     np.testing.assert_array_equal(got["w2"], w2)
     assert gather_side_files(path) == 0  # already gathered: nothing to do
+
+
+def test_regression_constant_value_side_files_were_left_in_the_bundle(tmp_path):
+    """The exporter also writes a large Constant node's value as a file of its own
+    (``_shard_shard_layers.3_mixer_Constant_18_attr__value``, 128 KiB, two per real-size Qwen3.5
+    cpu bundle, one pair per Qwen3 one). Only the initializers' files were gathered, so these
+    were left in the bundle, read by no graph once the weights were shared."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from hexforge.build.export import gather_side_files
+
+    rng = np.random.default_rng(0)
+    w, c = rng.standard_normal((64, 64)).astype(np.float32), rng.standard_normal(64).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(c, "c_value")),
+         helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "c"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])],
+        [numpy_helper.from_array(w, "w")])
+    path = tmp_path / "g.onnx"
+    onnx.save(helper.make_model(graph), str(path), save_as_external_data=True,
+              all_tensors_to_one_file=False, size_threshold=0, convert_attribute=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c_value", "g.onnx", "w"]
+    assert gather_side_files(path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.onnx", "g.onnx.data"]
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    import onnxruntime as ort
+
+    y = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, x @ w + c, rtol=1e-5, atol=1e-5)

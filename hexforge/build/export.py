@@ -59,24 +59,41 @@ def export_module(module, path: Path, exporter: str = "dynamo") -> tuple[list[Te
 
 def gather_side_files(path: Path) -> int:
     """A graph over protobuf's 2 GB leaves the exporter's weights as one file per tensor beside
-    it (names like ``onnx__MatMul_5298``, which the next export may reuse for another tensor):
-    move them into ``<graph>.data`` at once, which ``share_weights`` then takes in. -> files."""
+    it (names like ``onnx__MatMul_5298``, which the next export may reuse for another tensor), the
+    values of large Constant nodes too (``_shard_shard_layers.3_mixer_Constant_18_attr__value``):
+    move the weights into ``<graph>.data`` at once, which ``share_weights`` then takes in, and the
+    Constants' values into the graph. -> files."""
     import onnx
     from onnx.external_data_helper import ExternalDataInfo
 
     m = onnx.load(str(path), load_external_data=False)
-    side = {ExternalDataInfo(t).location for t in m.graph.initializer
+    side = {ExternalDataInfo(t).location for t in _tensors(m.graph)
             if t.data_location == onnx.TensorProto.EXTERNAL}
     side.discard(path.name + ".data")
     if not side:
         return 0
-    m = onnx.load(str(path))
+    m = onnx.load(str(path))  # every tensor's data, attribute values included, now inline
     (path.parent / (path.name + ".data")).unlink(missing_ok=True)  # onnx appends to a file
+    # initializers only: attribute values stay in the graph (onnx's convert_attribute=False)
     onnx.save(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
               location=path.name + ".data", size_threshold=MIN_EXTERNAL_BYTES)
     for loc in side:
         (path.parent / loc).unlink(missing_ok=True)
     return len(side)
+
+
+def _tensors(graph):
+    """The graph's initializers and its nodes' tensor attribute values (our graphs have no
+    subgraphs)."""
+    from onnx import AttributeProto
+
+    yield from graph.initializer
+    for node in graph.node:
+        for a in node.attribute:
+            if a.type == AttributeProto.TENSOR:
+                yield a.t
+            elif a.type == AttributeProto.TENSORS:
+                yield from a.tensors
 
 
 def fold_initializer_identities(path: Path) -> int:
