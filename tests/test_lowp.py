@@ -122,6 +122,11 @@ def test_bf16_checkpoint_builds_greedy_exact_with_bf16_resident_weights(bf16_ckp
                                                    max_shard_bytes=900_000), log=lambda m: None)
     report = json.loads((out / "report.json").read_text())["cpu"]
     assert report["passed"] and report["greedy"]["exact"]
+    from hexforge.runtime.host import check_safetensors_header
+
+    tables = {k: t["dtype"] for k, t in check_safetensors_header(out / "host.safetensors").items()
+              if k != "__metadata__" and len(t["shape"]) == 2}
+    assert len(tables) == 2 and set(tables.values()) == {"BF16"}  # embed + per-layer, as stored
     by_graph = {name: fp32 for name, fp32, _ in seen}
     assert by_graph["s0.prefill.onnx"] == by_graph["s0.decode.onnx"] == [0, 1, 2, 3, 4]
     assert by_graph["s1.prefill.onnx"] == [5, 6, 7, 8] and by_graph["s2.decode.onnx"] == [9]
@@ -136,26 +141,38 @@ def test_bf16_checkpoint_builds_greedy_exact_with_bf16_resident_weights(bf16_ckp
 
 
 def test_host_tensors_are_written_in_chunks_and_read_as_maps(tmp_path):
+    """bf16 / fp16 tables stay in their precision (they were written as F32: twice the bytes) and
+    the runtime's rows are their exact fp32 upcast; fp32 ones stay fp32."""
     import numpy as np
 
     from hexforge.families.base import write_host_tensors
-    from hexforge.runtime.host import load_host_tensors
+    from hexforge.runtime.host import check_safetensors_header, load_host_tensors
 
     table = torch.randn(1000, 24).to(torch.bfloat16)
+    half, full = torch.randn(300, 8).half(), torch.randn(7, 3)
     path = tmp_path / "host.safetensors"
-    write_host_tensors(path, {"t": table, "inv": np.arange(5, dtype=np.float32),
+    write_host_tensors(path, {"t": table, "h": half, "f": full,
+                              "inv": np.arange(5, dtype=np.float32),
                               "i": np.arange(3, dtype=np.int64), "s": torch.tensor(2.5)})
+    header = check_safetensors_header(path)
+    assert {k: header[k]["dtype"] for k in ("t", "h", "f", "s")} == {
+        "t": "BF16", "h": "F16", "f": "F32", "s": "F32"}
+    assert path.stat().st_size < 1000 * 24 * 2 + 300 * 8 * 2 + 1000  # 2 bytes an element
     got = load_host_tensors(path)
-    assert np.array_equal(got["t"], table.float().numpy()) and got["t"].dtype == np.float32
+    for name, ref in (("t", table), ("h", half), ("f", full)):
+        assert np.array_equal(got[name].astype(np.float32), ref.float().numpy()), name
+        assert got[name].astype(np.float32).dtype == np.float32
     base = got["t"]  # a plain view of a read-only map (not read into memory)
     while base is not None and not isinstance(base, np.memmap):
         base = base.base
     assert isinstance(base, np.memmap) and not got["t"].flags.writeable
     assert np.array_equal(got["inv"], np.arange(5)) and got["i"].tolist() == [0, 1, 2]
     assert got["s"].shape == () and float(got["s"]) == 2.5
-    from safetensors.numpy import load_file
+    from safetensors.torch import load_file
 
-    assert np.array_equal(load_file(str(path))["t"], got["t"])  # a standard safetensors file
+    std = load_file(str(path))  # a standard safetensors file
+    assert std["t"].dtype == torch.bfloat16 and torch.equal(std["t"], table)
+    assert torch.equal(std["h"], half) and torch.equal(std["f"], full)
 
 
 def _mapped_rss(path) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from ..errors import BundleError
@@ -68,7 +69,10 @@ def check_safetensors_header(path: Path) -> dict:
 
 _ST_NUMPY = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
              "F16": "float16", "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64",
-             "U64": "uint64", "F64": "float64"}
+             "U64": "uint64", "F64": "float64",
+             # a bf16 checkpoint's tables, kept in bf16 (numpy's own types lack it; onnx's
+             # dependency ml_dtypes has it, and its astype(float32) is exact)
+             "BF16": ml_dtypes.bfloat16}
 
 
 def load_host_tensors(path: Path) -> dict[str, np.ndarray]:
