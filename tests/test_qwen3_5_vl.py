@@ -119,3 +119,20 @@ def test_v81_runs_an_image_prompt_on_the_simulator(built, hf_model):
     got = eng.prefill(ids, media=rows)
     want = hf_image_run(hf_model(FAMILY), ids, inputs)
     assert cosine_rows(got[None], want[None])[0] >= 0.999
+
+
+def test_w8a16_runs_an_image_prompt_on_the_simulator(htp_bundle, hf_model):
+    """The quantized HTP path on the hub layout: w8a16 (calibrated on an image prompt as well as
+    text, the tower included) passes the build's oracle, and an image prompt on the v81
+    simulator keeps last-token logits cos >= 0.999 vs HF (0.999887 when written)."""
+    b = htp_bundle(FAMILY, "w8a16")
+    report = json.loads((b / "report.json").read_text())["v81"]
+    assert report["passed"], report
+    m = load_manifest(b)
+    eng = Engine(b, m, "v81", Backend.resolve("qnn-sim", 81))
+    ids, inputs, rows = image_run(eng, m.encoders[0], seed=1)
+    got = eng.prefill(ids, media=rows)
+    want = hf_image_run(hf_model(FAMILY), ids, inputs)
+    cos = cosine_rows(got[None], want[None])[0]
+    print(f"qwen3_5_vl v81 w8a16 image prompt: last-token logits cos {cos:.6f}")
+    assert cos >= 0.999
