@@ -489,11 +489,35 @@ def check_cpu_weights(name: str) -> tuple[int, int] | None:
     return CPU_WEIGHTS[name]
 
 
+def structural_matmuls(model) -> list[str]:
+    """MatMuls whose constant operand holds only 0s and 1s: an operator written as a matrix
+    (Qwen3.5's chunked delta rule takes the cumsum of its log decays as ``g @ upper``, a
+    triangle of ones), not a learned weight. MatMulNBits would not keep it exact (1 = 7 x 1/7),
+    and at accuracy level 4 it quantizes the activation it reads to int8 per 32-block: the
+    decays' cumsum, which every later decay of the chunk multiplies. (Measured: the real-width
+    random Qwen3.5 4-layer cut's int4 gate numbers did not move, logits cos 0.883455 either
+    way; the weights' own rounding dominates there.) -> node names."""
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    out = []
+    for i, n in enumerate(model.graph.node):
+        t = inits.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) == 2 else None
+        if t is None:
+            continue
+        w = numpy_helper.to_array(t)
+        # a learned weight fails on its first values: the full pass runs on masks only
+        if np.isin(w.reshape(-1)[:256], (0, 1)).all() and np.isin(w, (0, 1)).all():
+            n.name = n.name or f"structural_matmul_{i}"  # the quantizer excludes by name
+            out.append(n.name)
+    return out
+
+
 def quantize_cpu_graph(path: Path, bits: int, block_size: int,
                        accuracy_level: int = CPU_ACCURACY_LEVEL) -> int:
-    """Every MatMul with an initializer weight -> com.microsoft MatMulNBits (symmetric, blocks of
-    ``block_size`` along K), in place; the result is saved with its weights inline (the caller
-    moves them out again with ``share_weights``). -> MatMuls quantized."""
+    """Every MatMul with an initializer weight (not ``structural_matmuls``) -> com.microsoft
+    MatMulNBits (symmetric, blocks of ``block_size`` along K), in place; the result is saved with
+    its weights inline (the caller moves them out again with ``share_weights``). -> MatMuls quantized."""
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
@@ -508,7 +532,8 @@ def quantize_cpu_graph(path: Path, bits: int, block_size: int,
     root_log.setLevel(logging.ERROR)  # the quantizer logs every node at INFO
     try:
         q = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True,
-                                 accuracy_level=accuracy_level, algo_config=cfg)
+                                 accuracy_level=accuracy_level, algo_config=cfg,
+                                 nodes_to_exclude=structural_matmuls(model))
         q.process()
     finally:
         root_log.setLevel(level)
