@@ -15,24 +15,28 @@ def _dir_bytes(p: Path) -> int:
 
 
 def decode_bytes_per_token(bundle: Path, t) -> int:
-    """Weight bytes one decode step reads: every shard's decode graph + the head. For HTP targets
-    that is the context binaries' size (weights dominate); for cpu the external weight files
-    those graphs name, each once (a shard's prefill and decode share theirs, and a cpu target's
-    last decode graph holds the head)."""
+    """Weight bytes one decode step reads: every shard's decode graph (+ the head where the last
+    one does not run it). For HTP targets that is the context binaries' size (weights dominate);
+    for cpu the external weight ranges those graphs name, each once (a shard's prefill and decode
+    share one weight file, but a range only one of them reads is not read per token: Qwen3.5's
+    int4 file held 96 MB of prefill-only in-projections, and the whole file was counted)."""
     import onnx
     from onnx.external_data_helper import ExternalDataInfo
 
-    names = {s.decode for s in t.plan.shards} | {t.plan.head}
+    names = {s.decode for s in t.plan.shards}
+    if t.htp_arch is not None or not t.decode_runs_head:
+        names.add(t.plan.head)
     graphs = [g for g in t.graphs if g.name in names]
     if t.htp_arch is not None:
         return sum(g.bytes for g in graphs)
-    files = set()
+    spans = set()
     for g in graphs:
         path = confine(bundle, g.file)
         for init in onnx.load(str(path), load_external_data=False).graph.initializer:
             if init.data_location == onnx.TensorProto.EXTERNAL:
-                files.add(path.parent / ExternalDataInfo(init).location)
-    return sum(f.stat().st_size for f in files)
+                info = ExternalDataInfo(init)
+                spans.add((path.parent / info.location, info.offset, info.length))
+    return sum(length for _, _, length in spans)
 
 
 def roofline(target: str, bytes_per_token: int) -> dict:

@@ -271,3 +271,52 @@ def test_rope_inside_group_query_attention_keeps_mrope_and_partial_rotary_exact(
         ops = [n.op_type for n in onnx.load(str(out / "cpu" / f"{name}.onnx"),
                                             load_external_data=False).graph.node]
         assert "RotaryEmbedding" not in ops and ops.count("GroupQueryAttention") == 2
+
+
+def _external_spans(path, op_type: str | None = None) -> set[tuple[str, str, str]]:
+    """(file, offset, length) of the external weights a graph reads (only ``op_type``'s)."""
+    import onnx
+
+    m = onnx.load(str(path), load_external_data=False)
+    used = {x for n in m.graph.node if op_type in (None, n.op_type) for x in n.input}
+    return {tuple(e.value for e in t.external_data if e.key in ("location", "offset", "length"))
+            for t in m.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL and t.name in used}
+
+
+def test_regression_int4_quantized_the_chunked_delta_rules_cumsum_triangle(bundle):
+    """Qwen3.5's prefill takes the cumsum of its log decays as ``g @ upper`` (a triangle of ones).
+    --cpu-weights int4 made that a MatMulNBits too (18 per Qwen3.5-0.8B prefill): 1 stored as
+    7 x 1/7, and the decays read at int8 (accuracy level 4). A 0/1 operator stays a MatMul."""
+    import onnx
+
+    b = bundle("qwen3_5", cpu_weights="int4")
+    report = json.loads((b / "report.json").read_text())["cpu"]
+    assert report["passed"], report["failures"]
+    m = onnx.load(str(b / "cpu" / "s0.prefill.onnx"), load_external_data=False)
+    inits = {t.name for t in m.graph.initializer}
+    triangles = [n for n in m.graph.node if any(x in inits and x.endswith(".upper")
+                                                for x in n.input)]
+    assert triangles and {n.op_type for n in triangles} == {"MatMul"}
+    assert not [n for n in m.graph.node if n.op_type == "MatMulNBits"
+                and any(x.startswith("shard.") and ".upper" in x for x in n.input)]
+    assert "MatMulNBits" in {n.op_type for n in m.graph.node}  # the weights still are
+
+
+def test_regression_qwen3_5_int4_in_projections_were_stored_twice(bundle):
+    """The packed in-projection came out b, a in the prefill graph and a, b in the decode graph:
+    different bytes, both kept (96 MB of Qwen3.5-0.8B's int4 weight file), and ``hexforge
+    inspect`` counted the whole file as what a decode token reads (568 MB for 472). Packing now
+    orders by the weights; the decode graph reads no projection the prefill does not."""
+    from hexforge.inspect import inspect_bundle
+
+    b = bundle("qwen3_5", cpu_weights="int4")
+    cpu = b / "cpu"
+    decode = _external_spans(cpu / "s0.decode.onnx", "MatMulNBits")
+    shared = (_external_spans(cpu / "s0.prefill.onnx", "MatMulNBits")
+              | _external_spans(cpu / "head.onnx", "MatMulNBits"))
+    assert decode and decode <= shared
+    # the ranges the decode graph (which runs the head) names, each once: here the whole file,
+    # as nothing in it is the prefill's own any more
+    per_token = inspect_bundle(b)["targets"]["cpu"]["decode_weight_bytes_per_token"]
+    assert per_token == sum(int(n) for _, _, n in _external_spans(cpu / "s0.decode.onnx"))

@@ -21,6 +21,7 @@ along N; each output column still sees its own blocks).
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 
 import numpy as np
@@ -104,10 +105,17 @@ def pack_sibling_matmuls(model, min_group: int = 3) -> int:
     for (x, K, bits, block, acc), members in groups.items():
         if len(members) < min_group:
             continue
-        nodes = [n for n, _ in members]
-        sizes = [a["N"] for _, a in members]
+        # in an order set by the weights themselves, not by where the exporter put the nodes: a
+        # shard's prefill and decode graphs then pack the same bytes, which share_weights stores
+        # once (Qwen3.5's in-projections came out b, a in one graph and a, b in the other: 96 MB
+        # of Qwen3.5-0.8B's int4 weight file held twice)
+        ws = sorted(((numpy_helper.to_array(inits[n.input[1]]), n, a) for n, a in members),
+                    key=lambda m: hashlib.sha1(m[0].tobytes()).digest())
+        nodes = [n for _, n, _ in ws]
+        sizes = [a["N"] for _, _, a in ws]
         base = nodes[0].name or nodes[0].output[0]
-        w = np.concatenate([numpy_helper.to_array(inits[n.input[1]]) for n in nodes], axis=0)
+        w = np.concatenate([w for w, _, _ in ws], axis=0)
+        del ws
         # scales [N * blocks] or [N, blocks]: either way N-major, so they stack along N too
         sc = np.concatenate([numpy_helper.to_array(inits[n.input[2]]) for n in nodes], axis=0)
         names = (f"{base}_packed_B", f"{base}_packed_scales", f"{base}_packed_split")
