@@ -115,10 +115,11 @@ def print_inspection(info: dict) -> None:
             tab.add_row(g["name"], g["role"], str(g["seq_len"]),
                         str(g["layers"]) if g["layers"] else "-", f"{g['bytes']:,}", g["file"])
         c.print(tab)
-        if t["roofline_tok_s"]:
+        line = f"  decode reads {t['decode_weight_bytes_per_token']:,} weight B/token"
+        if t["roofline_tok_s"]:  # HTP targets: per SoC (a cpu's bandwidth: bench/compare.py)
             est = ", ".join(f"{soc} {v:,.0f} tok/s" for soc, v in t["roofline_tok_s"].items())
-            c.print(f"  decode reads {t['decode_weight_bytes_per_token']:,} weight B/token; "
-                    f"bandwidth roofline (ESTIMATE, DDR peak / bytes): {est}")
+            line += f"; bandwidth roofline (ESTIMATE, DDR peak / bytes): {est}"
+        c.print(line)
     for name, r in (info["report"] or {}).items():
         tf, g = r["teacher_forced"], r["greedy"]
         c.print(f"oracle \\[{name}]: {'PASS' if r['passed'] else 'FAIL'}  logits cos min "

@@ -49,7 +49,10 @@ def test_inspect_and_targets(bundle):
     info = json.loads(r.stdout)
     assert info["targets"]["cpu"]["graphs"][0]["role"] == "prefill"
     assert info["report"]["cpu"]["passed"]
-    assert hexforge("inspect", bundle("llama")).returncode == 0
+    per_token = info["targets"]["cpu"]["decode_weight_bytes_per_token"]
+    r = hexforge("inspect", bundle("llama"))
+    assert r.returncode == 0
+    assert f"decode reads {per_token:,} weight B/token" in r.stdout  # a cpu target says it too
     t = hexforge("targets")
     assert "v81" in t.stdout and "87" in t.stdout
 
