@@ -236,7 +236,8 @@ def parser() -> argparse.ArgumentParser:
                    help="HTP targets' precision (the cpu target: see --cpu-weights)")
     b.add_argument("--cpu-weights", choices=("fp32", "int8", "int4"), default="fp32",
                    help="cpu target weights: fp32 (greedy-exact vs HF) or weight-only int8 / int4 "
-                        "(onnxruntime MatMulNBits; gated on teacher-forced cosine)")
+                        "(onnxruntime MatMulNBits; gated on teacher-forced cosine); vision and "
+                        "audio towers take int8 under both")
     b.add_argument("--calib", default=None, help="calibration text file (default: built-in sample)")
     b.add_argument("--share-weights", action="store_true",
                    help="HTP: one weight-shared context per shard for prefill + decode (device "

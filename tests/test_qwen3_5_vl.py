@@ -136,3 +136,37 @@ def test_w8a16_runs_an_image_prompt_on_the_simulator(htp_bundle, hf_model):
     cos = cosine_rows(got[None], want[None])[0]
     print(f"qwen3_5_vl v81 w8a16 image prompt: last-token logits cos {cos:.6f}")
     assert cos >= 0.999
+
+
+def test_int4_bundle_runs_its_tower_with_int8_weights(bundle, hf_model, encoder):
+    """--cpu-weights int4 left the tower fp32: 399 of the 1.38 GB of Qwen3.5-0.8B's int4 bundle.
+    Towers take int8 MatMulNBits under int8 and int4 (an int4 tower measured soft-token cos 0.972
+    at real shape), gated by the oracle at soft-token cos >= 0.999. On a photo: the tower's rows
+    vs HF's, and the same int4 decoder's last-token logits from them vs from HF's rows."""
+    import onnx
+
+    b = bundle(FAMILY, cpu_weights="int4")
+    report = json.loads((b / "report.json").read_text())["cpu"]
+    assert report["passed"], report["failures"]
+    assert report["encoders"]["vision"]["gate"] == 0.999 and report["encoders"]["vision"]["passed"]
+    m = load_manifest(b)
+    graph = next(g for g in m.targets["cpu"].graphs if g.role == "vision")
+    nodes = onnx.load(str(b / graph.file), load_external_data=False).graph
+    inits = {t.name for t in nodes.initializer}
+    bits = [next(a.i for a in n.attribute if a.name == "bits") for n in nodes.node
+            if n.op_type == "MatMulNBits"]
+    assert bits and set(bits) == {8}
+    assert not [n for n in nodes.node if n.op_type == "MatMul" and n.input[1] in inits]
+    eng = Engine(b, m, "cpu", Backend.resolve("cpu"))
+    spec = m.encoders[0]
+    ids, inputs, rows = image_run(eng, spec, seed=1)
+    want = encoder.reference(hf_model(FAMILY), inputs)["soft"]
+    tower_cos = cosine_rows(rows.embeds[:want.shape[0]], want).min()
+    eng.reset()
+    got = eng.prefill(ids, media=rows)
+    eng.reset()
+    ref = eng.prefill(ids, media=media_rows(spec, ids, {"soft": want[None]}))
+    cos = cosine_rows(got[None], ref[None])[0]
+    print(f"qwen3_5_vl int8 tower on a photo: soft tokens cos {tower_cos:.6f}; the int4 decoder's "
+          f"last-token logits from them vs from HF's: cos {cos:.6f}")
+    assert tower_cos >= 0.999 and cos >= 0.999

@@ -20,7 +20,9 @@ from ..manifest import EncoderSpec, GraphSpec
 from .export import export_module, share_weights
 
 # encoder gates (cosine of the valid soft-token rows vs HF): fp32 CPU exact-ish, HTP fp16
-ENCODER_GATES = {"cpu": 0.99999, "htp": 0.999}
+# soft-token cosine vs HF, per where the tower runs: fp32 on the cpu, int8 weights on the cpu
+# (quantize.CPU_ENCODER_WEIGHTS), fp16 on the HTP
+ENCODER_GATES = {"cpu": 0.99999, "cpu-int8": 0.999, "htp": 0.999}
 ROLE = {"image": "vision", "audio": "audio"}
 
 
@@ -84,12 +86,41 @@ def compile_encoders(float_graphs: list[GraphSpec], root: Path, target, soc_mode
     return out
 
 
-def verify_encoders(engine, manifest, hf, htp: bool) -> dict:
+def quantize_cpu_encoders(graphs: list[GraphSpec], root: Path, cpu_weights: str, log) -> None:
+    """The cpu target's tower graphs with weight-only MatMulNBits per ``CPU_ENCODER_WEIGHTS``, in
+    place (after the HTP targets compiled their fp16 towers from the float graphs)."""
+    from .quantize import CPU_ENCODER_WEIGHTS, check_cpu_weights, quantize_cpu_graph
+
+    weights = CPU_ENCODER_WEIGHTS[cpu_weights]
+    nbits = check_cpu_weights(weights)
+    if not nbits:
+        return
+    for g in graphs:
+        t = time.perf_counter()
+        path = root / g.file
+        n = quantize_cpu_graph(path, *nbits)
+        share_weights([path], f"{g.name}.weights")
+        g.bytes = sum(f.stat().st_size for f in (path, path.with_name(f"{g.name}.weights"))
+                      if f.is_file())
+        log(f"  {g.file}: weights {weights} ({n} MatMulNBits, {g.bytes / 1e6:.1f} MB, "
+            f"{time.perf_counter() - t:.1f}s)")
+
+
+def encoder_gate(htp: bool, cpu_weights: str | None) -> float:
+    from .quantize import CPU_ENCODER_WEIGHTS
+
+    if htp:
+        return ENCODER_GATES["htp"]
+    return ENCODER_GATES["cpu" if CPU_ENCODER_WEIGHTS[cpu_weights or "fp32"] == "fp32"
+                         else "cpu-int8"]
+
+
+def verify_encoders(engine, manifest, hf, htp: bool, cpu_weights: str | None = None) -> dict:
     """Each encoder's example inputs through the target's graph vs HF: cosine of valid rows."""
     from ..families.base import encoder_families
     from .verify import cosine_rows
 
-    gate = ENCODER_GATES["htp" if htp else "cpu"]
+    gate = encoder_gate(htp, cpu_weights)
     report = {}
     for enc, spec in zip(encoder_families(manifest.hf_config), manifest.encoders, strict=True):
         feeds = example_feeds(enc, spec)

@@ -34,7 +34,7 @@ from ..manifest import (
 )
 from ..targets import Target, parse_targets
 from .checkpoint import read_checkpoint, release_mapped_pages
-from .encoders import calibrate_encoder_norms, compile_encoders, export_encoders
+from .encoders import calibrate_encoder_norms, compile_encoders, export_encoders, quantize_cpu_encoders
 from .export import share_weights
 from .fuse import fuse_cpu_graph
 from .graphs import export_float, plan_target, weight_groups, weights_file
@@ -181,6 +181,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                     enc_graphs, tmp, tg, tg.default_soc.soc_model, log)
             if not opts.verify and not opts.keep_work:
                 shutil.rmtree(tmp / "_work", ignore_errors=True)
+        quantize_cpu_encoders(enc_graphs, tmp, opts.cpu_weights, log)  # the HTP's are compiled
         opts.timings["export_s"] = time.perf_counter() - t
         save_manifest(tmp, manifest)
 

@@ -284,7 +284,8 @@ def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[st
 
             with family.float32_forward(hf):
                 r["encoders"] = verify_encoders(engine, manifest, hf,
-                                                htp=spec.htp_arch is not None)
+                                                htp=spec.htp_arch is not None,
+                                                cpu_weights=spec.quant)
             r["failures"] += [f"encoder {n}: cos {min(o['cos_min'] for o in e['outputs'].values()):.6f}"
                               f" < {e['gate']}" for n, e in r["encoders"].items() if not e["passed"]]
             r["passed"] = not r["failures"]
