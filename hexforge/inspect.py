@@ -24,7 +24,7 @@ def decode_bytes_per_token(bundle: Path, t) -> int:
     from onnx.external_data_helper import ExternalDataInfo
 
     names = {s.decode for s in t.plan.shards}
-    if t.htp_arch is not None or not t.decode_runs_head:
+    if not t.decode_runs_head:  # HTP targets, cpu ones with the head apart
         names.add(t.plan.head)
     graphs = [g for g in t.graphs if g.name in names]
     if t.htp_arch is not None:
@@ -35,7 +35,9 @@ def decode_bytes_per_token(bundle: Path, t) -> int:
         for init in onnx.load(str(path), load_external_data=False).graph.initializer:
             if init.data_location == onnx.TensorProto.EXTERNAL:
                 info = ExternalDataInfo(init)
-                spans.add((path.parent / info.location, info.offset, info.length))
+                file = path.parent / info.location
+                length = info.length if info.length is not None else file.stat().st_size
+                spans.add((file, info.offset or 0, length))
     return sum(length for _, _, length in spans)
 
 

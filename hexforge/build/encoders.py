@@ -19,9 +19,8 @@ import numpy as np
 from ..manifest import EncoderSpec, GraphSpec
 from .export import export_module, share_weights
 
-# encoder gates (cosine of the valid soft-token rows vs HF): fp32 CPU exact-ish, HTP fp16
-# soft-token cosine vs HF, per where the tower runs: fp32 on the cpu, int8 weights on the cpu
-# (quantize.CPU_ENCODER_WEIGHTS), fp16 on the HTP
+# encoder gates, cosine of the valid soft-token rows vs HF, per where the tower runs: fp32 on the
+# cpu, int8 weights on the cpu (quantize.CPU_ENCODER_WEIGHTS), fp16 on the HTP
 ENCODER_GATES = {"cpu": 0.99999, "cpu-int8": 0.999, "htp": 0.999}
 ROLE = {"image": "vision", "audio": "audio"}
 
@@ -107,6 +106,7 @@ def quantize_cpu_encoders(graphs: list[GraphSpec], root: Path, cpu_weights: str,
 
 
 def encoder_gate(htp: bool, cpu_weights: str | None) -> float:
+    """The soft-token cosine a tower must reach on a target (cpu_weights: the cpu target's)."""
     from .quantize import CPU_ENCODER_WEIGHTS
 
     if htp:
