@@ -175,6 +175,41 @@ def test_host_tensors_are_written_in_chunks_and_read_as_maps(tmp_path):
     assert torch.equal(std["h"], half) and torch.equal(std["f"], full)
 
 
+def test_int8_host_tables_dequantize_their_rows_within_half_a_step(tmp_path):
+    """--cpu-weights int8|int4 bundles keep the embedding / per-layer tables as int8 rows with
+    a scale per 32 columns (a whole row where the width is not a multiple of 32)."""
+    import numpy as np
+
+    from hexforge.errors import BundleError
+    from hexforge.families.base import write_host_tensors
+    from hexforge.runtime.host import Int8Table, check_safetensors_header, load_host_tensors
+
+    wide, odd = torch.randn(300, 96).to(torch.bfloat16), torch.randn(40, 20) * 5
+    path = tmp_path / "host.safetensors"
+    write_host_tensors(path, {"wide": wide, "odd": odd, "kept": torch.randn(4, 8)},
+                       int8=frozenset({"wide", "odd"}))
+    header = check_safetensors_header(path)
+    assert header["wide"]["dtype"] == "I8" and header["wide.int8_scales"]["shape"] == [300, 3]
+    assert header["odd.int8_scales"]["shape"] == [40, 1] and header["kept"]["dtype"] == "F32"
+    got = load_host_tensors(path)
+    assert "wide.int8_scales" not in got and isinstance(got["wide"], Int8Table)
+    for name, ref, block in (("wide", wide.float().numpy(), 32), ("odd", odd.numpy(), 20)):
+        table = got[name]
+        assert table.shape == ref.shape and table.ndim == 2
+        ids = np.array([0, 7, 7, len(ref) - 1])
+        rows = table[ids]
+        assert rows.dtype == np.float32 and rows.shape == (4, ref.shape[1])
+        step = np.abs(ref[ids].reshape(4, -1, block)).max(-1, keepdims=True) / 127
+        assert (np.abs(rows - ref[ids]).reshape(4, -1, block) <= step / 2 * 1.0001).all()
+        np.testing.assert_array_equal(table[7], rows[1])  # one id: one row
+    # scales without their rows: the bundle is broken, said so
+    from safetensors.numpy import save_file
+
+    save_file({"t.int8_scales": np.ones((3, 1), np.float32)}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(BundleError, match="int8 rows"):
+        load_host_tensors(tmp_path / "bad.safetensors")
+
+
 def _mapped_rss(path) -> int:
     """Resident bytes of this process's mappings of ``path`` (smaps)."""
     total, cur = 0, False

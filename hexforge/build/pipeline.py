@@ -38,7 +38,7 @@ from .encoders import calibrate_encoder_norms, compile_encoders, export_encoders
 from .export import share_weights
 from .fuse import fuse_cpu_graph
 from .graphs import export_float, plan_target, weight_groups, weights_file
-from .quantize import check_cpu_weights, get_recipe, quantize_cpu_graph
+from .quantize import CPU_HOST_TABLES_INT8, check_cpu_weights, get_recipe, quantize_cpu_graph
 
 Log = Callable[[str], None]
 
@@ -146,7 +146,10 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         tok_dir.mkdir()
         for f in ckpt.tokenizer_files:
             shutil.copy2(ckpt.dir / f, tok_dir / f)
-        write_host_tensors(tmp / "host.safetensors", fam.host_tensors(hf, args))
+        host = fam.host_recipe(hf, args)
+        tables = {host.embed.table, *(e.table for e in host.extra_embeds)}
+        write_host_tensors(tmp / "host.safetensors", fam.host_tensors(hf, args),
+                           int8=frozenset(tables if CPU_HOST_TABLES_INT8[opts.cpu_weights] else ()))
         release_mapped_pages(ckpt.dir)  # the whole checkpoint has been read once by now
         log(f"wrote host tensors ({(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB)")
 
@@ -159,7 +162,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
             schema_version=SCHEMA_VERSION, hexforge_version=__version__,
             family=family_name(ckpt.model_type), model_type=ckpt.model_type, hf_config=ckpt.config,
             context=opts.context, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-            num_layers=args.num_hidden_layers, host=fam.host_recipe(hf, args),
+            num_layers=args.num_hidden_layers, host=host,
             mask_groups=fam.mask_groups(args, opts.context),
             state=fam.state_spec(args, opts.context),
             tokenizer=TokenizerSpec(files=ckpt.tokenizer_files,

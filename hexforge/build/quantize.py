@@ -485,6 +485,9 @@ CPU_ACCURACY_LEVEL = 4
 # real-shape Qwen3.5-0.8B tower (random weights, one 1024-patch image, 2 cores): fp32 399 MB /
 # 0.70 s; int8 115 MB / 0.64 s, soft tokens cos >= 0.99976 vs fp32; int4 66 MB / 0.68 s, cos 0.972
 CPU_ENCODER_WEIGHTS: dict[str, str] = {"fp32": "fp32", "int8": "int8", "int4": "int8"}
+# the host tables (embedding, per-layer tables) under each --cpu-weights: int8 rows with a scale
+# per 32 columns (runtime/host.py Int8Table) once the weights are quantized anyway
+CPU_HOST_TABLES_INT8: dict[str, bool] = {"fp32": False, "int8": True, "int4": True}
 
 
 def check_cpu_weights(name: str) -> tuple[int, int] | None:
@@ -496,11 +499,11 @@ def check_cpu_weights(name: str) -> tuple[int, int] | None:
 def structural_matmuls(model) -> list[str]:
     """MatMuls whose constant operand holds only 0s and 1s: an operator written as a matrix
     (Qwen3.5's chunked delta rule takes the cumsum of its log decays as ``g @ upper``, a
-    triangle of ones), not a learned weight. MatMulNBits would not keep it exact (1 = 7 x 1/7),
-    and at accuracy level 4 it quantizes the activation it reads to int8 per 32-block: the
-    decays' cumsum, which every later decay of the chunk multiplies. (Measured: the real-width
-    random Qwen3.5 4-layer cut's int4 gate numbers did not move, logits cos 0.883455 either
-    way; the weights' own rounding dominates there.) -> node names."""
+    triangle of ones), not a learned weight. MatMulNBits stores 0/1 exactly, but at accuracy
+    level 4 it reads the activation at int8 per 32-block: the decays' cumsum, which every later
+    decay of the chunk multiplies, off by up to 0.14% of its range (a 64-token triangle). On the
+    real-width random Qwen3.5 4-layer cut the int4 gate's numbers did not move (logits cos
+    0.883455 either way): the weights' own rounding dominates there. -> node names."""
     from onnx import numpy_helper
 
     inits = {t.name: t for t in model.graph.initializer}

@@ -173,7 +173,7 @@ class DecoderFamily:
     def host_tensors(self, hf, args) -> dict[str, np.ndarray]:
         tm = self.text_model(hf)
         rot = tm.rotary_emb
-        return {  # a torch table: written as fp32 in chunks (write_host_tensors)
+        return {  # a torch table: written in its precision, in chunks (write_host_tensors)
             "embed_tokens": tm.embed_tokens.weight.detach(),
             "rope.default.inv_freq": rot.inv_freq.detach().float().numpy(),
         }
@@ -434,14 +434,17 @@ def _gather_fp32(table):
     return gather
 
 
-def write_host_tensors(path: Path, tensors: dict) -> None:
+def write_host_tensors(path: Path, tensors: dict, int8: frozenset[str] = frozenset()) -> None:
     """safetensors with floating torch tensors in the precision they hold: bf16 and fp16 tables
     as they are (BF16 / F16; the runtime upcasts the rows it gathers, which is exact), any other
     as F32, converted a chunk of rows at a time (a table never exists whole twice in memory).
     A bf16 checkpoint's tables were written as F32, twice its bytes: Gemma-4-E2B's per-layer
     table 9.4 GB instead of 4.7, Qwen3.5-0.8B's embedding 1.02 GB instead of 0.51.
-    numpy arrays are written as they are."""
+    The tables named in ``int8`` are written as int8 rows + per-block scales (runtime/host.py
+    ``Int8Table``), a chunk at a time too. numpy arrays are written as they are."""
     import torch
+
+    from ..runtime.host import INT8_SCALES, int8_blocks
 
     np_st = {np.dtype(k): v for k, v in (("float32", "F32"), ("float16", "F16"), ("float64", "F64"),
              ("int64", "I64"), ("int32", "I32"), ("int16", "I16"), ("int8", "I8"),
@@ -450,6 +453,12 @@ def write_host_tensors(path: Path, tensors: dict) -> None:
     kept = {torch.bfloat16: ("BF16", 2, torch.int16), torch.float16: ("F16", 2, torch.float16)}
     items = []
     for name, t in tensors.items():
+        if name in int8:  # the rows (int8), and their scales: both made chunk by chunk below
+            rows, cols = t.shape[0], int(np.prod(t.shape[1:]))
+            blocks = int8_blocks(np.zeros((1, cols), np.float32))[1].shape[1]
+            items.append((name, "I8", 1, list(t.shape), ("rows", t)))
+            items.append((name + INT8_SCALES, "F32", 4, [rows, blocks], ("scales", t)))
+            continue
         if isinstance(t, torch.Tensor):
             if t.is_floating_point():
                 st, size, _ = kept.get(t.dtype, ("F32", 4, None))
@@ -469,14 +478,18 @@ def write_host_tensors(path: Path, tensors: dict) -> None:
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
-        for _, _, size, _, t in items:
+        for *_, t in items:
             if isinstance(t, np.ndarray):
                 f.write(memoryview(t.reshape(-1)).cast("B"))
                 continue
+            part, t = t if isinstance(t, tuple) else (None, t)
             flat = t.detach().reshape(t.shape[0], -1) if t.dim() > 1 else t.detach().reshape(1, -1)
-            rows = max(1, (64 << 20) // max(1, flat.shape[1] * size))  # ~64 MB at a time
+            rows = max(1, (64 << 20) // max(1, flat.shape[1] * 4))  # ~64 MB of fp32 at a time
             for i in range(0, flat.shape[0], rows):
                 chunk = flat[i:i + rows].contiguous()
-                chunk = (chunk.view(kept[t.dtype][2]) if t.dtype in kept
-                         else chunk.to(torch.float32)).numpy()
-                f.write(memoryview(chunk.reshape(-1)).cast("B"))
+                if part is not None:  # an int8 table's rows or scales
+                    chunk = int8_blocks(chunk.to(torch.float32).numpy())[part == "scales"]
+                else:
+                    chunk = (chunk.view(kept[t.dtype][2]) if t.dtype in kept
+                             else chunk.to(torch.float32)).numpy()
+                f.write(memoryview(np.ascontiguousarray(chunk).reshape(-1)).cast("B"))

@@ -103,9 +103,52 @@ def load_host_tensors(path: Path) -> dict[str, np.ndarray]:
                 # subclass costs 2.9 us a row gather, a plain view 1.3 us (per decode token)
                 out[name] = np.asarray(np.memmap(path, dtype=dtype, mode="r", offset=start + begin,
                                                  shape=tuple(t["shape"]) or (1,))).reshape(t["shape"])
-        return out
     except (SafetensorError, OSError, ValueError) as e:
         raise BundleError(f"host tensors {path.name} cannot be read: {e}") from None
+    for name in [n for n in out if n.endswith(INT8_SCALES)]:  # int8 tables: rows dequantized
+        out[name.removesuffix(INT8_SCALES)] = Int8Table(name.removesuffix(INT8_SCALES),
+                                                        out.get(name.removesuffix(INT8_SCALES)),
+                                                        out.pop(name))
+    return out
+
+
+# a table with int8 weights (--cpu-weights int8|int4 bundles): "<table>" I8 [V, D] and
+# "<table>.int8_scales" F32 [V, D / block], one scale per block of a row's columns
+INT8_SCALES = ".int8_scales"
+INT8_BLOCK = 32
+
+
+def int8_blocks(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """rows [r, D] float -> (q int8 [r, D], scales float32 [r, D / block]): symmetric, each block
+    of INT8_BLOCK columns (the whole row where D is not a multiple) scaled by its absmax / 127."""
+    block = INT8_BLOCK if rows.shape[1] % INT8_BLOCK == 0 else rows.shape[1]
+    b = rows.astype(np.float32).reshape(rows.shape[0], -1, block)
+    scales = np.abs(b).max(axis=-1) / np.float32(127)
+    q = np.rint(b / np.where(scales == 0, 1, scales)[..., None])
+    return np.clip(q, -127, 127).astype(np.int8).reshape(rows.shape), scales.astype(np.float32)
+
+
+class Int8Table:
+    """A host table stored as int8 rows and per-block scales; ``table[ids]`` gathers the rows and
+    dequantizes them (q x scale, float32), so the gathers read a quarter of an fp32 table's bytes.
+    """
+
+    def __init__(self, name: str, q: np.ndarray | None, scales: np.ndarray):
+        ok = (q is not None and q.dtype == np.int8 and q.ndim == 2 and scales.ndim == 2
+              and scales.shape[0] == q.shape[0] and scales.shape[1] > 0
+              and q.shape[1] % scales.shape[1] == 0)
+        if not ok:
+            got = "missing" if q is None else f"{q.dtype} {list(q.shape)}"
+            raise BundleError(f"host table {name!r}: int8 rows ({got}) do not match their scales "
+                              f"{list(scales.shape)}")
+        self.q, self.scales = q, scales
+        self.block = q.shape[1] // scales.shape[1]
+        self.shape, self.ndim, self.dtype = q.shape, 2, np.dtype(np.float32)
+        self.nbytes = q.nbytes + scales.nbytes
+
+    def __getitem__(self, ids) -> np.ndarray:
+        q, s = self.q[ids], self.scales[ids]
+        return (q.reshape(*q.shape[:-1], -1, self.block) * s[..., None]).reshape(q.shape)
 
 
 class HostInputs:
