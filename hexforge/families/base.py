@@ -453,11 +453,14 @@ def write_host_tensors(path: Path, tensors: dict, int8: frozenset[str] = frozens
     kept = {torch.bfloat16: ("BF16", 2, torch.int16), torch.float16: ("F16", 2, torch.float16)}
     items = []
     for name, t in tensors.items():
-        if name in int8:  # the rows (int8), and their scales: both made chunk by chunk below
-            rows, cols = t.shape[0], int(np.prod(t.shape[1:]))
-            blocks = int8_blocks(np.zeros((1, cols), np.float32))[1].shape[1]
+        if name in int8:  # a 2-D table's int8 rows and their scales, both made chunk by chunk
+            # below (each chunk is quantized twice, once per item: cheaper than holding either)
+            t = torch.as_tensor(t)
+            if t.dim() != 2:
+                raise ValueError(f"host table {name!r} is {t.dim()}-D; int8 tables are 2-D")
+            blocks = int8_blocks(np.zeros((1, t.shape[1]), np.float32))[1].shape[1]
             items.append((name, "I8", 1, list(t.shape), ("rows", t)))
-            items.append((name + INT8_SCALES, "F32", 4, [rows, blocks], ("scales", t)))
+            items.append((name + INT8_SCALES, "F32", 4, [t.shape[0], blocks], ("scales", t)))
             continue
         if isinstance(t, torch.Tensor):
             if t.is_floating_point():

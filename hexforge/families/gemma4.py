@@ -156,7 +156,8 @@ class Gemma4Family(DecoderFamily):
 
     def host_tensors(self, hf, args: Args) -> dict[str, np.ndarray]:
         tm = self.text_model(hf)
-        # torch tables (bf16 in a real checkpoint): written as fp32 a chunk at a time
+        # torch tables (bf16 in a real checkpoint): written in their precision (int8 under
+        # --cpu-weights int8|int4), a chunk at a time
         out = {"embed_tokens": tm.embed_tokens.weight.detach()}
         if args.hidden_size_per_layer_input:
             out["embed_tokens_per_layer"] = tm.embed_tokens_per_layer.weight.detach()
