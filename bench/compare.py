@@ -1,6 +1,7 @@
 """hexforge CPU backend vs HF transformers eager vs onnxruntime-genai vs the bandwidth roofline, on
 one real-shape random-weight checkpoint, interleaved in one run (2 shared cores: noisy, so every
-contender is measured in turn, `--runs` times, and medians + min-max are reported).
+contender is measured in turn, `--runs` times, and medians + min-max are reported; each ratio
+both as the ratio of the medians and as the median of the per-round ratios).
 
     python bench/compare.py --work /work/perf [--shape qwen3-0.6b] [--context 1024]
         [--cpu-weights fp32,int8,int4] [--prompt 32] [--tokens 32] [--runs 5]
@@ -297,6 +298,11 @@ def main() -> None:
             for other in contenders:
                 if not isinstance(other, Hexforge):
                     row[f"vs_{other.name}"] = round(ref[c.name] / ref[other.name], 3)
+                    # the median of the per-round ratios: each round runs every contender
+                    # back to back, so a slow spell of the machine hits both sides of a ratio
+                    # (the ratio of medians can pair one's fast round with the other's slow one)
+                    row[f"vs_{other.name}_per_round"] = round(statistics.median(
+                        a / b for a, b in zip(decode[c.name], decode[other.name], strict=True)), 3)
             result["ratios"][c.name] = row
 
     # TTFT of a long prompt: AR-N prefill vs decode-over-prompt (hexforge), + peers' prefill
