@@ -17,7 +17,8 @@ Stages (each reused when its output exists under --work):
   hexforge    hexforge build -> <work>/hf-<shape>-<w>   per --cpu-weights (fp32 = the oracle-exact one)
   genai       python -m onnxruntime_genai.models.builder -i CKPT -o <work>/genai-<shape>-<p>
               -p <p> -e cpu   per --genai (its own builder, same checkpoint; fp32 = same precision
-              as hexforge fp32 and HF eager; int4 = its MatMulNBits, vs hexforge --cpu-weights int4)
+              as hexforge fp32 and HF eager; int4 = its MatMulNBits, vs hexforge --cpu-weights int4;
+              int4-b128 = -p int4 --extra_options block_size=128, vs --cpu-weights int4-b128)
 Decode tok/s: a --prompt token prompt prefilled, then --tokens greedy tokens; only the tokens after
 the first are timed. HF eager runs its own KV-cache loop (model(next, past_key_values=...)), which
 is faster than generate() (no logits processors): the generous baseline.
@@ -177,8 +178,11 @@ class GenAI:
 def build_genai(ckpt: Path, out: Path, precision: str, log) -> dict:
     if (out / "genai_config.json").is_file():
         return {"reused": True}
+    # "int4-b128": its int4 with blocks of 128 (block_size=128), as hexforge's --cpu-weights
+    base, _, block = precision.partition("-b")
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o",
-           str(out), "-p", precision, "-e", "cpu", "-c", str(out.parent / f"genai-cache-{precision}")]
+           str(out), "-p", base, "-e", "cpu", "-c", str(out.parent / f"genai-cache-{precision}"),
+           *(["--extra_options", f"block_size={block}"] if block else [])]
     t = time.perf_counter()
     r = subprocess.run(["/usr/bin/time", "-f", "%M", "nice", "-n", "10", *cmd],
                        capture_output=True, text=True)

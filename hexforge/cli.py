@@ -218,7 +218,7 @@ def cmd_demo(a) -> int:
 
 def parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .build.quantize import RECIPES  # numpy only: no torch, no onnx
+    from .build.quantize import CPU_WEIGHTS, RECIPES  # numpy only: no torch, no onnx
 
     p = argparse.ArgumentParser(prog="hexforge", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"hexforge {__version__}")
@@ -234,10 +234,11 @@ def parser() -> argparse.ArgumentParser:
                    help="per-graph weight ceiling (default: the target's): 1.8G, or cpu=3G,v81=1.8G")
     b.add_argument("--quant", choices=tuple(RECIPES), default="w8a16",
                    help="HTP targets' precision (the cpu target: see --cpu-weights)")
-    b.add_argument("--cpu-weights", choices=("fp32", "int8", "int4"), default="fp32",
+    b.add_argument("--cpu-weights", choices=tuple(CPU_WEIGHTS), default="fp32",
                    help="cpu target weights: fp32 (greedy-exact vs HF) or weight-only int8 / int4 "
-                        "(onnxruntime MatMulNBits; gated on teacher-forced cosine); vision and "
-                        "audio towers take int8 under both")
+                        "(onnxruntime MatMulNBits, a scale per 32 weights; int4-b128: per 128, "
+                        "fewer bytes and faster, coarser; gated on teacher-forced cosine); vision "
+                        "and audio towers take int8 under all of them")
     b.add_argument("--calib", default=None, help="calibration text file (default: built-in sample)")
     b.add_argument("--share-weights", action="store_true",
                    help="HTP: one weight-shared context per shard for prefill + decode (device "

@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "int4-b128"])
 def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
     import onnx
+
+    from hexforge.build.quantize import CPU_WEIGHTS
 
     b = bundle("qwen3", cpu_weights=weights)
     report = json.loads((b / "report.json").read_text())["cpu"]
     assert report["passed"], report["failures"]
     assert report["quant"] == weights
-    floor = 0.9995 if weights == "int8" else 0.97
+    floor = {"int8": 0.9995, "int4": 0.97, "int4-b128": 0.96}[weights]
     assert report["teacher_forced"]["cos_min"] > floor
     manifest = json.loads((b / "manifest.json").read_text())
     assert manifest["targets"]["cpu"]["quant"] == weights
@@ -33,6 +35,10 @@ def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
         assert not [n for n in m.graph.node if n.op_type == "MatMul" and n.input[1] in weights_const]
         inits = {t.name: {e.key: e.value for e in t.external_data} for t in m.graph.initializer}
         where[name] = [inits[n.input[1]] for n in m.graph.node if n.op_type == "MatMulNBits"]
+        for n in m.graph.node:  # the recipe's bits and block (K=64 and 128 here: one block
+            if n.op_type == "MatMulNBits":  # of 128 spans a whole column)
+                attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+                assert (attrs["bits"], attrs["block_size"]) == CPU_WEIGHTS[weights], n.name
     assert sorted(p.name for p in (b / "cpu").glob("*.weights")) == ["s0.weights"]
     assert where["head"][0] in where["s0.decode"] and where["head"][0]["location"] == "s0.weights"
     # the embedding is int8 rows + scales too (the gates above held with it)
