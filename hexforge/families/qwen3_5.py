@@ -34,7 +34,6 @@ from ..manifest import EmbedSpec, HostRecipe, RopeSpec, StateSpec
 from . import blocks
 from .base import DecoderFamily, GraphIO
 from .ortops import (
-    causal_conv_with_state,
     gated_rms_norm,
     linear_attention,
     linear_attention_gate,
@@ -143,15 +142,15 @@ class Qwen35Family(DecoderFamily):
     def cpu_step_module(self, hf, args: Args, layers: tuple[int, int], seq_len: int, context: int):
         """The cpu form (fused GatedDeltaNet decode ops, in-place KV caches), and in the decode
         graph each linear layer's states are written in place: LinearAttention's ssm state and
-        CausalConvWithState's fifo are outputs bound to their own inputs (``alias:past.L<i>.*``)
-        instead of being copied into the state buffers after the step. Copying the ssm states
-        cost 1.1-1.3 ms of a 20.4 ms Qwen3.5-0.8B int4 token (18 x 1 MiB), the conv fifos
-        0.12-0.16 ms of a 18.9 ms one (18 x 72 KiB). Both kernels give the same bits in place:
-        LinearAttention measured (50 steps, past and present one buffer vs two), and the conv's
-        decode path shifts its fifo forward from the higher index, which onnxruntime's source
-        says is meant to allow one buffer; the greedy and IO-binding tests run it so. Not the
-        prefill's chunk form: onnxruntime may schedule a read of the old state after the node
-        that writes the new one."""
+        the conv's fifo are outputs bound to their own inputs (``alias:past.L<i>.*``) instead of
+        being copied into the state buffers after the step. Copying the ssm states cost 1.1-1.3
+        ms of a 20.4 ms Qwen3.5-0.8B int4 token (18 x 1 MiB), the conv fifos 0.12-0.16 ms of a
+        18.9 ms one (18 x 72 KiB). In place is safe where every node reading the old state runs
+        before the node writing the new one, in any order onnxruntime picks: LinearAttention
+        reads and writes its state itself (same bits in place, measured over 50 steps), and the
+        fifo's one reader, the Concat, is an input of the Slice that writes it (the tests check
+        both). Not the prefill's chunk form: there a read of the old state may be scheduled
+        after the node that writes the new one."""
         module = super().cpu_step_module(hf, args, layers, seq_len, context)
         if seq_len > 1:
             return module
@@ -222,8 +221,6 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b, self.in_proj_a, self.out_proj = hf_lin.in_proj_b, hf_lin.in_proj_a, hf_lin.out_proj
         w = hf_lin.conv1d.weight.detach()[:, 0, :]  # [C, K]
         self.conv_w = nn.Parameter(w.t().contiguous(), requires_grad=False)  # [K, C] time-major
-        self.conv_w_ck = hf_lin.conv1d.weight  # [C, 1, K]: CausalConvWithState's layout
-        self.register_buffer("conv_b", torch.zeros(w.shape[0]))  # HF's conv has no bias
         self.cpu_kernel = False
         self.neg_A = nn.Parameter(-hf_lin.A_log.detach().float().exp(), requires_grad=False)
         self.dt_bias = hf_lin.dt_bias
@@ -279,17 +276,24 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out), fifo, S
 
     def _forward_cpu(self, x, fifo, S):
-        """A decode step as onnxruntime's fused ops, ~14 nodes instead of ~95 (the key heads
+        """A decode step as onnxruntime's fused ops, ~20 nodes instead of ~95 (the key heads
         stay unexpanded: LinearAttention repeats them interleaved, as HF)::
 
-            in_proj_qkv ─ CausalConvWithState(+SiLU) ─ split ─ q|k: per-head l2norm ─┐
-            in_proj_a, in_proj_b ─ LinearAttentionGate (decay, beta) ────────────────┤
+            [fifo | in_proj_qkv] x conv_w, sum over the K rows, SiLU ─ split ─ q|k: l2norm ─┐
+            in_proj_a, in_proj_b ─ LinearAttentionGate (decay, beta) ──────────────────────┤
                           v ─ LinearAttention(gated_delta) ─ GatedRMSNorm(z) ─ out_proj
+
+        The conv as Concat / Mul / ReduceSum / SiLU / Slice, not onnxruntime's
+        CausalConvWithState: that op took 64-90 us a step for 6144 channels x 4 taps, 3x these
+        nodes; the real-shape int4 decode graph ran 1.042x as fast without it (bare loop, 11 x 63
+        tokens, one process).
 
         Prefill chunks keep the matmul-only chunk form: onnxruntime's LinearAttention over T
         tokens made TTFT(512) of Qwen3.5-0.8B int4 slower (2.46 vs 1.87 s)."""
         kd = self.hk * self.dk
-        qkv, fifo = causal_conv_with_state(self.in_proj_qkv(x), self.conv_w_ck, self.conv_b, fifo)
+        ext = torch.cat((fifo, self.in_proj_qkv(x)), dim=1)  # [1, K, C]
+        qkv = torch.nn.functional.silu((ext * self.conv_w).sum(1, keepdim=True))  # [1, 1, C]
+        fifo = ext[:, 1:]  # [1, K-1, C]
         qk, v = qkv.split([2 * kd, qkv.shape[-1] - 2 * kd], dim=-1)  # [1,1,2kd], [1,1,Hv dv]
         qk = simplified_layer_norm(qk.reshape(1, 1, 2 * self.hk, self.dk), self.l2_gain,
                                    1e-6 / self.dk).reshape(1, 1, 2 * kd)
