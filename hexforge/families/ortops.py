@@ -7,11 +7,10 @@ has none of them), with their eager math, and the rope they share with the HTP g
                                                               (optionally with the rope inside)
     linear_attention_gate  com.microsoft LinearAttentionGate  its decay and beta
     linear_attention       com.microsoft LinearAttention      its gated delta rule, T >= 1
-    gated_rms_norm         com.microsoft GatedRMSNorm         its per-head norm x SiLU(z)
 
-Not used: CausalConvWithState (GatedDeltaNet's short conv). Its decode step took 64-90 us for
-Qwen3.5-0.8B's 6144 channels x 4 taps on 2 Zen 5 cores, 3x the Concat / Mul / ReduceSum / SiLU
-/ Slice it replaces (qwen3_5.GatedDeltaNet._forward_cpu).
+Not used: CausalConvWithState (GatedDeltaNet's short conv) and GatedRMSNorm (its per-head norm
+x SiLU(z)). On Qwen3.5-0.8B's decode step (2 Zen 5 cores) they took 64-90 and 37 us, 3x and ~8x
+the plain nodes that replace them (qwen3_5.GatedDeltaNet._forward_cpu).
 """
 
 from __future__ import annotations
@@ -256,18 +255,12 @@ def _linear_attention_eager(attrs, q, k, v, S, g, beta):
     return torch.cat(outs, 2).transpose(1, 2).reshape(1, T, hv * dv), S
 
 
-def _gated_norm_eager(attrs, x, weight, gate):
-    h = x.reshape(*x.shape[:-1], -1, weight.shape[0])
-    h = h * torch.rsqrt((h * h).mean(-1, keepdim=True) + attrs["epsilon"]) * weight
-    return h.reshape(x.shape) * torch.nn.functional.silu(gate)
-
-
 # op -> for each output, the input whose dtype and shape it has (also build/fuse.py's shape
 # inference for these ops, which onnxruntime's symbolic inference does not know)
 OUTPUT_LIKES = {"LinearAttentionGate": (0, 3),
-                "LinearAttention": (2, 3), "GatedRMSNorm": (0,)}
+                "LinearAttention": (2, 3)}
 _EAGER = {"LinearAttentionGate": _gate_eager,
-          "LinearAttention": _linear_attention_eager, "GatedRMSNorm": _gated_norm_eager}
+          "LinearAttention": _linear_attention_eager}
 
 
 def linear_attention_gate(a, dt_bias, decay_scale, b):
@@ -285,8 +278,3 @@ def linear_attention(q, k, v, state, decay, beta, q_heads: int, v_heads: int, sc
     return _contrib("LinearAttention", [q, k, v, state, decay, beta],
                     dict(q_num_heads=q_heads, kv_num_heads=v_heads, update_rule="gated_delta",
                          scale=float(scale)))
-
-
-def gated_rms_norm(x, weight, gate, eps: float):
-    """Per-head RMSNorm x SiLU(gate) on packed rows: x, gate [1,T,H*D], weight [D]."""
-    return _contrib("GatedRMSNorm", [x, weight, gate], dict(activation="silu", epsilon=float(eps)))
