@@ -257,10 +257,8 @@ def _linear_attention_eager(attrs, q, k, v, S, g, beta):
 
 # op -> for each output, the input whose dtype and shape it has (also build/fuse.py's shape
 # inference for these ops, which onnxruntime's symbolic inference does not know)
-OUTPUT_LIKES = {"LinearAttentionGate": (0, 3),
-                "LinearAttention": (2, 3)}
-_EAGER = {"LinearAttentionGate": _gate_eager,
-          "LinearAttention": _linear_attention_eager}
+OUTPUT_LIKES = {"LinearAttentionGate": (0, 3), "LinearAttention": (2, 3)}
+_EAGER = {"LinearAttentionGate": _gate_eager, "LinearAttention": _linear_attention_eager}
 
 
 def linear_attention_gate(a, dt_bias, decay_scale, b):

@@ -282,10 +282,11 @@ class GatedDeltaNet(nn.Module):
             in_proj_a, in_proj_b ─ LinearAttentionGate (decay, beta) ──────────────────────┤
                           v ─ LinearAttention(gated_delta) ─ RMSNorm x SiLU(z) ─ out_proj
 
-        The conv as Concat / Mul / ReduceSum / SiLU / Slice, not onnxruntime's
-        CausalConvWithState: that op took 64-90 us a step for 6144 channels x 4 taps, 3x these
-        nodes; the real-shape int4 decode graph ran 1.042x as fast without it (bare loop, 11 x 63
-        tokens, one process).
+        The conv as Concat / Mul / ReduceSum / SiLU / Slice and the gated norm as plain nodes,
+        not onnxruntime's CausalConvWithState and GatedRMSNorm (which genai's graph runs): on
+        Qwen3.5-0.8B they took 64-90 and 37 us a step, 3x and ~8x these nodes, and without them
+        the real-shape int4 decode graph ran 1.047x as fast (bare loop, 25 x 63 tokens, one
+        process).
 
         Prefill chunks keep the matmul-only chunk form: onnxruntime's LinearAttention over T
         tokens made TTFT(512) of Qwen3.5-0.8B int4 slower (2.46 vs 1.87 s)."""
@@ -300,8 +301,7 @@ class GatedDeltaNet(nn.Module):
         g, beta = linear_attention_gate(self.in_proj_a(x), self.dt_bias, self.neg_A,
                                         self.in_proj_b(x))  # [1,1,Hv] each
         out, S = linear_attention(q, k, v, S, g, beta, self.hk, self.hv, self.dk ** -0.5)
-        # per-head RMSNorm x SiLU(z), not onnxruntime's GatedRMSNorm: that op took 37 us a step
-        # for 16 heads x 128 (profiled), ~8x these four nodes
+        # per-head RMSNorm x SiLU(z) (not GatedRMSNorm: see above)
         out = simplified_layer_norm(out.reshape(1, 1, self.hv, self.dv), self.norm.weight,
                                     self.norm.eps).reshape(1, 1, self.hv * self.dv)
         out = out * self.act(self.in_proj_z(x))
