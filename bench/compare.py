@@ -4,9 +4,9 @@ contender is measured in turn, `--runs` times, and medians + min-max are reporte
 both as the ratio of the medians and as the median of the per-round ratios).
 
     python bench/compare.py --work /work/perf [--shape qwen3-0.6b] [--context 1024]
-        [--cpu-weights fp32,int8,int4] [--prompt 32] [--tokens 32] [--runs 5]
-        [--ttft-prompt 512] [--ttft-runs 2] [--ttft-warmup 1] [--genai fp32,int4] [--no-hf]
-        [--also DIR,DIR]
+        [--cpu-weights fp32,int8,int4,int4-b128] [--prompt 32] [--tokens 32] [--runs 5]
+        [--ttft-prompt 512] [--ttft-runs 2] [--ttft-warmup 1] [--genai fp32,int4,int4-b128]
+        [--genai-threads 2] [--no-hf] [--also DIR,DIR]
 
 --shape: a bench/realshape.py shape. Qwen3.5 side by side with genai: qwen3.5-0.8b-vl (the hub's
 layout, which genai's builder needs; one process holding fp32 + int4 of every contender and HF ran
