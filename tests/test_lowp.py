@@ -187,7 +187,7 @@ def test_int8_host_tables_dequantize_their_rows_within_half_a_step(tmp_path):
     wide, odd = torch.randn(300, 96).to(torch.bfloat16), torch.randn(40, 20) * 5
     path = tmp_path / "host.safetensors"
     write_host_tensors(path, {"wide": wide, "odd": odd, "kept": torch.randn(4, 8)},
-                       int8=frozenset({"wide", "odd"}))
+                       {"wide": (8, 32), "odd": (8, 32)})
     header = check_safetensors_header(path)
     assert header["wide"]["dtype"] == "I8" and header["wide.int8_scales"]["shape"] == [300, 3]
     assert header["odd.int8_scales"]["shape"] == [40, 1] and header["kept"]["dtype"] == "F32"
@@ -207,6 +207,57 @@ def test_int8_host_tables_dequantize_their_rows_within_half_a_step(tmp_path):
 
     save_file({"t.int8_scales": np.ones((3, 1), np.float32)}, str(tmp_path / "bad.safetensors"))
     with pytest.raises(BundleError, match="int8 rows"):
+        load_host_tensors(tmp_path / "bad.safetensors")
+
+
+def test_int4_host_tables_are_matmulnbits_rows(tmp_path):
+    """--cpu-weights int4 bundles keep the embedding as int4 rows in MatMulNBits' layout: a row
+    dequantizes to what a MatMulNBits over the table (rows as N) computes for a one-hot input,
+    exactly, and within one step of the float row (absmax / 8: onnxruntime maps a block's largest
+    magnitude to -8, so a value near it of the other sign clips at +7)."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from hexforge.errors import BundleError
+    from hexforge.families.base import write_host_tensors
+    from hexforge.runtime.host import Int4Table, check_safetensors_header, load_host_tensors
+
+    V, D, block = 50, 64, 32
+    table = torch.randn(V, D).to(torch.bfloat16)
+    path = tmp_path / "host.safetensors"
+    write_host_tensors(path, {"t": table}, {"t": (4, block)})
+    header = check_safetensors_header(path)
+    assert header["t"] == {**header["t"], "dtype": "U8", "shape": [V, D // 2]}
+    assert header["t.int4_scales"]["shape"] == [V, D // block]
+    got = load_host_tensors(path)["t"]
+    assert isinstance(got, Int4Table) and got.shape == (V, D) and got.block == block
+    rows = got[np.arange(V)]
+    ref = table.float().numpy()
+    step = np.abs(ref.reshape(V, -1, block)).max(-1, keepdims=True) / 8
+    assert (np.abs(rows - ref).reshape(V, -1, block) <= step * 1.0001).all()
+    np.testing.assert_array_equal(got[7], rows[7])
+    np.testing.assert_array_equal(got[np.array([[3, 9]])][0], rows[[3, 9]])
+    # the same bytes as MatMulNBits B [N, K / block, block / 2] and scales: identity in, W^T out
+    node = helper.make_node("MatMulNBits", ["x", "B", "s"], ["y"], domain="com.microsoft",
+                            K=D, N=V, bits=4, block_size=block, accuracy_level=0)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [D, D])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [D, V])],
+                          [numpy_helper.from_array(got.q.reshape(V, D // block, block // 2), "B"),
+                           numpy_helper.from_array(got.scales.reshape(-1), "s")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                            helper.make_opsetid("com.microsoft", 1)])
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    onnx.checker.check_model(m)
+    np.testing.assert_array_equal(sess.run(None, {"x": np.eye(D, dtype=np.float32)})[0].T, rows)
+    # a width the block does not split is refused at build time, not written wrong
+    with pytest.raises(ValueError, match="blocks of 128"):
+        write_host_tensors(tmp_path / "x.safetensors", {"t": table}, {"t": (4, 128)})
+    from safetensors.numpy import save_file
+
+    save_file({"t.int4_scales": np.ones((3, 1), np.float32)}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(BundleError, match="int4 rows"):
         load_host_tensors(tmp_path / "bad.safetensors")
 
 

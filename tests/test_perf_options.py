@@ -41,11 +41,26 @@ def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
                 assert (attrs["bits"], attrs["block_size"]) == CPU_WEIGHTS[weights], n.name
     assert sorted(p.name for p in (b / "cpu").glob("*.weights")) == ["s0.weights"]
     assert where["head"][0] in where["s0.decode"] and where["head"][0]["location"] == "s0.weights"
-    # the embedding is int8 rows + scales too (the gates above held with it)
-    from hexforge.runtime.host import check_safetensors_header
+    # the embedding is quantized too (the gates above held with it): int4 in the weights' blocks
+    # where they divide its width (64 here: not int4-b128's 128, which takes int8)
+    from hexforge.runtime.host import check_safetensors_header, load_host_tensors
 
     header = check_safetensors_header(b / "host.safetensors")
-    assert header["embed_tokens"]["dtype"] == "I8" and "embed_tokens.int8_scales" in header
+    if weights != "int4":
+        assert header["embed_tokens"]["dtype"] == "I8" and "embed_tokens.int8_scales" in header
+        return
+    assert header["embed_tokens"]["dtype"] == "U8" and "embed_tokens.int4_scales" in header
+    # tied: the table is the head's MatMulNBits weight, the same bytes by the same quantizer
+    head = onnx.load(str(b / "cpu" / "head.onnx"), load_external_data=False)
+    node = next(n for n in head.graph.node if n.op_type == "MatMulNBits")
+    table = load_host_tensors(b / "host.safetensors")["embed_tokens"]
+    raw = (b / "cpu" / "s0.weights").read_bytes()
+    for name, got in zip(node.input[1:3], (table.q, table.scales), strict=True):
+        info = {e.key: int(e.value) for e in next(t for t in head.graph.initializer
+                                                   if t.name == name).external_data
+                if e.key in ("offset", "length")}
+        assert info["length"] == got.nbytes
+        assert raw[info["offset"]:info["offset"] + info["length"]] == got.tobytes(), name
 
 
 def test_unknown_cpu_weights_fail_before_any_work(ckpt, tmp_path):
@@ -330,3 +345,19 @@ def test_regression_qwen3_5_int4_in_projections_were_stored_twice(bundle):
     # as nothing in it is the prefill's own any more
     per_token = inspect_bundle(b)["targets"]["cpu"]["decode_weight_bytes_per_token"]
     assert per_token == sum(int(n) for _, _, n in _external_spans(cpu / "s0.decode.onnx"))
+
+
+def test_host_tables_take_the_weights_format_where_every_target_can():
+    """The embedding follows --cpu-weights (int4 in its blocks); int8 where the blocks do not
+    divide its width or where HTP targets (8/16-bit weights) read it too; other tables int8."""
+    import numpy as np
+
+    from hexforge.build.quantize import host_table_formats
+
+    tensors = {"e": np.zeros((10, 256), np.float32), "odd": np.zeros((10, 64), np.float32)}
+    assert host_table_formats("fp32", "e", ["x"], tensors) == {}
+    assert host_table_formats("int8", "e", ["x"], tensors) == {"e": (8, 32), "x": (8, 32)}
+    assert host_table_formats("int4", "e", ["x"], tensors) == {"e": (4, 32), "x": (8, 32)}
+    assert host_table_formats("int4-b128", "e", [], tensors) == {"e": (4, 128)}
+    assert host_table_formats("int4-b128", "odd", [], tensors) == {"odd": (8, 32)}
+    assert host_table_formats("int4", "e", [], tensors, htp=True) == {"e": (8, 32)}

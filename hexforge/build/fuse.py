@@ -82,8 +82,10 @@ def pack_sibling_matmuls(model, min_group: int = 3) -> int:
     """MatMulNBits nodes reading the same activation with the same K / bits / block / accuracy
     (q, k and v of an attention; Qwen3.5's four in-projections) -> one MatMulNBits over the
     concatenated weights + a Split. Groups smaller than ``min_group`` stay as they are: gate/up
-    pairs, which genai leaves apart too (packed with q/k/v in an earlier trial the whole change
-    measured as noise; the pair alone was not measured). -> nodes removed."""
+    pairs, which genai leaves apart too. Packed, they measured 1.03-1.12x on a chain of 28
+    Qwen3-0.6B MLPs alone (int4-b128, M=1, 2 threads) but nothing past the noise in the whole
+    decode graph: 0.991x (ratio of medians, both orders of a 25-round in-process A/B; +-3.5 %
+    between the orders). -> nodes removed."""
     from onnx import helper, numpy_helper
 
     g = model.graph

@@ -38,7 +38,7 @@ from .encoders import calibrate_encoder_norms, compile_encoders, export_encoders
 from .export import share_weights
 from .fuse import fuse_cpu_graph
 from .graphs import export_float, plan_target, weight_groups, weights_file
-from .quantize import CPU_HOST_TABLES_INT8, check_cpu_weights, get_recipe, quantize_cpu_graph
+from .quantize import check_cpu_weights, get_recipe, host_table_formats, quantize_cpu_graph
 
 Log = Callable[[str], None]
 
@@ -147,9 +147,11 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         for f in ckpt.tokenizer_files:
             shutil.copy2(ckpt.dir / f, tok_dir / f)
         host = fam.host_recipe(hf, args)
-        tables = {host.embed.table, *(e.table for e in host.extra_embeds)}
-        write_host_tensors(tmp / "host.safetensors", fam.host_tensors(hf, args),
-                           int8=frozenset(tables if CPU_HOST_TABLES_INT8[opts.cpu_weights] else ()))
+        tensors = fam.host_tensors(hf, args)
+        write_host_tensors(tmp / "host.safetensors", tensors, host_table_formats(
+            opts.cpu_weights, host.embed.table, [e.table for e in host.extra_embeds], tensors,
+            htp=any(tg.is_htp for tg in targets)))
+        del tensors
         release_mapped_pages(ckpt.dir)  # the whole checkpoint has been read once by now
         log(f"wrote host tensors ({(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB)")
 

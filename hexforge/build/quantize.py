@@ -491,16 +491,35 @@ CPU_ACCURACY_LEVEL = 4
 # 0.70 s; int8 115 MB / 0.64 s, soft tokens cos >= 0.99976 vs fp32; int4 66 MB / 0.68 s, cos 0.972
 CPU_ENCODER_WEIGHTS: dict[str, str] = {"fp32": "fp32", "int8": "int8", "int4": "int8",
                                        "int4-b128": "int8"}
-# the host tables (embedding, per-layer tables) under each --cpu-weights: int8 rows with a scale
-# per 32 columns (runtime/host.py Int8Table) once the weights are quantized anyway
-CPU_HOST_TABLES_INT8: dict[str, bool] = {"fp32": False, "int8": True, "int4": True,
-                                         "int4-b128": True}
 
 
 def check_cpu_weights(name: str) -> tuple[int, int] | None:
     if name not in CPU_WEIGHTS:
         raise BuildError(f"unknown --cpu-weights {name!r}; choose from {', '.join(CPU_WEIGHTS)}")
     return CPU_WEIGHTS[name]
+
+
+def host_table_formats(weights: str, embed: str, extras: list[str], tensors: dict,
+                       htp: bool = False) -> dict[str, tuple[int, int]]:
+    """The host tables quantized under --cpu-weights ``weights``: {table: (bits, block)}.
+
+    fp32 keeps every table as the checkpoint holds it. Quantized weights quantize the tables too:
+    the embedding in the weights' own format (int4 blocks by onnxruntime's quantizer, as genai
+    keeps a tied embedding; a table whose width the block does not divide takes int8; ``htp``, a
+    bundle with HTP targets, which read the same table under 8- or 16-bit weights: int8), the other
+    tables (Gemma-4's per-layer inputs, ~35 rows a token of which each layer reads one) int8 rows
+    with a scale per 32 columns, as no peer runs them at 4 bits to compare against. Qwen3.5-0.8B's
+    embedding: 508 MB bf16, 254 MB int8, 135 MB int4 at block 128."""
+    from ..runtime.host import INT8_BLOCK
+
+    fmt = check_cpu_weights(weights)
+    if fmt is None:
+        return {}
+    out = {name: (8, INT8_BLOCK) for name in extras}
+    bits, block = fmt
+    int8 = bits == 8 or htp or tensors[embed].shape[-1] % block
+    out[embed] = (8, INT8_BLOCK) if int8 else (bits, block)
+    return out
 
 
 def structural_matmuls(model) -> list[str]:

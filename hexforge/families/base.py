@@ -434,17 +434,22 @@ def _gather_fp32(table):
     return gather
 
 
-def write_host_tensors(path: Path, tensors: dict, int8: frozenset[str] = frozenset()) -> None:
+def write_host_tensors(path: Path, tensors: dict,
+                       quantized: dict[str, tuple[int, int]] | None = None) -> None:
     """safetensors with floating torch tensors in the precision they hold: bf16 and fp16 tables
     as they are (BF16 / F16; the runtime upcasts the rows it gathers, which is exact), any other
     as F32, converted a chunk of rows at a time (a table never exists whole twice in memory).
     A bf16 checkpoint's tables were written as F32, twice its bytes: Gemma-4-E2B's per-layer
     table 9.4 GB instead of 4.7, Qwen3.5-0.8B's embedding 1.02 GB instead of 0.51.
-    The tables named in ``int8`` are written as int8 rows + per-block scales (runtime/host.py
-    ``Int8Table``), a chunk at a time too. numpy arrays are written as they are."""
+    The tables named in ``quantized`` (name -> (bits, block)) are written as int8 rows + per-block
+    scales (runtime/host.py ``Int8Table``; its own block) or int4 rows + scales per ``block``
+    columns (``Int4Table``), a chunk at a time too. numpy arrays are written as they are."""
     import torch
 
-    from ..runtime.host import INT8_SCALES, int8_blocks
+    from ..runtime.host import INT4_SCALES, INT8_SCALES, int4_blocks, int8_blocks
+
+    def blocks_of(bits: int, block: int):  # rows [r, D] float32 -> (q, scales)
+        return int8_blocks if bits == 8 else lambda rows: int4_blocks(rows, block)
 
     np_st = {np.dtype(k): v for k, v in (("float32", "F32"), ("float16", "F16"), ("float64", "F64"),
              ("int64", "I64"), ("int32", "I32"), ("int16", "I16"), ("int8", "I8"),
@@ -453,14 +458,17 @@ def write_host_tensors(path: Path, tensors: dict, int8: frozenset[str] = frozens
     kept = {torch.bfloat16: ("BF16", 2, torch.int16), torch.float16: ("F16", 2, torch.float16)}
     items = []
     for name, t in tensors.items():
-        if name in int8:  # a 2-D table's int8 rows and their scales, both made chunk by chunk
-            # below (each chunk is quantized twice, once per item: cheaper than holding either)
+        if name in (quantized or {}):  # a 2-D table's rows and their scales, both made chunk by
+            # chunk below (each chunk is quantized twice, once per item: cheaper than holding either)
             t = torch.as_tensor(t)
             if t.dim() != 2:
-                raise ValueError(f"host table {name!r} is {t.dim()}-D; int8 tables are 2-D")
-            blocks = int8_blocks(np.zeros((1, t.shape[1]), np.float32))[1].shape[1]
-            items.append((name, "I8", 1, list(t.shape), ("rows", t)))
-            items.append((name + INT8_SCALES, "F32", 4, [t.shape[0], blocks], ("scales", t)))
+                raise ValueError(f"host table {name!r} is {t.dim()}-D; quantized tables are 2-D")
+            bits, block = quantized[name]
+            quant = blocks_of(bits, block)
+            q, sc = quant(np.zeros((1, t.shape[1]), np.float32))
+            st, suffix = ("I8", INT8_SCALES) if bits == 8 else ("U8", INT4_SCALES)
+            items.append((name, st, 1, [t.shape[0], q.shape[1]], ("rows", t, quant)))
+            items.append((name + suffix, "F32", 4, [t.shape[0], sc.shape[1]], ("scales", t, quant)))
             continue
         if isinstance(t, torch.Tensor):
             if t.is_floating_point():
@@ -485,13 +493,13 @@ def write_host_tensors(path: Path, tensors: dict, int8: frozenset[str] = frozens
             if isinstance(t, np.ndarray):
                 f.write(memoryview(t.reshape(-1)).cast("B"))
                 continue
-            part, t = t if isinstance(t, tuple) else (None, t)
+            part, t, quant = t if isinstance(t, tuple) else (None, t, None)
             flat = t.detach().reshape(t.shape[0], -1) if t.dim() > 1 else t.detach().reshape(1, -1)
             rows = max(1, (64 << 20) // max(1, flat.shape[1] * 4))  # ~64 MB of fp32 at a time
             for i in range(0, flat.shape[0], rows):
                 chunk = flat[i:i + rows].contiguous()
-                if part is not None:  # an int8 table's rows or scales
-                    chunk = int8_blocks(chunk.to(torch.float32).numpy())[part == "scales"]
+                if part is not None:  # a quantized table's rows or scales
+                    chunk = quant(chunk.to(torch.float32).numpy())[part == "scales"]
                 else:
                     chunk = (chunk.view(kept[t.dtype][2]) if t.dtype in kept
                              else chunk.to(torch.float32)).numpy()
