@@ -261,6 +261,43 @@ def test_int4_host_tables_are_matmulnbits_rows(tmp_path):
         load_host_tensors(tmp_path / "bad.safetensors")
 
 
+def test_shared_int4_rows_outside_their_file_are_a_bundle_error(tmp_path):
+    """A manifest's SharedRows (a tied head's int4 rows) that do not fit the weight file or the
+    table's shape fail with the table and the file named, before any gather reads past them."""
+    import numpy as np
+
+    from hexforge.build.hosttables import drop_host_tensors
+    from hexforge.errors import BundleError
+    from hexforge.families.base import write_host_tensors
+    from hexforge.manifest import SharedRows
+    from hexforge.runtime.host import load_host_tensors, shared_int4_table
+
+    V, D, block = 12, 64, 32
+    path = tmp_path / "host.safetensors"
+    inv = np.arange(4, dtype=np.float64)
+    write_host_tensors(path, {"t": torch.randn(V, D), "inv": inv, "b": np.ones(3, np.uint8)},
+                       {"t": (4, block)})
+    host = load_host_tensors(path)
+    weights = tmp_path / "w.bin"
+    weights.write_bytes(b"\0" * 16 + host["t"].q.tobytes() + host["t"].scales.tobytes())
+    good = SharedRows(file="w.bin", rows=(16, V * D // 2), scales=(16 + V * D // 2, V * 2 * 4),
+                      shape=(V, D), block=block)
+    shared = shared_int4_table(weights, "t", good)
+    np.testing.assert_array_equal(shared[np.arange(V)], host["t"][np.arange(V)])
+    for bad, why in ((dict(rows=(17 + V * D, V * D // 2)), "rows"),
+                     (dict(scales=(16 + V * D // 2, V * 2 * 4 + 4)), "scales"),
+                     (dict(block=48), "blocks of 48"), (dict(shape=(V, D + 2)), "blocks of 32")):
+        with pytest.raises(BundleError, match=f"host table 't'.*{why}"):
+            shared_int4_table(weights, "t", good.model_copy(update=bad))
+    with pytest.raises(BundleError, match="cannot be read"):
+        shared_int4_table(tmp_path / "gone.bin", "t", good)
+    # the table leaves host.safetensors; the rest reads back as it was, aligned
+    drop_host_tensors(path, {"t", "t.int4_scales"})
+    rest = load_host_tensors(path)
+    assert sorted(rest) == ["b", "inv"] and rest["inv"].tolist() == inv.tolist()
+    assert rest["b"].tolist() == [1, 1, 1]
+
+
 def _mapped_rss(path) -> int:
     """Resident bytes of this process's mappings of ``path`` (smaps)."""
     total, cur = 0, False

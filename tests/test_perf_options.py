@@ -49,18 +49,24 @@ def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
     if weights != "int4":
         assert header["embed_tokens"]["dtype"] == "I8" and "embed_tokens.int8_scales" in header
         return
-    assert header["embed_tokens"]["dtype"] == "U8" and "embed_tokens.int4_scales" in header
-    # tied: the table is the head's MatMulNBits weight, the same bytes by the same quantizer
+    # tied: the int4 table is the head's MatMulNBits weight (the same bytes by the same
+    # quantizer), so host.safetensors does not hold it and the runtime reads the head's ranges
+    assert "embed_tokens" not in header and "embed_tokens.int4_scales" not in header
+    shared = manifest["host"]["embed"]["shared"]
+    assert shared["file"] == "cpu/s0.weights" and shared["shape"] == [manifest["vocab_size"], 64]
     head = onnx.load(str(b / "cpu" / "head.onnx"), load_external_data=False)
     node = next(n for n in head.graph.node if n.op_type == "MatMulNBits")
-    table = load_host_tensors(b / "host.safetensors")["embed_tokens"]
-    raw = (b / "cpu" / "s0.weights").read_bytes()
-    for name, got in zip(node.input[1:3], (table.q, table.scales), strict=True):
+    for name, part in zip(node.input[1:3], ("rows", "scales"), strict=True):
         info = {e.key: int(e.value) for e in next(t for t in head.graph.initializer
                                                    if t.name == name).external_data
                 if e.key in ("offset", "length")}
-        assert info["length"] == got.nbytes
-        assert raw[info["offset"]:info["offset"] + info["length"]] == got.tobytes(), name
+        assert [info["offset"], info["length"]] == shared[part]
+    import hexforge
+    from hexforge.runtime.host import Int4Table
+
+    table = hexforge.load(b).engine.host.embed_table
+    assert isinstance(table, Int4Table) and table.shape == (manifest["vocab_size"], 64)
+    assert load_host_tensors(b / "host.safetensors").keys().isdisjoint({"embed_tokens"})
 
 
 def test_unknown_cpu_weights_fail_before_any_work(ckpt, tmp_path):

@@ -38,6 +38,7 @@ from .encoders import calibrate_encoder_norms, compile_encoders, export_encoders
 from .export import share_weights
 from .fuse import fuse_cpu_graph
 from .graphs import export_float, plan_target, weight_groups, weights_file
+from .hosttables import share_tied_embedding
 from .quantize import check_cpu_weights, get_recipe, host_table_formats, quantize_cpu_graph
 
 Log = Callable[[str], None]
@@ -148,15 +149,21 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
             shutil.copy2(ckpt.dir / f, tok_dir / f)
         host = fam.host_recipe(hf, args)
         tensors = fam.host_tensors(hf, args)
+        htp = any(tg.is_htp for tg in targets)
         write_host_tensors(tmp / "host.safetensors", tensors, host_table_formats(
             opts.cpu_weights, host.embed.table, [e.table for e in host.extra_embeds], tensors,
-            htp=any(tg.is_htp for tg in targets)))
+            htp=htp))
         del tensors
         release_mapped_pages(ckpt.dir)  # the whole checkpoint has been read once by now
         log(f"wrote host tensors ({(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB)")
 
         t = time.perf_counter()
         cpu = _build_cpu_target(fam, hf, args, targets[0], opts, tmp, log)
+        if not htp:  # a tied int4 head holds the int4 embedding's bytes: stored once
+            host.embed.shared = share_tied_embedding(tmp, cpu, host.embed.table)
+            if host.embed.shared is not None:
+                log(f"host embedding: the head's int4 rows in {host.embed.shared.file} "
+                    f"(host tensors now {(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB)")
         with fam.float32(hf):  # the encoder towers (and the text model's small tensors)
             enc_graphs = export_encoders(encoders, enc_specs, hf, tmp, "cpu", opts.exporter, log)
         cpu.graphs += enc_graphs

@@ -205,6 +205,30 @@ class Int4Table:
             *q.shape[:-1], 2 * q.shape[-1])
 
 
+def shared_int4_table(path: Path, name: str, ref) -> Int4Table:
+    """Host table ``name`` from the weight file ``path`` (a manifest ``SharedRows``: a tied
+    head's int4 rows and scales), memory-mapped like the other host tables. Ranges that do not fit
+    the file or the table's shape are a BundleError naming both."""
+    (V, D), block = ref.shape, ref.block
+    want = {"rows": V * D // 2, "scales": V * (D // block) * 4}
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise BundleError(f"host table {name!r}: its weight file cannot be read: {e}") from None
+    if V < 1 or D < 2 or block < 2 or block % 2 or D % block:
+        raise BundleError(f"host table {name!r}: shape {[V, D]} does not split into int4 blocks "
+                          f"of {block}")
+    arrays = {}
+    for part, dtype, shape in (("rows", np.uint8, (V, D // 2)), ("scales", "<f4", (V, D // block))):
+        offset, length = getattr(ref, part)
+        if length != want[part] or offset < 0 or offset + length > size:
+            raise BundleError(f"host table {name!r}: its {part} [{offset}, +{length}) do not fit "
+                              f"{path.name} ({size:,} bytes) as {want[part]:,} bytes")
+        arrays[part] = np.asarray(np.memmap(path, dtype=dtype, mode="r", offset=offset,
+                                            shape=shape))
+    return Int4Table(name, arrays["rows"], arrays["scales"])
+
+
 class HostInputs:
     def __init__(self, recipe: HostRecipe, tensors: dict[str, np.ndarray], max_positions: int,
                  placeholder_ids: list[int] = ()):
