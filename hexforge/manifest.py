@@ -154,7 +154,7 @@ class SharedRows(_Model):
     ``Int4Table``), so a cpu-only int4 bundle stores it once. ``rows``: [offset, length] of the
     uint8 rows [V, D / 2] in ``file``; ``scales``: of the float32 scales [V, D / block]."""
 
-    file: str  # bundle-relative, e.g. "cpu/s0.weights"
+    file: RelPath  # bundle-relative, e.g. "cpu/s0.weights"
     rows: tuple[int, int]
     scales: tuple[int, int]
     shape: tuple[int, int]  # [V, D]
