@@ -286,7 +286,8 @@ def test_shared_int4_rows_outside_their_file_are_a_bundle_error(tmp_path):
     np.testing.assert_array_equal(shared[np.arange(V)], host["t"][np.arange(V)])
     for bad, why in ((dict(rows=(17 + V * D, V * D // 2)), "rows"),
                      (dict(scales=(16 + V * D // 2, V * 2 * 4 + 4)), "scales"),
-                     (dict(block=48), "blocks of 48"), (dict(shape=(V, D + 2)), "blocks of 32")):
+                     (dict(block=48), "blocks of 48"), (dict(shape=(V, D + 2)), "blocks of 32"),
+                     (dict(block=0), "blocks of 0"), (dict(shape=(0, D)), "blocks of 32")):
         with pytest.raises(BundleError, match=f"host table 't'.*{why}"):
             shared_int4_table(weights, "t", good.model_copy(update=bad))
     with pytest.raises(BundleError, match="cannot be read"):

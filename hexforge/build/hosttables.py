@@ -70,7 +70,7 @@ def share_tied_embedding(bundle: Path, target: TargetSpec, table: str) -> Shared
     V, half = header[table]["shape"]
     blocks = header[table + INT4_SCALES]["shape"][1]
     drop_host_tensors(host, {table, table + INT4_SCALES})
-    return SharedRows(file=str(weights.relative_to(bundle)), rows=ranges[0][1:],
+    return SharedRows(file=weights.relative_to(bundle).as_posix(), rows=ranges[0][1:],
                       scales=ranges[1][1:], shape=(V, 2 * half), block=2 * half // blocks)
 
 

@@ -210,14 +210,14 @@ def shared_int4_table(path: Path, name: str, ref) -> Int4Table:
     head's int4 rows and scales), memory-mapped like the other host tables. Ranges that do not fit
     the file or the table's shape are a BundleError naming both."""
     (V, D), block = ref.shape, ref.block
+    if V < 1 or D < 2 or block < 2 or block % 2 or D % block:
+        raise BundleError(f"host table {name!r}: shape {[V, D]} does not split into int4 blocks "
+                          f"of {block}")
     want = {"rows": V * D // 2, "scales": V * (D // block) * 4}
     try:
         size = path.stat().st_size
     except OSError as e:
         raise BundleError(f"host table {name!r}: its weight file cannot be read: {e}") from None
-    if V < 1 or D < 2 or block < 2 or block % 2 or D % block:
-        raise BundleError(f"host table {name!r}: shape {[V, D]} does not split into int4 blocks "
-                          f"of {block}")
     arrays = {}
     for part, dtype, shape in (("rows", np.uint8, (V, D // 2)), ("scales", "<f4", (V, D // block))):
         offset, length = getattr(ref, part)
