@@ -51,6 +51,24 @@ def roofline(target: str, bytes_per_token: int) -> dict:
     return {s.name: round(s.ddr_gbps * 1e9 / bytes_per_token, 1) for s in tg.socs}
 
 
+def embedding_format(bundle: Path, m) -> str:
+    """How the host embedding is stored: the checkpoint's float type, int8 rows, int4 rows, or
+    int4 rows read from the tied head's weight (``host.embed.shared``)."""
+    from .runtime.host import INT4_SCALES, check_safetensors_header
+
+    e = m.host.embed
+    if e.shared is not None:
+        return f"int4, blocks of {e.shared.block}: the tied head's rows in {e.shared.file}"
+    header = check_safetensors_header(confine(bundle, m.host_tensors))
+    t = header.get(e.table)
+    if t is None:
+        return "missing"
+    if t["dtype"] == "U8" and e.table + INT4_SCALES in header:
+        blocks = header[e.table + INT4_SCALES]["shape"][1]
+        return f"int4, blocks of {2 * t['shape'][1] // blocks}"
+    return {"I8": "int8"}.get(t["dtype"], t["dtype"].lower())
+
+
 def inspect_bundle(bundle: Path) -> dict:
     m = load_manifest(bundle)
     state_bytes = 0
@@ -88,6 +106,7 @@ def inspect_bundle(bundle: Path) -> dict:
         "layers": m.num_layers, "hidden_size": m.hidden_size, "vocab_size": m.vocab_size,
         "context": m.context, "state": dict(Counter(s.kind for s in m.state)),
         "state_bytes": state_bytes, "host_tensors_bytes": confine(bundle, m.host_tensors).stat().st_size,
+        "embedding": embedding_format(bundle, m),
         "targets": targets, "report": report,
         "encoders": [e.model_dump(include={"name", "modality", "max_soft_tokens", "placeholder_text",
                                            "preprocessor"}) for e in m.encoders],
@@ -103,7 +122,7 @@ def print_inspection(info: dict) -> None:
             f"{info['layers']} layers, hidden {info['hidden_size']}, vocab {info['vocab_size']}, "
             f"context {info['context']}")
     c.print(f"state: {info['state']}  {info['state_bytes'] / 1e6:.2f} MB   host tensors "
-            f"{info['host_tensors_bytes'] / 1e6:.2f} MB")
+            f"{info['host_tensors_bytes'] / 1e6:.2f} MB (embedding: {info['embedding']})")
     for e in info.get("encoders", []):
         c.print(f"encoder {e['name']}: {e['modality']} -> up to {e['max_soft_tokens']} soft tokens "
                 f"at {e['placeholder_text']!r} (preprocessor {e['preprocessor']})")

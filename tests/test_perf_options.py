@@ -43,12 +43,16 @@ def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
     assert where["head"][0] in where["s0.decode"] and where["head"][0]["location"] == "s0.weights"
     # the embedding is quantized too (the gates above held with it): int4 in the weights' blocks
     # where they divide its width (64 here: not int4-b128's 128, which takes int8)
+    from hexforge.inspect import inspect_bundle
     from hexforge.runtime.host import check_safetensors_header, load_host_tensors
 
     header = check_safetensors_header(b / "host.safetensors")
+    embedding = inspect_bundle(b)["embedding"]
     if weights != "int4":
         assert header["embed_tokens"]["dtype"] == "I8" and "embed_tokens.int8_scales" in header
+        assert embedding == "int8"
         return
+    assert embedding == "int4, blocks of 32: the tied head's rows in cpu/s0.weights"
     # tied: the int4 table is the head's MatMulNBits weight (the same bytes by the same
     # quantizer), so host.safetensors does not hold it and the runtime reads the head's ranges
     assert "embed_tokens" not in header and "embed_tokens.int4_scales" not in header
