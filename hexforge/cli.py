@@ -53,7 +53,8 @@ def cmd_build(a) -> int:
                         max_shard_bytes=a.max_shard_bytes, verify=not a.no_verify,
                         exporter=a.exporter, quant=a.quant, calib=a.calib,
                         share_weights=a.share_weights, audio_seconds=a.audio_seconds,
-                        cpu_weights=a.cpu_weights, verify_tokens=a.verify_tokens,
+                        cpu_weights=a.cpu_weights, int8_embedding=a.int8_embedding,
+                        verify_tokens=a.verify_tokens,
                         keep_work=a.keep_work)
     build(a.checkpoint, a.output, opts, log=lambda m: print(m, file=sys.stderr))
     return 0
@@ -239,6 +240,9 @@ def parser() -> argparse.ArgumentParser:
                         "(onnxruntime MatMulNBits, a scale per 32 weights; int4-b128: per 128, "
                         "fewer bytes and faster, coarser; gated on teacher-forced cosine); vision "
                         "and audio towers take int8 under all of them")
+    b.add_argument("--int8-embedding", action="store_true",
+                   help="under --cpu-weights int4 / int4-b128, keep the host embedding int8 "
+                        "(default: int4 in the weights' blocks, stored once with a tied head)")
     b.add_argument("--calib", default=None, help="calibration text file (default: built-in sample)")
     b.add_argument("--share-weights", action="store_true",
                    help="HTP: one weight-shared context per shard for prefill + decode (device "

@@ -370,4 +370,19 @@ def test_host_tables_take_the_weights_format_where_every_target_can():
     assert host_table_formats("int4", "e", ["x"], tensors) == {"e": (4, 32), "x": (8, 32)}
     assert host_table_formats("int4-b128", "e", [], tensors) == {"e": (4, 128)}
     assert host_table_formats("int4-b128", "odd", [], tensors) == {"odd": (8, 32)}
-    assert host_table_formats("int4", "e", [], tensors, htp=True) == {"e": (8, 32)}
+    assert host_table_formats("int4", "e", [], tensors, int8_embedding=True) == {"e": (8, 32)}
+
+
+def test_int8_embedding_flag_keeps_an_int4_bundles_embedding_int8(ckpt, tmp_path):
+    """`hexforge build --cpu-weights int4 --int8-embedding`: the int4 weights, the session-17
+    int8 embedding in host.safetensors, nothing shared with the head."""
+    from hexforge.cli import main
+    from hexforge.inspect import inspect_bundle
+
+    out = tmp_path / "b"
+    assert main(["build", str(ckpt("qwen3")), "-o", str(out), "--cpu-weights", "int4",
+                 "--int8-embedding", "--no-verify", "--context", "32", "--prefill-len", "8"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["targets"]["cpu"]["quant"] == "int4"
+    assert manifest["host"]["embed"]["shared"] is None
+    assert inspect_bundle(out)["embedding"] == "int8"

@@ -56,6 +56,7 @@ class BuildOptions:
     calib: str | None = None  # calibration text file (default: a built-in sample)
     share_weights: bool = False  # HTP: one context per shard for prefill + decode (device only)
     cpu_weights: str = "fp32"  # cpu target: fp32 (oracle-exact) | int8 | int4 (MatMulNBits)
+    int8_embedding: bool = False  # int4 cpu weights: keep the host embedding int8, not int4
     exporter: str = "torchscript"  # measured: same tiny-model speed, 2.5x faster export
     verify_tokens: int = 64
     audio_seconds: float | None = None  # the audio encoder's fixed window (default: the model's)
@@ -152,7 +153,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         htp = any(tg.is_htp for tg in targets)
         write_host_tensors(tmp / "host.safetensors", tensors, host_table_formats(
             opts.cpu_weights, host.embed.table, [e.table for e in host.extra_embeds], tensors,
-            htp=htp))
+            int8_embedding=htp or opts.int8_embedding))
         del tensors
         release_mapped_pages(ckpt.dir)  # the whole checkpoint has been read once by now
         log(f"wrote host tensors ({(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB)")

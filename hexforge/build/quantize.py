@@ -500,13 +500,14 @@ def check_cpu_weights(name: str) -> tuple[int, int] | None:
 
 
 def host_table_formats(weights: str, embed: str, extras: list[str], tensors: dict,
-                       htp: bool = False) -> dict[str, tuple[int, int]]:
+                       int8_embedding: bool = False) -> dict[str, tuple[int, int]]:
     """The host tables quantized under --cpu-weights ``weights``: {table: (bits, block)}.
 
     fp32 keeps every table as the checkpoint holds it. Quantized weights quantize the tables too:
     the embedding in the weights' own format (int4 blocks by onnxruntime's quantizer, as genai
-    keeps a tied embedding; a table whose width the block does not divide takes int8; ``htp``, a
-    bundle with HTP targets, which read the same table under 8- or 16-bit weights: int8), the other
+    keeps a tied embedding; int8 where the block does not divide its width, or ``int8_embedding``:
+    a bundle with HTP targets, which read the same table under 8- or 16-bit weights, or a build
+    asked for it with --int8-embedding), the other
     tables (Gemma-4's per-layer inputs, ~35 rows a token of which each layer reads one) int8 rows
     with a scale per 32 columns, as no peer runs them at 4 bits to compare against. Qwen3.5-0.8B's
     embedding: 508 MB bf16, 254 MB int8, 135 MB int4 at block 128."""
@@ -517,7 +518,7 @@ def host_table_formats(weights: str, embed: str, extras: list[str], tensors: dic
         return {}
     out = {name: (8, INT8_BLOCK) for name in extras}
     bits, block = fmt
-    int8 = bits == 8 or htp or tensors[embed].shape[-1] % block
+    int8 = bits == 8 or int8_embedding or tensors[embed].shape[-1] % block
     out[embed] = (8, INT8_BLOCK) if int8 else (bits, block)
     return out
 
