@@ -24,19 +24,24 @@ from ..runtime.host import INT4_SCALES, check_safetensors_header
 
 def _external_range(model, name: str) -> tuple[str, int, int] | None:
     """(location, offset, length) of initializer ``name`` stored as external data, else None."""
-    for t in model.graph.initializer:
-        if t.name == name:
-            info = {e.key: e.value for e in t.external_data}
-            if "location" not in info or "length" not in info:
-                return None
-            return info["location"], int(info.get("offset", 0)), int(info["length"])
-    return None
+    from onnx.external_data_helper import ExternalDataInfo
+
+    t = next((t for t in model.graph.initializer if t.name == name), None)
+    if t is None or not t.external_data:
+        return None
+    info = ExternalDataInfo(t)
+    return (info.location, info.offset or 0, info.length) if info.length else None
 
 
 def _read(path: Path, offset: int, length: int) -> bytes:
     with open(path, "rb") as f:
         f.seek(offset)
         return f.read(length)
+
+
+def _data_start(path: Path) -> int:
+    """Where a safetensors file's data region begins (its 8-byte header length + the header)."""
+    return 8 + int.from_bytes(_read(path, 0, 8), "little")
 
 
 def share_tied_embedding(bundle: Path, target: TargetSpec, table: str) -> SharedRows | None:
@@ -59,9 +64,8 @@ def share_tied_embedding(bundle: Path, target: TargetSpec, table: str) -> Shared
     ranges = [_external_range(model, name) for name in node.input[1:3]]
     if None in ranges or ranges[0][0] != ranges[1][0]:
         return None
-    data_start = 8 + int.from_bytes(_read(host, 0, 8), "little")
-    weights = bundle / head.file
-    weights = weights.parent / ranges[0][0]
+    data_start = _data_start(host)
+    weights = (bundle / head.file).parent / ranges[0][0]
     for (_, offset, length), name in zip(ranges, (table, table + INT4_SCALES), strict=True):
         begin, end = header[name]["data_offsets"]
         if length != end - begin or _read(weights, offset, length) != _read(
@@ -82,7 +86,7 @@ def drop_host_tensors(path: Path, names: set[str]) -> None:
     import json
 
     header = check_safetensors_header(path)
-    data_start = 8 + int.from_bytes(_read(path, 0, 8), "little")
+    data_start = _data_start(path)
     kept = sorted(((k, v) for k, v in header.items() if k != "__metadata__" and k not in names),
                   key=lambda kv: kv[1]["data_offsets"][0])
     out, off = {}, 0
