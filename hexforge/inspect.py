@@ -53,12 +53,13 @@ def roofline(target: str, bytes_per_token: int) -> dict:
 
 def embedding_format(bundle: Path, m) -> str:
     """How the host embedding is stored: the checkpoint's float type, int8 rows, int4 rows, or
-    int4 rows read from the tied head's weight (``host.embed.shared``)."""
+    int4 / int8 rows read from the tied head's weight (``host.embed.shared``)."""
     from .runtime.host import INT4_SCALES, check_safetensors_header
 
     e = m.host.embed
     if e.shared is not None:
-        return f"int4, blocks of {e.shared.block}: the tied head's rows in {e.shared.file}"
+        return (f"int{e.shared.bits}, blocks of {e.shared.block}: the tied head's rows in "
+                f"{e.shared.file}")
     header = check_safetensors_header(confine(bundle, m.host_tensors))
     t = header.get(e.table)
     if t is None:
@@ -66,7 +67,7 @@ def embedding_format(bundle: Path, m) -> str:
     if t["dtype"] == "U8" and e.table + INT4_SCALES in header:
         blocks = header[e.table + INT4_SCALES]["shape"][1]
         return f"int4, blocks of {2 * t['shape'][1] // blocks}"
-    return {"I8": "int8"}.get(t["dtype"], t["dtype"].lower())
+    return {"I8": "int8", "U8": "int8"}.get(t["dtype"], t["dtype"].lower())
 
 
 def inspect_bundle(bundle: Path) -> dict:

@@ -149,22 +149,24 @@ class RopeSpec(_Model):
 
 
 class SharedRows(_Model):
-    """An int4 host table whose bytes live in a graph weight file of the bundle: a tied head's
-    MatMulNBits weight is the table quantized by the same quantizer (runtime/host.py
-    ``Int4Table``), so a cpu-only int4 bundle stores it once. ``rows``: [offset, length] of the
-    uint8 rows [V, D / 2] in ``file``; ``scales``: of the float32 scales [V, D / block]."""
+    """An int4 or int8 host table whose bytes live in a graph weight file of the bundle: a tied
+    head's MatMulNBits weight is the table quantized by the same quantizer (runtime/host.py
+    ``Int4Table`` / ``Int8Table``), so a cpu-only quantized bundle stores it once. ``rows``:
+    [offset, length] of the uint8 rows [V, D x bits / 8] in ``file``; ``scales``: of the float32
+    scales [V, D / block]."""
 
     file: RelPath  # bundle-relative, e.g. "cpu/s0.weights"
     rows: tuple[int, int]
     scales: tuple[int, int]
     shape: tuple[int, int]  # [V, D]
     block: int
+    bits: Literal[4, 8] = 4  # 4: zero point 8, two columns a byte; 8: zero point 128
 
 
 class EmbedSpec(_Model):
     table: str  # host tensor [vocab, hidden]
     scale: float = 1.0  # Gemma multiplies by sqrt(hidden)
-    shared: SharedRows | None = None  # the table's int4 rows are read from a weight file
+    shared: SharedRows | None = None  # the table's rows are read from a weight file
 
 
 class ExtraEmbedSpec(_Model):

@@ -175,9 +175,11 @@ def test_host_tensors_are_written_in_chunks_and_read_as_maps(tmp_path):
     assert torch.equal(std["h"], half) and torch.equal(std["f"], full)
 
 
-def test_int8_host_tables_dequantize_their_rows_within_half_a_step(tmp_path):
-    """--cpu-weights int8|int4 bundles keep the embedding / per-layer tables as int8 rows with
-    a scale per 32 columns (a whole row where the width is not a multiple of 32)."""
+def test_int8_host_tables_dequantize_their_rows_within_one_step(tmp_path):
+    """--cpu-weights int8 bundles (and the per-layer tables of int4 ones) keep their tables as
+    8-bit rows with a scale per 32 columns in onnxruntime's 8-bit MatMulNBits layout (uint8, zero
+    point 128, scale absmax / 128: a positive absmax clips to 127, one step off; its RMS error is
+    int8's); a width 32 does not divide: int8 rows, one scale a row (absmax / 127, half a step)."""
     import numpy as np
 
     from hexforge.errors import BundleError
@@ -189,32 +191,45 @@ def test_int8_host_tables_dequantize_their_rows_within_half_a_step(tmp_path):
     write_host_tensors(path, {"wide": wide, "odd": odd, "kept": torch.randn(4, 8)},
                        {"wide": (8, 32), "odd": (8, 32)})
     header = check_safetensors_header(path)
-    assert header["wide"]["dtype"] == "I8" and header["wide.int8_scales"]["shape"] == [300, 3]
-    assert header["odd.int8_scales"]["shape"] == [40, 1] and header["kept"]["dtype"] == "F32"
+    assert header["wide"]["dtype"] == "U8" and header["wide.int8_scales"]["shape"] == [300, 3]
+    assert header["odd"]["dtype"] == "I8" and header["odd.int8_scales"]["shape"] == [40, 1]
+    assert header["kept"]["dtype"] == "F32"
     got = load_host_tensors(path)
     assert "wide.int8_scales" not in got and isinstance(got["wide"], Int8Table)
-    for name, ref, block in (("wide", wide.float().numpy(), 32), ("odd", odd.numpy(), 20)):
+    for name, ref, block, bound in (("wide", wide.float().numpy(), 32, 1 / 128),
+                                    ("odd", odd.numpy(), 20, 0.5 / 127)):
         table = got[name]
         assert table.shape == ref.shape and table.ndim == 2
         ids = np.array([0, 7, 7, len(ref) - 1])
         rows = table[ids]
         assert rows.dtype == np.float32 and rows.shape == (4, ref.shape[1])
-        step = np.abs(ref[ids].reshape(4, -1, block)).max(-1, keepdims=True) / 127
-        assert (np.abs(rows - ref[ids]).reshape(4, -1, block) <= step / 2 * 1.0001).all()
+        err = np.abs(rows - ref[ids]).reshape(4, -1, block)
+        assert (err <= np.abs(ref[ids].reshape(4, -1, block)).max(-1, keepdims=True) * bound
+                * 1.0001).all()
+        rel = np.linalg.norm(rows - ref[ids], axis=-1) / np.linalg.norm(ref[ids], axis=-1)
+        assert (rel < 0.01).all()  # ~0.005 for Gaussian rows either way
         np.testing.assert_array_equal(table[7], rows[1])  # one id: one row
-    # scales without their rows: the bundle is broken, said so
+    # a table written before the U8 layout (int8 rows, zero point 0, per-32 scales) still loads
     from safetensors.numpy import save_file
 
+    q = np.arange(-64, 64, dtype=np.int8).reshape(2, 64)
+    save_file({"t": q, "t.int8_scales": np.array([[1, 2], [3, 4]], np.float32)},
+              str(tmp_path / "old.safetensors"))
+    old = load_host_tensors(tmp_path / "old.safetensors")["t"]
+    np.testing.assert_array_equal(old[1], q[1] * np.repeat([3, 4], 32).astype(np.float32))
+    # scales without their rows: the bundle is broken, said so
     save_file({"t.int8_scales": np.ones((3, 1), np.float32)}, str(tmp_path / "bad.safetensors"))
     with pytest.raises(BundleError, match="int8 rows"):
         load_host_tensors(tmp_path / "bad.safetensors")
 
 
-def test_int4_host_tables_are_matmulnbits_rows(tmp_path):
-    """--cpu-weights int4 bundles keep the embedding as int4 rows in MatMulNBits' layout: a row
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_host_tables_are_matmulnbits_rows(tmp_path, bits):
+    """--cpu-weights int4 / int8 bundles keep the embedding in MatMulNBits' layout: a row
     dequantizes to what a MatMulNBits over the table (rows as N) computes for a one-hot input,
-    exactly, and within one step of the float row (absmax / 8: onnxruntime maps a block's largest
-    magnitude to -8, so a value near it of the other sign clips at +7)."""
+    exactly, and within one step of the float row (absmax / 8 or / 128: onnxruntime maps a
+    block's largest magnitude to -8 / -128, so a value near it of the other sign clips at +7 /
+    +127). That is what lets a tied head's weight serve as the table (build/hosttables.py)."""
     import numpy as np
     import onnx
     import onnxruntime as ort
@@ -222,55 +237,66 @@ def test_int4_host_tables_are_matmulnbits_rows(tmp_path):
 
     from hexforge.errors import BundleError
     from hexforge.families.base import write_host_tensors
-    from hexforge.runtime.host import Int4Table, check_safetensors_header, load_host_tensors
+    from hexforge.runtime.host import (
+        INT4_SCALES,
+        INT8_SCALES,
+        Int4Table,
+        Int8Table,
+        check_safetensors_header,
+        load_host_tensors,
+    )
 
     V, D, block = 50, 64, 32
+    suffix, cls, levels = {4: (INT4_SCALES, Int4Table, 8), 8: (INT8_SCALES, Int8Table, 128)}[bits]
     table = torch.randn(V, D).to(torch.bfloat16)
     path = tmp_path / "host.safetensors"
-    write_host_tensors(path, {"t": table}, {"t": (4, block)})
+    write_host_tensors(path, {"t": table}, {"t": (bits, block)})
     header = check_safetensors_header(path)
-    assert header["t"] == {**header["t"], "dtype": "U8", "shape": [V, D // 2]}
-    assert header["t.int4_scales"]["shape"] == [V, D // block]
+    assert header["t"] == {**header["t"], "dtype": "U8", "shape": [V, D * bits // 8]}
+    assert header["t" + suffix]["shape"] == [V, D // block]
     got = load_host_tensors(path)["t"]
-    assert isinstance(got, Int4Table) and got.shape == (V, D) and got.block == block
+    assert isinstance(got, cls) and got.shape == (V, D) and got.block == block
     rows = got[np.arange(V)]
     ref = table.float().numpy()
-    step = np.abs(ref.reshape(V, -1, block)).max(-1, keepdims=True) / 8
+    step = np.abs(ref.reshape(V, -1, block)).max(-1, keepdims=True) / levels
     assert (np.abs(rows - ref).reshape(V, -1, block) <= step * 1.0001).all()
     np.testing.assert_array_equal(got[7], rows[7])
     np.testing.assert_array_equal(got[np.array([[3, 9]])][0], rows[[3, 9]])
-    # the same bytes as MatMulNBits B [N, K / block, block / 2] and scales: identity in, W^T out
+    # the same bytes as MatMulNBits B [N, K / block, block x bits / 8] and scales: identity in,
+    # W^T out
     node = helper.make_node("MatMulNBits", ["x", "B", "s"], ["y"], domain="com.microsoft",
-                            K=D, N=V, bits=4, block_size=block, accuracy_level=0)
+                            K=D, N=V, bits=bits, block_size=block, accuracy_level=0)
+    B = got.q.reshape(V, D // block, block * bits // 8)
     g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [D, D])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [D, V])],
-                          [numpy_helper.from_array(got.q.reshape(V, D // block, block // 2), "B"),
+                          [numpy_helper.from_array(B, "B"),
                            numpy_helper.from_array(got.scales.reshape(-1), "s")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
                                             helper.make_opsetid("com.microsoft", 1)])
     sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
     onnx.checker.check_model(m)
     np.testing.assert_array_equal(sess.run(None, {"x": np.eye(D, dtype=np.float32)})[0].T, rows)
-    # a width the block does not split is refused at build time, not written wrong
-    with pytest.raises(ValueError, match="blocks of 128"):
-        write_host_tensors(tmp_path / "x.safetensors", {"t": table}, {"t": (4, 128)})
     from safetensors.numpy import save_file
 
-    save_file({"t.int4_scales": np.ones((3, 1), np.float32)}, str(tmp_path / "bad.safetensors"))
-    with pytest.raises(BundleError, match="int4 rows"):
+    save_file({"t" + suffix: np.ones((3, 1), np.float32)}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(BundleError, match=f"int{bits} rows"):
         load_host_tensors(tmp_path / "bad.safetensors")
+    if bits == 4:  # a width the block does not split is refused at build time, not written wrong
+        with pytest.raises(ValueError, match="blocks of 128"):
+            write_host_tensors(tmp_path / "x.safetensors", {"t": table}, {"t": (4, 128)})
 
 
 def test_shared_int4_rows_outside_their_file_are_a_bundle_error(tmp_path):
-    """A manifest's SharedRows (a tied head's int4 rows) that do not fit the weight file or the
-    table's shape fail with the table and the file named, before any gather reads past them."""
+    """A manifest's SharedRows (a tied head's int4 rows) that do not fit the weight file, the
+    table's shape or its bits fail with the table and the file named, before any gather reads
+    past them."""
     import numpy as np
 
     from hexforge.build.hosttables import drop_host_tensors
     from hexforge.errors import BundleError
     from hexforge.families.base import write_host_tensors
     from hexforge.manifest import SharedRows
-    from hexforge.runtime.host import load_host_tensors, shared_int4_table
+    from hexforge.runtime.host import load_host_tensors, shared_table
 
     V, D, block = 12, 64, 32
     path = tmp_path / "host.safetensors"
@@ -282,16 +308,17 @@ def test_shared_int4_rows_outside_their_file_are_a_bundle_error(tmp_path):
     weights.write_bytes(b"\0" * 16 + host["t"].q.tobytes() + host["t"].scales.tobytes())
     good = SharedRows(file="w.bin", rows=(16, V * D // 2), scales=(16 + V * D // 2, V * 2 * 4),
                       shape=(V, D), block=block)
-    shared = shared_int4_table(weights, "t", good)
+    shared = shared_table(weights, "t", good)
     np.testing.assert_array_equal(shared[np.arange(V)], host["t"][np.arange(V)])
     for bad, why in ((dict(rows=(17 + V * D, V * D // 2)), "rows"),
                      (dict(scales=(16 + V * D // 2, V * 2 * 4 + 4)), "scales"),
                      (dict(block=48), "blocks of 48"), (dict(shape=(V, D + 2)), "blocks of 32"),
-                     (dict(block=0), "blocks of 0"), (dict(shape=(0, D)), "blocks of 32")):
+                     (dict(block=0), "blocks of 0"), (dict(shape=(0, D)), "blocks of 32"),
+                     (dict(bits=8), "rows"), (dict(bits=3), "int3 blocks")):  # int8: twice the rows
         with pytest.raises(BundleError, match=f"host table 't'.*{why}"):
-            shared_int4_table(weights, "t", good.model_copy(update=bad))
+            shared_table(weights, "t", good.model_copy(update=bad))
     with pytest.raises(BundleError, match="cannot be read"):
-        shared_int4_table(tmp_path / "gone.bin", "t", good)
+        shared_table(tmp_path / "gone.bin", "t", good)
     # the table leaves host.safetensors; the rest reads back as it was, aligned
     drop_host_tensors(path, {"t", "t.int4_scales"})
     rest = load_host_tensors(path)

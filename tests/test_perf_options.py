@@ -41,23 +41,30 @@ def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
                 assert (attrs["bits"], attrs["block_size"]) == CPU_WEIGHTS[weights], n.name
     assert sorted(p.name for p in (b / "cpu").glob("*.weights")) == ["s0.weights"]
     assert where["head"][0] in where["s0.decode"] and where["head"][0]["location"] == "s0.weights"
-    # the embedding is quantized too (the gates above held with it): int4 in the weights' blocks
-    # where they divide its width (64 here: not int4-b128's 128, which takes int8)
+    # the embedding is quantized too (the gates above held with it): in the weights' bits and
+    # blocks where they divide its width (64 here: not int4-b128's 128, which takes int8)
     from hexforge.inspect import inspect_bundle
-    from hexforge.runtime.host import check_safetensors_header, load_host_tensors
+    from hexforge.runtime.host import (
+        Int4Table,
+        Int8Table,
+        check_safetensors_header,
+        load_host_tensors,
+    )
 
     header = check_safetensors_header(b / "host.safetensors")
     embedding = inspect_bundle(b)["embedding"]
-    if weights != "int4":
-        assert header["embed_tokens"]["dtype"] == "I8" and "embed_tokens.int8_scales" in header
-        assert embedding == "int8"
+    if weights == "int4-b128":
+        assert header["embed_tokens"]["dtype"] == "U8" and "embed_tokens.int8_scales" in header
+        assert embedding == "int8" and manifest["host"]["embed"]["shared"] is None
         return
-    assert embedding == "int4, blocks of 32: the tied head's rows in cpu/s0.weights"
-    # tied: the int4 table is the head's MatMulNBits weight (the same bytes by the same
+    bits = {"int4": 4, "int8": 8}[weights]
+    assert embedding == f"int{bits}, blocks of 32: the tied head's rows in cpu/s0.weights"
+    # tied: the quantized table is the head's MatMulNBits weight (the same bytes by the same
     # quantizer), so host.safetensors does not hold it and the runtime reads the head's ranges
-    assert "embed_tokens" not in header and "embed_tokens.int4_scales" not in header
+    assert not {"embed_tokens", "embed_tokens.int4_scales", "embed_tokens.int8_scales"} & set(header)
     shared = manifest["host"]["embed"]["shared"]
     assert shared["file"] == "cpu/s0.weights" and shared["shape"] == [manifest["vocab_size"], 64]
+    assert shared["bits"] == bits
     head = onnx.load(str(b / "cpu" / "head.onnx"), load_external_data=False)
     node = next(n for n in head.graph.node if n.op_type == "MatMulNBits")
     for name, part in zip(node.input[1:3], ("rows", "scales"), strict=True):
@@ -66,10 +73,10 @@ def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
                 if e.key in ("offset", "length")}
         assert [info["offset"], info["length"]] == shared[part]
     import hexforge
-    from hexforge.runtime.host import Int4Table
 
     table = hexforge.load(b).engine.host.embed_table
-    assert isinstance(table, Int4Table) and table.shape == (manifest["vocab_size"], 64)
+    assert isinstance(table, {4: Int4Table, 8: Int8Table}[bits])
+    assert table.shape == (manifest["vocab_size"], 64)
     assert load_host_tensors(b / "host.safetensors").keys().isdisjoint({"embed_tokens"})
 
 

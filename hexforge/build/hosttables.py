@@ -1,17 +1,19 @@
-"""A tied embedding stored once in a cpu-only int4 bundle.
+"""A tied embedding stored once in a cpu-only quantized bundle.
 
     host.safetensors                       cpu/s0.weights (the last shard's)
     ┌──────────────────────────────┐       ┌──────────────────────────────────────────┐
-    │ embed_tokens       U8 [V,D/2]│  ==   │ head MatMulNBits B      [V, D/blk, blk/2] │
-    │ embed_tokens.int4_scales     │  ==   │ head MatMulNBits scales [V * D/blk]       │
+    │ embed_tokens     U8 [V,D/2]  │  ==   │ head MatMulNBits B      [V, D/blk, blk/2] │  int4
+    │   (int8: U8 [V, D])          │       │   (int8: [V, D/blk, blk])                │
+    │ embed_tokens.int4_scales     │  ==   │ head MatMulNBits scales [V, D/blk]        │
     │ rope inv_freq, other tables  │       │ ...                                      │
     └──────────────────────────────┘       └──────────────────────────────────────────┘
 
 A tied head's weight is the embedding table transposed, and both go through onnxruntime's
-int4 quantizer with rows as its N, so the two hold the same bytes (runtime/host.py
-``Int4Table``). Where they do, byte for byte, the table leaves host.safetensors and the manifest
-points at the head's ranges (``SharedRows``): Qwen3-0.6B int4-b128 stores 82 MB less. Bundles
-with HTP targets keep their int8 table and are not touched (host_table_formats).
+4- or 8-bit quantizer with rows as its N, so the two hold the same bytes (runtime/host.py
+``Int4Table``, ``Int8Table``). Where they do, byte for byte, the table leaves host.safetensors and
+the manifest points at the head's ranges (``SharedRows``): Qwen3-0.6B stores 82 MB less at
+int4-b128, 175 MB at int8. Bundles with HTP targets keep their own table (build/pipeline.py):
+an HTP deployment must not need the cpu target's weight file to embed its tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..manifest import SharedRows, TargetSpec
-from ..runtime.host import INT4_SCALES, check_safetensors_header
+from ..runtime.host import INT4_SCALES, INT8_SCALES, check_safetensors_header
 
 
 def _external_range(model, name: str) -> tuple[str, int, int] | None:
@@ -45,18 +47,20 @@ def _data_start(path: Path) -> int:
 
 
 def share_tied_embedding(bundle: Path, target: TargetSpec, table: str) -> SharedRows | None:
-    """Where ``target``'s head MatMulNBits holds the same bytes as int4 host table ``table`` in
-    ``bundle``/host.safetensors: drop the table from that file and -> the SharedRows to put in
-    the manifest. None (nothing changed) where the table is not int4 or any byte differs."""
+    """Where ``target``'s head MatMulNBits holds the same bytes as the int4 or int8 host table
+    ``table`` in ``bundle``/host.safetensors: drop the table from that file and -> the SharedRows
+    to put in the manifest. None (nothing changed) where the table is neither or any byte
+    differs."""
     import onnx
 
     host = bundle / "host.safetensors"
     header = check_safetensors_header(host)
-    if table not in header or table + INT4_SCALES not in header:
-        return None
+    bits = next((b for b, suffix in ((4, INT4_SCALES), (8, INT8_SCALES))
+                 if table + suffix in header), None)
     head = next((g for g in target.graphs if g.role == "head"), None)
-    if head is None:
-        return None
+    if bits is None or head is None or header.get(table, {}).get("dtype") != "U8":
+        return None  # (an I8 table: the zero-point-0 rows of a width 32 does not divide)
+    scales = table + (INT4_SCALES if bits == 4 else INT8_SCALES)
     model = onnx.load(str(bundle / head.file), load_external_data=False)
     node = next((n for n in model.graph.node if n.op_type == "MatMulNBits"), None)
     if node is None or len(node.input) != 3:  # zero points, g_idx or bias: not this layout
@@ -66,16 +70,16 @@ def share_tied_embedding(bundle: Path, target: TargetSpec, table: str) -> Shared
         return None
     data_start = _data_start(host)
     weights = (bundle / head.file).parent / ranges[0][0]
-    for (_, offset, length), name in zip(ranges, (table, table + INT4_SCALES), strict=True):
+    for (_, offset, length), name in zip(ranges, (table, scales), strict=True):
         begin, end = header[name]["data_offsets"]
         if length != end - begin or _read(weights, offset, length) != _read(
                 host, data_start + begin, length):
             return None
-    V, half = header[table]["shape"]
-    blocks = header[table + INT4_SCALES]["shape"][1]
-    drop_host_tensors(host, {table, table + INT4_SCALES})
+    V, width = header[table]["shape"]
+    D, blocks = width * 8 // bits, header[scales]["shape"][1]
+    drop_host_tensors(host, {table, scales})
     return SharedRows(file=weights.relative_to(bundle).as_posix(), rows=ranges[0][1:],
-                      scales=ranges[1][1:], shape=(V, 2 * half), block=2 * half // blocks)
+                      scales=ranges[1][1:], shape=(V, D), block=D // blocks, bits=bits)
 
 
 def drop_host_tensors(path: Path, names: set[str]) -> None:

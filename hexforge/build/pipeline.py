@@ -160,10 +160,11 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
 
         t = time.perf_counter()
         cpu = _build_cpu_target(fam, hf, args, targets[0], opts, tmp, log)
-        if not htp:  # a tied int4 head holds the int4 embedding's bytes: stored once
+        if not htp:  # a tied quantized head holds the quantized embedding's bytes: stored once
             host.embed.shared = share_tied_embedding(tmp, cpu, host.embed.table)
             if host.embed.shared is not None:
-                log(f"host embedding: the head's int4 rows in {host.embed.shared.file} "
+                log(f"host embedding: the head's int{host.embed.shared.bits} rows in "
+                    f"{host.embed.shared.file} "
                     f"(host tensors now {(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB)")
         with fam.float32(hf):  # the encoder towers (and the text model's small tensors)
             enc_graphs = export_encoders(encoders, enc_specs, hf, tmp, "cpu", opts.exporter, log)

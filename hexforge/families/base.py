@@ -441,7 +441,7 @@ def write_host_tensors(path: Path, tensors: dict,
     as F32, converted a chunk of rows at a time (a table never exists whole twice in memory).
     A bf16 checkpoint's tables were written as F32, twice its bytes: Gemma-4-E2B's per-layer
     table 9.4 GB instead of 4.7, Qwen3.5-0.8B's embedding 1.02 GB instead of 0.51.
-    The tables named in ``quantized`` (name -> (bits, block)) are written as int8 rows + per-block
+    The tables named in ``quantized`` (name -> (bits, block)) are written as 8-bit rows + per-block
     scales (runtime/host.py ``Int8Table``; its own block) or int4 rows + scales per ``block``
     columns (``Int4Table``), a chunk at a time too. numpy arrays are written as they are."""
     import torch
@@ -466,7 +466,7 @@ def write_host_tensors(path: Path, tensors: dict,
             bits, block = quantized[name]
             quant = blocks_of(bits, block)
             q, sc = quant(np.zeros((1, t.shape[1]), np.float32))
-            st, suffix = ("I8", INT8_SCALES) if bits == 8 else ("U8", INT4_SCALES)
+            st, suffix = np_st[q.dtype], INT8_SCALES if bits == 8 else INT4_SCALES
             items.append((name, st, 1, [t.shape[0], q.shape[1]], ("rows", t, quant)))
             items.append((name + suffix, "F32", 4, [t.shape[0], sc.shape[1]], ("scales", t, quant)))
             continue

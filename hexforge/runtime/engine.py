@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import ContextOverflowError, RequestError
 from ..manifest import GraphSpec, Manifest, confine
 from .backends import Backend
-from .host import HostInputs, load_host_tensors, shared_int4_table
+from .host import HostInputs, load_host_tensors, shared_table
 from .multimodal import MediaRows
 from .sampling import Sampler
 from .state import NP_DTYPES, State
@@ -55,9 +55,9 @@ class Engine:
         self.prefill_len = self.target.plan.prefill_len
         tensors = load_host_tensors(confine(bundle, manifest.host_tensors))
         embed = manifest.host.embed
-        if embed.shared is not None:  # a tied int4 head's rows: the table stored once
-            tensors[embed.table] = shared_int4_table(confine(bundle, embed.shared.file),
-                                                     embed.table, embed.shared)
+        if embed.shared is not None:  # a tied quantized head's rows: the table stored once
+            tensors[embed.table] = shared_table(confine(bundle, embed.shared.file), embed.table,
+                                                embed.shared)
         self.host = HostInputs(manifest.host, tensors, self.context + self.prefill_len,
                                [e.placeholder_id for e in manifest.encoders])
         self.prompt_offset = 0  # index in the prompt of the current step's first row

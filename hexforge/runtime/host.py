@@ -112,29 +112,47 @@ def load_host_tensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-# a table with int8 weights (--cpu-weights int8|int4 bundles): "<table>" I8 [V, D] and
-# "<table>.int8_scales" F32 [V, D / block], one scale per block of a row's columns
+# a table with int8 weights (--cpu-weights int8 bundles, the per-layer tables of quantized ones,
+# the embedding of bundles with HTP targets): "<table>" U8 [V, D] and "<table>.int8_scales" F32
+# [V, D / block]: column j of row v is (q - 128) x scale[v, j // block] -- onnxruntime's 8-bit
+# MatMulNBits layout (zero point 128) with the table's rows as its N, so a tied int8 head holds
+# the same bytes as the table. A width the block does not divide: I8 rows, zero point 0, one
+# scale a row (also how tables were written before session 19; both load).
 INT8_SCALES = ".int8_scales"
 INT8_BLOCK = 32
 
 
 def int8_blocks(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """rows [r, D] float -> (q int8 [r, D], scales float32 [r, D / block]): symmetric, each block
-    of INT8_BLOCK columns (the whole row where D is not a multiple) scaled by its absmax / 127."""
-    block = INT8_BLOCK if rows.shape[1] % INT8_BLOCK == 0 else rows.shape[1]
-    b = rows.astype(np.float32).reshape(rows.shape[0], -1, block)
-    scales = np.abs(b).max(axis=-1) / np.float32(127)
-    q = np.rint(b / np.where(scales == 0, 1, scales)[..., None])
-    return np.clip(q, -127, 127).astype(np.int8).reshape(rows.shape), scales.astype(np.float32)
+    """rows [r, D] float -> (q [r, D], scales float32 [r, D / block]): symmetric, each block of
+    INT8_BLOCK columns by onnxruntime's own 8-bit quantizer, the one the build's MatMulNBits
+    weights go through (q uint8, zero point 128, scale absmax / 128); where INT8_BLOCK does not
+    divide D, the whole row as one block (q int8, scale absmax / 127)."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_8bits
+
+    r, D = rows.shape
+    if D % INT8_BLOCK:
+        b = rows.astype(np.float32)
+        scales = np.abs(b).max(axis=-1, keepdims=True) / np.float32(127)
+        q = np.rint(b / np.where(scales == 0, 1, scales))
+        return np.clip(q, -127, 127).astype(np.int8), scales.astype(np.float32)
+    q = np.zeros((r, D // INT8_BLOCK, INT8_BLOCK), np.uint8)
+    scales = np.zeros((r, D // INT8_BLOCK), np.float32)
+    zero_points = np.zeros((r, D // INT8_BLOCK), np.uint8)  # unused when symmetric
+    w = np.ascontiguousarray(rows.astype(np.float32, copy=False).T)  # [K = D, N = r]
+    quantize_matmul_8bits(q, w, scales, zero_points, INT8_BLOCK, r, D, True)
+    return q.reshape(r, D), scales
 
 
 class Int8Table:
-    """A host table stored as int8 rows and per-block scales; ``table[ids]`` gathers the rows and
-    dequantizes them (q x scale, float32), so the gathers read a quarter of an fp32 table's bytes.
+    """A host table stored as 8-bit rows and per-block scales (``int8_blocks``); ``table[ids]``
+    gathers the rows and dequantizes them to float32, reading a quarter of an fp32 table's bytes.
     """
 
+    # uint8 -> its value less the zero point 128, float32: one np.take per gather
+    _CENTRED = np.arange(256, dtype=np.float32) - 128
+
     def __init__(self, name: str, q: np.ndarray | None, scales: np.ndarray):
-        ok = (q is not None and q.dtype == np.int8 and q.ndim == 2 and scales.ndim == 2
+        ok = (q is not None and q.dtype in (np.int8, np.uint8) and q.ndim == 2 and scales.ndim == 2
               and scales.shape[0] == q.shape[0] and scales.shape[1] > 0
               and q.shape[1] % scales.shape[1] == 0)
         if not ok:
@@ -148,6 +166,8 @@ class Int8Table:
 
     def __getitem__(self, ids) -> np.ndarray:
         q, s = self.q[ids], self.scales[ids]
+        if q.dtype == np.uint8:
+            q = np.take(self._CENTRED, q)
         return (q.reshape(*q.shape[:-1], -1, self.block) * s[..., None]).reshape(q.shape)
 
 
@@ -205,28 +225,29 @@ class Int4Table:
             *q.shape[:-1], 2 * q.shape[-1])
 
 
-def shared_int4_table(path: Path, name: str, ref) -> Int4Table:
+def shared_table(path: Path, name: str, ref) -> Int4Table | Int8Table:
     """Host table ``name`` from the weight file ``path`` (a manifest ``SharedRows``: a tied
-    head's int4 rows and scales), memory-mapped like the other host tables. Ranges that do not fit
-    the file or the table's shape are a BundleError naming both."""
-    (V, D), block = ref.shape, ref.block
-    if V < 1 or D < 2 or block < 2 or block % 2 or D % block:
-        raise BundleError(f"host table {name!r}: shape {[V, D]} does not split into int4 blocks "
-                          f"of {block}")
-    want = {"rows": V * D // 2, "scales": V * (D // block) * 4}
+    head's int4 or int8 rows and scales), memory-mapped like the other host tables. Ranges that
+    do not fit the file or the table's shape are a BundleError naming both."""
+    (V, D), block, bits = ref.shape, ref.block, ref.bits
+    if V < 1 or D < 2 or block < 2 or block % 2 or D % block or bits not in (4, 8):
+        raise BundleError(f"host table {name!r}: shape {[V, D]} does not split into int{bits} "
+                          f"blocks of {block}")
+    width = D * bits // 8  # bytes a row
+    want = {"rows": V * width, "scales": V * (D // block) * 4}
     try:
         size = path.stat().st_size
     except OSError as e:
         raise BundleError(f"host table {name!r}: its weight file cannot be read: {e}") from None
     arrays = {}
-    for part, dtype, shape in (("rows", np.uint8, (V, D // 2)), ("scales", "<f4", (V, D // block))):
+    for part, dtype, shape in (("rows", np.uint8, (V, width)), ("scales", "<f4", (V, D // block))):
         offset, length = getattr(ref, part)
         if length != want[part] or offset < 0 or offset + length > size:
             raise BundleError(f"host table {name!r}: its {part} [{offset}, +{length}) do not fit "
                               f"{path.name} ({size:,} bytes) as {want[part]:,} bytes")
         arrays[part] = np.asarray(np.memmap(path, dtype=dtype, mode="r", offset=offset,
                                             shape=shape))
-    return Int4Table(name, arrays["rows"], arrays["scales"])
+    return (Int4Table if bits == 4 else Int8Table)(name, arrays["rows"], arrays["scales"])
 
 
 class HostInputs:
