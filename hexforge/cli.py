@@ -237,9 +237,9 @@ def parser() -> argparse.ArgumentParser:
                    help="HTP targets' precision (the cpu target: see --cpu-weights)")
     b.add_argument("--cpu-weights", choices=tuple(CPU_WEIGHTS), default="fp32",
                    help="cpu target weights: fp32 (greedy-exact vs HF) or weight-only int8 / int4 "
-                        "(onnxruntime MatMulNBits, a scale per 32 weights; int4-b128: per 128, "
-                        "fewer bytes and faster, coarser; gated on teacher-forced cosine); vision "
-                        "and audio towers take int8 under all of them")
+                        "(onnxruntime MatMulNBits, a scale per 32 weights; int8-b128 / int4-b128: "
+                        "per 128, fewer bytes and faster, coarser; gated on teacher-forced "
+                        "cosine); vision and audio towers take int8 under all of them")
     b.add_argument("--int8-embedding", action="store_true",
                    help="under --cpu-weights int4 / int4-b128, keep the host embedding int8 "
                         "(default: int4 in the weights' blocks, stored once with a tied head)")

@@ -483,14 +483,16 @@ def int16_matmul_rhs(qm) -> int:
 # checkpoints): 4.25 bits a weight instead of 5, so a decode token reads 15 % fewer bytes, and
 # MLAS's int8 kernel does a quarter of the per-block scale work. Measured on 2 Zen 5 cores,
 # K=1024 N=6144: 1.41x the GOPS of block 32 at M=256 (prefill), 1.47x at M=1 with B in cache.
+# int8-b128 likewise: 8.25 bits a weight instead of 9; a chain of 1024 <-> 3072 MatMulNBits on 2
+# cores ran 1.20x block 32 at M=1 and 1.32x at M=64 (the same chain at int4-b128: 1.28x / 1.43x).
 CPU_WEIGHTS: dict[str, tuple[int, int] | None] = {
-    "fp32": None, "int8": (8, 32), "int4": (4, 32), "int4-b128": (4, 128)}
+    "fp32": None, "int8": (8, 32), "int8-b128": (8, 128), "int4": (4, 32), "int4-b128": (4, 128)}
 CPU_ACCURACY_LEVEL = 4
 # the media towers' weights under each --cpu-weights: int8 under int4 too. Measured on the
 # real-shape Qwen3.5-0.8B tower (random weights, one 1024-patch image, 2 cores): fp32 399 MB /
 # 0.70 s; int8 115 MB / 0.64 s, soft tokens cos >= 0.99976 vs fp32; int4 66 MB / 0.68 s, cos 0.972
-CPU_ENCODER_WEIGHTS: dict[str, str] = {"fp32": "fp32", "int8": "int8", "int4": "int8",
-                                       "int4-b128": "int8"}
+CPU_ENCODER_WEIGHTS: dict[str, str] = {"fp32": "fp32", "int8": "int8", "int8-b128": "int8",
+                                       "int4": "int8", "int4-b128": "int8"}
 
 
 def check_cpu_weights(name: str) -> tuple[int, int] | None:
@@ -504,13 +506,14 @@ def host_table_formats(weights: str, embed: str, extras: list[str], tensors: dic
     """The host tables quantized under --cpu-weights ``weights``: {table: (bits, block)}.
 
     fp32 keeps every table as the checkpoint holds it. Quantized weights quantize the tables too:
-    the embedding in the weights' own format (int4 blocks by onnxruntime's quantizer, as genai
-    keeps a tied embedding; int8 where the block does not divide its width, or ``int8_embedding``:
-    a bundle with HTP targets, which read the same table under 8- or 16-bit weights, or a build
-    asked for it with --int8-embedding), the other
-    tables (Gemma-4's per-layer inputs, ~35 rows a token of which each layer reads one) int8 rows
-    with a scale per 32 columns, as no peer runs them at 4 bits to compare against. Qwen3.5-0.8B's
-    embedding: 508 MB bf16, 254 MB int8, 135 MB int4 at block 128."""
+    the embedding in the weights' own format (int8 or int4 blocks by onnxruntime's quantizer, so
+    a tied head's weight is the same bytes, as genai keeps a tied int4 embedding); int8 in blocks
+    of 32 where the weights' block does not divide its width, or ``int8_embedding``: a bundle
+    with HTP targets, which read the same table under 8- or 16-bit weights, or a build asked for
+    it with --int8-embedding. The other tables (Gemma-4's per-layer inputs, ~35 rows a token of
+    which each layer reads one) int8 rows with a scale per 32 columns, as no peer runs them at 4
+    bits to compare against. Qwen3.5-0.8B's embedding: 508 MB bf16, 286 MB int8, 135 MB int4 at
+    block 128."""
     from ..runtime.host import INT8_BLOCK
 
     fmt = check_cpu_weights(weights)
@@ -518,8 +521,8 @@ def host_table_formats(weights: str, embed: str, extras: list[str], tensors: dic
         return {}
     out = {name: (8, INT8_BLOCK) for name in extras}
     bits, block = fmt
-    int8 = bits == 8 or int8_embedding or tensors[embed].shape[-1] % block
-    out[embed] = (8, INT8_BLOCK) if int8 else (bits, block)
+    fallback = int8_embedding or tensors[embed].shape[-1] % block
+    out[embed] = (8, INT8_BLOCK) if fallback else (bits, block)
     return out
 
 

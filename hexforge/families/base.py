@@ -449,7 +449,7 @@ def write_host_tensors(path: Path, tensors: dict,
     from ..runtime.host import INT4_SCALES, INT8_SCALES, int4_blocks, int8_blocks
 
     def blocks_of(bits: int, block: int):  # rows [r, D] float32 -> (q, scales)
-        return int8_blocks if bits == 8 else lambda rows: int4_blocks(rows, block)
+        return lambda rows: (int8_blocks if bits == 8 else int4_blocks)(rows, block)
 
     np_st = {np.dtype(k): v for k, v in (("float32", "F32"), ("float16", "F16"), ("float64", "F64"),
              ("int64", "I64"), ("int32", "I32"), ("int16", "I16"), ("int8", "I8"),

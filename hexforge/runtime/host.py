@@ -112,34 +112,35 @@ def load_host_tensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-# a table with int8 weights (--cpu-weights int8 bundles, the per-layer tables of quantized ones,
-# the embedding of bundles with HTP targets): "<table>" U8 [V, D] and "<table>.int8_scales" F32
-# [V, D / block]: column j of row v is (q - 128) x scale[v, j // block] -- onnxruntime's 8-bit
-# MatMulNBits layout (zero point 128) with the table's rows as its N, so a tied int8 head holds
-# the same bytes as the table. A width the block does not divide: I8 rows, zero point 0, one
-# scale a row (also how tables were written before session 19; both load).
+# a table with int8 weights (--cpu-weights int8 / int8-b128 bundles, the per-layer tables of
+# quantized ones, the embedding of bundles with HTP targets): "<table>" U8 [V, D] and
+# "<table>.int8_scales" F32 [V, D / block]: column j of row v is (q - 128) x scale[v, j // block]
+# -- onnxruntime's 8-bit MatMulNBits layout (zero point 128) with the table's rows as its N, so a
+# tied int8 head holds the same bytes as the table. A width the block does not divide: I8 rows
+# (zero point 0), one scale a row. Bundles from before the U8 layout (I8 rows, a scale per 32
+# columns) load as they are.
 INT8_SCALES = ".int8_scales"
 INT8_BLOCK = 32
 
 
-def int8_blocks(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def int8_blocks(rows: np.ndarray, block: int = INT8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """rows [r, D] float -> (q [r, D], scales float32 [r, D / block]): symmetric, each block of
-    INT8_BLOCK columns by onnxruntime's own 8-bit quantizer, the one the build's MatMulNBits
-    weights go through (q uint8, zero point 128, scale absmax / 128); where INT8_BLOCK does not
+    ``block`` columns by onnxruntime's own 8-bit quantizer, the one the build's MatMulNBits
+    weights go through (q uint8, zero point 128, scale absmax / 128); where ``block`` does not
     divide D, the whole row as one block (q int8, scale absmax / 127)."""
     from onnxruntime.capi._pybind_state import quantize_matmul_8bits
 
     r, D = rows.shape
-    if D % INT8_BLOCK:
+    if D % block:
         b = rows.astype(np.float32)
         scales = np.abs(b).max(axis=-1, keepdims=True) / np.float32(127)
         q = np.rint(b / np.where(scales == 0, 1, scales))
         return np.clip(q, -127, 127).astype(np.int8), scales.astype(np.float32)
-    q = np.zeros((r, D // INT8_BLOCK, INT8_BLOCK), np.uint8)
-    scales = np.zeros((r, D // INT8_BLOCK), np.float32)
-    zero_points = np.zeros((r, D // INT8_BLOCK), np.uint8)  # unused when symmetric
+    q = np.zeros((r, D // block, block), np.uint8)
+    scales = np.zeros((r, D // block), np.float32)
+    zero_points = np.zeros((r, D // block), np.uint8)  # unused when symmetric
     w = np.ascontiguousarray(rows.astype(np.float32, copy=False).T)  # [K = D, N = r]
-    quantize_matmul_8bits(q, w, scales, zero_points, INT8_BLOCK, r, D, True)
+    quantize_matmul_8bits(q, w, scales, zero_points, block, r, D, True)
     return q.reshape(r, D), scales
 
 
