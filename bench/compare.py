@@ -4,8 +4,9 @@ contender is measured in turn, `--runs` times, and medians + min-max are reporte
 both as the ratio of the medians and as the median of the per-round ratios).
 
     python bench/compare.py --work /work/perf [--shape qwen3-0.6b] [--context 1024]
-        [--cpu-weights fp32,int8,int4,int4-b128] [--prompt 32] [--tokens 32] [--runs 5]
-        [--ttft-prompt 512] [--ttft-runs 2] [--ttft-warmup 1] [--genai fp32,int4,int4-b128]
+        [--cpu-weights fp32,int8,int8-b128,int4,int4-b128] [--prompt 32] [--tokens 32]
+        [--runs 5] [--ttft-prompt 512] [--ttft-runs 2] [--ttft-warmup 1]
+        [--genai fp32,int8,int8-b128,int4,int4-b128]
         [--genai-threads 2] [--no-hf] [--also DIR,DIR]
 
 --shape: a bench/realshape.py shape. Qwen3.5 side by side with genai: qwen3.5-0.8b-vl (the hub's
@@ -18,7 +19,8 @@ Stages (each reused when its output exists under --work):
   genai       python -m onnxruntime_genai.models.builder -i CKPT -o <work>/genai-<shape>-<p>
               -p <p> -e cpu   per --genai (its own builder, same checkpoint; fp32 = same precision
               as hexforge fp32 and HF eager; int4 = its MatMulNBits, vs hexforge --cpu-weights int4;
-              int4-b128 = -p int4 --extra_options block_size=128, vs --cpu-weights int4-b128)
+              int4-b128 = -p int4 --extra_options block_size=128, vs --cpu-weights int4-b128;
+              int8 / int8-b128 the same with -p int8)
 Decode tok/s: a --prompt token prompt prefilled, then --tokens greedy tokens; only the tokens after
 the first are timed. HF eager runs its own KV-cache loop (model(next, past_key_values=...)), which
 is faster than generate() (no logits processors): the generous baseline.

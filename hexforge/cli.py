@@ -54,6 +54,7 @@ def cmd_build(a) -> int:
                         exporter=a.exporter, quant=a.quant, calib=a.calib,
                         share_weights=a.share_weights, audio_seconds=a.audio_seconds,
                         cpu_weights=a.cpu_weights, int8_embedding=a.int8_embedding,
+                        int4_per_layer_tables=a.int4_per_layer_tables,
                         verify_tokens=a.verify_tokens,
                         keep_work=a.keep_work)
     build(a.checkpoint, a.output, opts, log=lambda m: print(m, file=sys.stderr))
@@ -243,6 +244,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--int8-embedding", action="store_true",
                    help="under --cpu-weights int4 / int4-b128, keep the host embedding int8 "
                         "(default: int4 in the weights' blocks, stored once with a tied head)")
+    b.add_argument("--int4-per-layer-tables", action="store_true",
+                   help="under --cpu-weights int4 / int4-b128 (no HTP target), Gemma-4's "
+                        "per-layer embedding tables int4 in the weights' blocks too (default: "
+                        "int8; E2B's ~2.6 GB table)")
     b.add_argument("--calib", default=None, help="calibration text file (default: built-in sample)")
     b.add_argument("--share-weights", action="store_true",
                    help="HTP: one weight-shared context per shard for prefill + decode (device "

@@ -381,6 +381,12 @@ def test_host_tables_take_the_weights_format_where_every_target_can():
     assert host_table_formats("int4", "e", [], tensors, int8_embedding=True) == {"e": (8, 32)}
     assert host_table_formats("int8-b128", "e", ["x"], tensors) == {"e": (8, 128), "x": (8, 32)}
     assert host_table_formats("int8-b128", "odd", [], tensors) == {"odd": (8, 32)}
+    # --int4-per-layer-tables: the other tables take the int4 blocks where those divide them
+    assert host_table_formats("int4-b128", "e", ["e", "odd"], tensors, int4_extras=True) == {
+        "e": (4, 128), "odd": (8, 32)}
+    assert host_table_formats("int4", "e", ["odd"], tensors, int4_extras=True) == {
+        "e": (4, 32), "odd": (4, 32)}
+    assert host_table_formats("int8", "e", ["odd"], tensors, int4_extras=True)["odd"] == (8, 32)
 
 
 def test_int8_embedding_flag_keeps_an_int4_bundles_embedding_int8(ckpt, tmp_path):
@@ -396,3 +402,36 @@ def test_int8_embedding_flag_keeps_an_int4_bundles_embedding_int8(ckpt, tmp_path
     assert manifest["targets"]["cpu"]["quant"] == "int4"
     assert manifest["host"]["embed"]["shared"] is None
     assert inspect_bundle(out)["embedding"] == "int8"
+
+
+def test_int4_per_layer_tables_put_gemma4s_per_layer_table_in_int4(tmp_path):
+    """`--cpu-weights int4 --int4-per-layer-tables`: Gemma-4's per-layer embedding table is int4
+    in the weights' blocks (a per-layer width of 16 x 10 layers: blocks of 32 divide it), the
+    bundle passes its int4 gate and the runtime reads an Int4Table; the flag is refused where it
+    cannot apply (int8 weights, an HTP target, a checkpoint without per-layer tables)."""
+    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.errors import BuildError
+    from hexforge.runtime.host import Int4Table, check_safetensors_header
+    from hexforge.tiny import make_tiny_checkpoint
+
+    ck = make_tiny_checkpoint("gemma4", tmp_path / "ck", hidden_size_per_layer_input=16)
+    opts = BuildOptions(context=48, prefill_len=8, cpu_weights="int4", int4_per_layer_tables=True)
+    b = build(ck, tmp_path / "b", opts, log=lambda m: None)
+    report = json.loads((b / "report.json").read_text())["cpu"]
+    assert report["passed"], report["failures"]
+    header = check_safetensors_header(b / "host.safetensors")
+    table = "embed_tokens_per_layer"
+    assert header[table]["dtype"] == "U8" and header[table + ".int4_scales"]["shape"][1] == 5
+    import hexforge
+
+    model = hexforge.load(b)
+    assert isinstance(model.engine.host.extra["ple"], Int4Table)
+    assert model.generate("hello", max_new_tokens=4).text is not None
+    for weights, targets in (("int8", "cpu"), ("int4", "cpu,v81")):
+        with pytest.raises(BuildError, match="--int4-per-layer-tables needs"):
+            build(ck, tmp_path / "x", BuildOptions(targets=targets, cpu_weights=weights,
+                                                   int4_per_layer_tables=True), log=lambda m: None)
+    with pytest.raises(BuildError, match="no per-layer tables"):
+        build(make_tiny_checkpoint("qwen3", tmp_path / "q"), tmp_path / "x", BuildOptions(
+            cpu_weights="int4", int4_per_layer_tables=True), log=lambda m: None)
+    assert not (tmp_path / "x").exists()

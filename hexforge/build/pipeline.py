@@ -57,6 +57,8 @@ class BuildOptions:
     share_weights: bool = False  # HTP: one context per shard for prefill + decode (device only)
     cpu_weights: str = "fp32"  # cpu target: fp32 (oracle-exact) | int8 | int4 (MatMulNBits)
     int8_embedding: bool = False  # int4 cpu weights: keep the host embedding int8, not int4
+    int4_per_layer_tables: bool = False  # int4 cpu weights, no HTP target: Gemma-4's per-layer
+    # embedding tables int4 as well (int8 by default)
     exporter: str = "torchscript"  # measured: same tiny-model speed, 2.5x faster export
     verify_tokens: int = 64
     audio_seconds: float | None = None  # the audio encoder's fixed window (default: the model's)
@@ -111,7 +113,10 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
     ckpt = read_checkpoint(checkpoint)
     targets = parse_targets(opts.targets)
     get_recipe(opts.quant)  # a bad --quant fails before any heavy work
-    check_cpu_weights(opts.cpu_weights)
+    cpu_bits = (check_cpu_weights(opts.cpu_weights) or (32, 0))[0]
+    if opts.int4_per_layer_tables and (cpu_bits != 4 or any(t.is_htp for t in targets)):
+        raise BuildError("--int4-per-layer-tables needs --cpu-weights int4 or int4-b128 and no "
+                         "HTP target (HTP graphs run 8/16-bit weights and read the same tables)")
     if opts.prefill_len < 1 or opts.context < 2:
         raise BuildError("--prefill-len must be >= 1 and --context >= 2")
     fam = load_family(ckpt.model_type).FAMILY
@@ -149,14 +154,21 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         for f in ckpt.tokenizer_files:
             shutil.copy2(ckpt.dir / f, tok_dir / f)
         host = fam.host_recipe(hf, args)
+        if opts.int4_per_layer_tables and not host.extra_embeds:
+            raise BuildError(f"--int4-per-layer-tables: a {ckpt.model_type} checkpoint has no "
+                             "per-layer tables (Gemma-4's per-layer embeddings have)")
         tensors = fam.host_tensors(hf, args)
         htp = any(tg.is_htp for tg in targets)
-        write_host_tensors(tmp / "host.safetensors", tensors, host_table_formats(
+        formats = host_table_formats(
             opts.cpu_weights, host.embed.table, [e.table for e in host.extra_embeds], tensors,
-            int8_embedding=htp or opts.int8_embedding))
+            int8_embedding=htp or opts.int8_embedding, int4_extras=opts.int4_per_layer_tables)
+        write_host_tensors(tmp / "host.safetensors", tensors, formats)
         del tensors
         release_mapped_pages(ckpt.dir)  # the whole checkpoint has been read once by now
-        log(f"wrote host tensors ({(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB)")
+        tables = ", ".join(f"{name} int{bits} (blocks of {block})"
+                           for name, (bits, block) in formats.items())
+        log(f"wrote host tensors ({(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB"
+            + (f"; {tables}" if tables else "") + ")")
 
         t = time.perf_counter()
         cpu = _build_cpu_target(fam, hf, args, targets[0], opts, tmp, log)

@@ -502,7 +502,8 @@ def check_cpu_weights(name: str) -> tuple[int, int] | None:
 
 
 def host_table_formats(weights: str, embed: str, extras: list[str], tensors: dict,
-                       int8_embedding: bool = False) -> dict[str, tuple[int, int]]:
+                       int8_embedding: bool = False, int4_extras: bool = False
+                       ) -> dict[str, tuple[int, int]]:
     """The host tables quantized under --cpu-weights ``weights``: {table: (bits, block)}.
 
     fp32 keeps every table as the checkpoint holds it. Quantized weights quantize the tables too:
@@ -512,15 +513,17 @@ def host_table_formats(weights: str, embed: str, extras: list[str], tensors: dic
     with HTP targets, which read the same table under 8- or 16-bit weights, or a build asked for
     it with --int8-embedding. The other tables (Gemma-4's per-layer inputs, ~35 rows a token of
     which each layer reads one) int8 rows with a scale per 32 columns, as no peer runs them at 4
-    bits to compare against. Qwen3.5-0.8B's embedding: 508 MB bf16, 286 MB int8, 135 MB int4 at
-    block 128."""
+    bits to compare against; ``int4_extras`` (--int4-per-layer-tables, int4 weights) puts them in
+    the weights' int4 blocks where those divide their width. Qwen3.5-0.8B's embedding: 508 MB
+    bf16, 286 MB int8, 135 MB int4 at block 128."""
     from ..runtime.host import INT8_BLOCK
 
     fmt = check_cpu_weights(weights)
     if fmt is None:
         return {}
-    out = {name: (8, INT8_BLOCK) for name in extras}
     bits, block = fmt
+    out = {name: (bits, block) if int4_extras and bits == 4 and not tensors[name].shape[-1] % block
+           else (8, INT8_BLOCK) for name in extras}
     fallback = int8_embedding or tensors[embed].shape[-1] % block
     out[embed] = (8, INT8_BLOCK) if fallback else (bits, block)
     return out
