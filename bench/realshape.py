@@ -66,6 +66,22 @@ TOWERS: dict[str, tuple[str, dict]] = {
 }
 
 
+def _cut(cfg: dict, layers: int) -> dict:
+    """Config fields of the first ``layers`` layers: per-layer lists truncated, and KV sharing
+    (Gemma-4) scaled to the cut but leaving every attention type a donor among the layers that
+    keep their own cache (transformers refuses per-layer entries past the last layer)."""
+    out = {"num_hidden_layers": layers}
+    types = cfg.get("layer_types")
+    if types:
+        out["layer_types"] = types = list(types[:layers])
+    shared = cfg.get("num_kv_shared_layers")
+    if shared:
+        need = max(types.index(t) for t in set(types)) + 1  # every type's first layer kept
+        scaled = round(shared * layers / cfg["num_hidden_layers"])
+        out["num_kv_shared_layers"] = max(0, min(scaled, layers - need))
+    return out
+
+
 def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: int = 0,
                     layers: int | None = None) -> Path:
     """layers: keep only the first ``layers`` decoder layers (a real-width cut: the HTP simulator
@@ -86,7 +102,7 @@ def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: 
     tok = make_tokenizer(out, add_bos=False)
     model_type = cfg.pop("model_type")
     if layers:
-        cfg["num_hidden_layers"] = layers
+        cfg.update(_cut(cfg, layers))
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                pad_token_id=tok.pad_token_id)
     auto = AutoModelForCausalLM

@@ -149,9 +149,6 @@ class Int8Table:
     gathers the rows and dequantizes them to float32, reading a quarter of an fp32 table's bytes.
     """
 
-    # uint8 -> its value less the zero point 128, float32: one np.take per gather
-    _CENTRED = np.arange(256, dtype=np.float32) - 128
-
     def __init__(self, name: str, q: np.ndarray | None, scales: np.ndarray):
         ok = (q is not None and q.dtype in (np.int8, np.uint8) and q.ndim == 2 and scales.ndim == 2
               and scales.shape[0] == q.shape[0] and scales.shape[1] > 0
@@ -167,8 +164,8 @@ class Int8Table:
 
     def __getitem__(self, ids) -> np.ndarray:
         q, s = self.q[ids], self.scales[ids]
-        if q.dtype == np.uint8:
-            q = np.take(self._CENTRED, q)
+        if q.dtype == np.uint8:  # q - 128 as int8, exactly: the top bit flipped (a 2560-wide row
+            q = q.view(np.int8) ^ np.int8(-128)  # 8.6 us, by a 256-entry float table 10.0)
         return (q.reshape(*q.shape[:-1], -1, self.block) * s[..., None]).reshape(q.shape)
 
 
