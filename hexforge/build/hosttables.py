@@ -59,7 +59,7 @@ def share_tied_embedding(bundle: Path, target: TargetSpec, table: str) -> Shared
                  if table + suffix in header), None)
     head = next((g for g in target.graphs if g.role == "head"), None)
     if bits is None or head is None or header.get(table, {}).get("dtype") != "U8":
-        return None  # (an I8 table: the zero-point-0 rows of a width 32 does not divide)
+        return None  # I8 rows (zero point 0, a width the block does not divide): not its layout
     scales = table + (INT4_SCALES if bits == 4 else INT8_SCALES)
     model = onnx.load(str(bundle / head.file), load_external_data=False)
     node = next((n for n in model.graph.node if n.op_type == "MatMulNBits"), None)
