@@ -128,20 +128,29 @@ def int8_blocks(rows: np.ndarray, block: int = INT8_BLOCK) -> tuple[np.ndarray, 
     ``block`` columns by onnxruntime's own 8-bit quantizer, the one the build's MatMulNBits
     weights go through (q uint8, zero point 128, scale absmax / 128); where ``block`` does not
     divide D, the whole row as one block (q int8, scale absmax / 127)."""
-    from onnxruntime.capi._pybind_state import quantize_matmul_8bits
-
-    r, D = rows.shape
-    if D % block:
+    if rows.shape[1] % block:
         b = rows.astype(np.float32)
         scales = np.abs(b).max(axis=-1, keepdims=True) / np.float32(127)
         q = np.rint(b / np.where(scales == 0, 1, scales))
         return np.clip(q, -127, 127).astype(np.int8), scales.astype(np.float32)
-    q = np.zeros((r, D // block, block), np.uint8)
+    return _matmulnbits_rows(rows, 8, block)
+
+
+def _matmulnbits_rows(rows: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """rows [r, D] float -> (q uint8 [r, D x bits / 8], scales float32 [r, D / block]) by
+    onnxruntime's symmetric 4- or 8-bit MatMulNBits quantizer with the rows as its N (B [N,
+    K / block, block x bits / 8] is then the rows' own bytes). ``block`` divides D."""
+    from onnxruntime.capi import _pybind_state as ort_c
+
+    quantize = {4: ort_c.quantize_matmul_4bits, 8: ort_c.quantize_matmul_8bits}[bits]
+    r, D = rows.shape
+    q = np.zeros((r, D // block, block * bits // 8), np.uint8)
     scales = np.zeros((r, D // block), np.float32)
-    zero_points = np.zeros((r, D // block), np.uint8)  # unused when symmetric
+    per_byte = 8 // bits  # zero points packed like the weights; unused when symmetric
+    zero_points = np.zeros((r, (D // block + per_byte - 1) // per_byte), np.uint8)
     w = np.ascontiguousarray(rows.astype(np.float32, copy=False).T)  # [K = D, N = r]
-    quantize_matmul_8bits(q, w, scales, zero_points, block, r, D, True)
-    return q.reshape(r, D), scales
+    quantize(q, w, scales, zero_points, block, r, D, True)
+    return q.reshape(r, D * bits // 8), scales
 
 
 class Int8Table:
@@ -181,17 +190,10 @@ def int4_blocks(rows: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     """rows [r, D] float -> (q uint8 [r, D / 2], scales float32 [r, D / block]) by onnxruntime's
     own symmetric int4 quantizer, the one the build's MatMulNBits weights go through (rows as N,
     columns as K). D must be a multiple of ``block`` (and ``block`` of 2)."""
-    from onnxruntime.capi._pybind_state import quantize_matmul_4bits
-
-    r, D = rows.shape
+    D = rows.shape[1]
     if block % 2 or D % block:
         raise ValueError(f"int4 rows of {D} columns do not split into blocks of {block}")
-    q = np.zeros((r, D // block, block // 2), np.uint8)
-    scales = np.zeros((r, D // block), np.float32)
-    zero_points = np.zeros((r, (D // block + 1) // 2), np.uint8)  # unused when symmetric
-    w = np.ascontiguousarray(rows.astype(np.float32, copy=False).T)  # [K = D, N = r]
-    quantize_matmul_4bits(q, w, scales, zero_points, block, r, D, True)
-    return q.reshape(r, D // 2), scales
+    return _matmulnbits_rows(rows, 4, block)
 
 
 class Int4Table:
