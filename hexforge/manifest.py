@@ -21,7 +21,8 @@ How the runtime drives the graphs is fully declarative here: each graph input na
 the last k real rows of [k state rows | T step rows] (conv fifos),
 ``state:<name>`` = the buffer before this step, ``new:<name>`` = rows an earlier graph of this step made,
 ``kv_seqlens:<group>`` [1] int32 / ``kv_total:<group>`` [] int32 = rows of the group's caches held once
-the step is written, minus one / as is: onnxruntime GroupQueryAttention's, in cpu prefill / decode graphs)
+the step is written, minus one / as is: onnxruntime GroupQueryAttention's, in cpu prefill / decode graphs;
+Gemma-4's cpu graphs cut their caches to the rows held by ``kv_total``)
 and each output its *sink* (``hidden``, ``logits``, ``state:<name>``, ``alias:<input>`` = the graph
 writes this output into the memory of its own input ``<input>``, a cache it updates in place): the
 engine never needs to know the family. A last decode graph with a ``logits`` output runs the head

@@ -7,6 +7,7 @@ has none of them), with their eager math, and the rope they share with the HTP g
                                                               (optionally with the rope inside)
     linear_attention_gate  com.microsoft LinearAttentionGate  its decay and beta
     linear_attention       com.microsoft LinearAttention      its gated delta rule, T >= 1
+    leading_rows           Slice                              a run-time number of cache rows
 
 Not used: CausalConvWithState (GatedDeltaNet's short conv) and GatedRMSNorm (its per-head norm
 x SiLU(z)). On Qwen3.5-0.8B's decode step (2 Zen 5 cores) they took 64-90 and 37 us, 3x and ~8x
@@ -110,6 +111,40 @@ def simplified_layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
             dict(axis=-1, epsilon=float(eps), stash_type=1), dtype=x.dtype, shape=x.shape,
             version=1)
     return _SimplifiedLayerNormOp.forward(None, x, weight, eps)
+
+
+class _LeadingRowsOp(torch.autograd.Function):
+    """The op for the torchscript exporter (its symbolic: one Slice with a run-time end, the
+    axis left without a size so that nothing downstream folds it); eager: ``narrow``."""
+
+    @staticmethod
+    def forward(ctx, x, n, axis):
+        return x.narrow(axis, 0, int(n))
+
+    @staticmethod
+    def symbolic(g, x, n, axis):
+        const = lambda v: g.op("Constant", value_t=torch.tensor([v]))  # noqa: E731  [1] int64
+        out = g.op("Slice", x, const(0), n, const(axis))
+        sizes = x.type().sizes()
+        sizes[axis] = None
+        out.setType(x.type().with_sizes(sizes))
+        return out
+
+
+def leading_rows(x: torch.Tensor, n: torch.Tensor, axis: int) -> torch.Tensor:
+    """x's first ``n`` ([1] int64, a graph value) entries along ``axis``: a Slice whose length is
+    known only when the graph runs (cpu graphs: attention over the cache rows that hold a
+    position, ``gemma4.HeldRows``). Eager or the torchscript exporter only: see ``run_time_sizes``."""
+    if torch.jit.is_tracing():  # the torchscript exporter
+        return _LeadingRowsOp.apply(x, n, axis)
+    return _LeadingRowsOp.forward(None, x, n, axis)
+
+
+def run_time_sizes() -> bool:
+    """Whether this forward may make a size known only at run time (``leading_rows``): not under
+    the dynamo exporter, whose fake tensors need every size when it traces."""
+    return torch.jit.is_tracing() or not (torch.onnx.is_in_onnx_export()
+                                          or torch.compiler.is_compiling())
 
 
 class _GroupQueryAttentionOp(torch.autograd.Function):

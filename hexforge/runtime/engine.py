@@ -70,10 +70,11 @@ class Engine:
         binds = {i.bind for g in self.target.graphs for i in g.inputs}
         self.tails = sorted(int(b[5:]) for b in binds if b.startswith("tail:"))
         self.binds_valid = "valid" in binds
-        # in-place caches (cpu prefill / decode graphs): rows held after the step, per group, as
-        # GroupQueryAttention takes them — arrays kept across steps, updated in place
-        self.kv_lengths = {b[11:]: (np.zeros(1, np.int32), np.zeros((), np.int32))
-                           for b in sorted(binds) if b.startswith("kv_seqlens:")}
+        # cpu graphs that read only the cache rows held (in-place caches; Gemma-4's cut caches):
+        # rows held after the step, per group, as GroupQueryAttention takes them — arrays kept
+        # across steps, updated in place
+        self.kv_lengths = {b.partition(":")[2]: (np.zeros(1, np.int32), np.zeros((), np.int32))
+                           for b in sorted(binds) if b.startswith(("kv_seqlens:", "kv_total:"))}
         # per-token rows the media add inside the decoder (Qwen3-VL deepstack): zeros elsewhere
         self.row_binds = {i.bind: i.shape[-1] for g in self.target.graphs if g.role in
                           ("prefill", "decode") for i in g.inputs if i.bind.startswith("deepstack:")}
