@@ -214,7 +214,7 @@ class Gemma4Layer(nn.Module):
         if self.has_ple:
             self.ple_gate, self.ple_proj = h.per_layer_input_gate, h.per_layer_projection
             self.ple_norm = norm(h.post_per_layer_input_norm)
-            self.act = blocks.ACTIVATIONS[args.hidden_activation]
+            self.act = blocks.activation(args.hidden_activation)
         self.register_buffer("layer_scalar", h.layer_scalar.detach().clone())
 
     def _tail(self, x, attn_out, ple_i):
