@@ -358,9 +358,10 @@ class HeldRows(nn.Module):
 
     The static step (the HTP's) attends over every row of its caches and masks the rows not
     written yet, so its cost follows --context, not the tokens held: on a real-width 10-layer
-    E2B cut (int4-b128, 32-80 tokens held) decode ran 34.8-35.3 tok/s at --context 4096 against
-    41.1-48.6 at 256. This step also takes ``kv_total`` (rows held once the step is written, as
-    the engine makes it for every cache group) and slices each cache and mask at run time::
+    E2B cut (int4-b128, 32-96 tokens held, medians of interleaved runs) decode ran 43.1 tok/s
+    at --context 4096 against 50.2 at 256; this step runs 48.6-52 at 4096. It also takes
+    ``kv_total`` (rows held once the step is written, as the engine makes it for every cache
+    group) and slices each cache and mask at run time::
 
         past  [1,KVH,cap,D] ─Slice[:held]─▶ [1,KVH,held,D] ─┐
                                        new rows [1,KVH,T,D] ─┴─Concat─▶ keys [1,KVH,held+T,D]
