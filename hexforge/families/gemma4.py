@@ -276,9 +276,9 @@ class Gemma4Shard(nn.Module):
             + [(f"new.L{i}.{kv}", f"state:L{i}.{kv}") for i in self.own for kv in "kv"],
         )
 
-    def _cache_len(self, i: int) -> int:
-        a = self.args
-        return self.context if a.layer_types[i] == FULL else min(a.sliding_window, self.context)
+    def _capacity(self, t: str) -> int:
+        """Cache rows of a layer type: the context (full), the ring's window (sliding)."""
+        return self.context if t == FULL else min(self.args.sliding_window, self.context)
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         a, T = self.args, self.seq_len
@@ -290,10 +290,10 @@ class Gemma4Shard(nn.Module):
         for t in self.types:
             out += [torch.ones(1, T, dims[t]), torch.zeros(1, T, dims[t])]
         for t in self.types:
-            cap = self.context if t == FULL else min(a.sliding_window, self.context)
-            out.append(torch.zeros(1, 1, T, cap + T))
+            out.append(torch.zeros(1, 1, T, self._capacity(t) + T))
         for i in self.own + self.external:  # distinct tensors: the dynamo exporter aliases equal ones
-            out += [torch.zeros(1, a.kv_heads[i], self._cache_len(i), a.head_dims[i]) for _ in "kv"]
+            rows = self._capacity(a.layer_types[i])
+            out += [torch.zeros(1, a.kv_heads[i], rows, a.head_dims[i]) for _ in "kv"]
         for d in self.external:
             out += [torch.zeros(1, a.kv_heads[d], T, a.head_dims[d]) for _ in "kv"]
         return tuple(out)
@@ -339,8 +339,7 @@ class Gemma4Shard(nn.Module):
     def _held_rows(self, before: torch.Tensor, masks: dict, past: dict) -> tuple[dict, dict]:
         """Each cache cut to the rows that hold a position before the step (``before`` = its
         first position) and each mask [1,1,T,cap+T] to those columns + the step's own T."""
-        cap = {t: self.context if t == FULL else min(self.args.sliding_window, self.context)
-               for t in self.types}
+        cap = {t: self._capacity(t) for t in self.types}
         # rows 0.. fill first in both kinds: a full cache holds position p at row p, a ring at
         # row p % W, so min(before, cap) leading rows are held
         held = {t: torch.minimum(before, torch.tensor(cap[t], dtype=before.dtype))

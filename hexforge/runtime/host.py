@@ -106,9 +106,8 @@ def load_host_tensors(path: Path) -> dict[str, np.ndarray]:
     try:
         with safe_open(str(path), "np"):  # the library's own validation of the layout
             pass
-        with open(path, "rb") as f:
-            start = 8 + int.from_bytes(f.read(8), "little")
         m = map_for_gathers(path)
+        start = 8 + int.from_bytes(m[:8], "little")
         out = {}
         for name, t in header.items():
             if name == "__metadata__":
@@ -255,17 +254,16 @@ def shared_table(path: Path, name: str, ref) -> Int4Table | Int8Table:
     want = {"rows": V * width, "scales": V * (D // block) * 4}
     try:
         size = path.stat().st_size
-    except OSError as e:
+        m = map_for_gathers(path)
+    except (OSError, ValueError) as e:  # ValueError: mmap of an empty file
         raise BundleError(f"host table {name!r}: its weight file cannot be read: {e}") from None
-    arrays, m = {}, None
+    arrays = {}
     for part, dtype, shape in (("rows", np.uint8, (V, width)), ("scales", "<f4", (V, D // block))):
         offset, length = getattr(ref, part)
         if length != want[part] or offset < 0 or offset + length > size:
             raise BundleError(f"host table {name!r}: its {part} [{offset}, +{length}) do not fit "
                               f"{path.name} ({size:,} bytes) as {want[part]:,} bytes")
-        if m is None:
-            m = map_for_gathers(path)
-        arrays[part] = view(m, np.dtype(dtype), offset, shape)
+        arrays[part] = view(m, dtype, offset, shape)
     return (Int4Table if bits == 4 else Int8Table)(name, arrays["rows"], arrays["scales"])
 
 
