@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import re
 import shutil
 from pathlib import Path
 
@@ -196,7 +197,7 @@ def test_regression_host_table_gathers_faulted_in_the_kernels_read_around(tmp_pa
     assert float(got["t"][4000, 0]) == 1.0
     flags, in_map = [], False
     for line in Path("/proc/self/smaps").read_text().splitlines():
-        if line[:1] in "0123456789abcdef" and "-" in line.split()[0]:  # a mapping's first line
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping's first line: its address range
             in_map = line.endswith(str(path))
         elif in_map and line.startswith("VmFlags:"):
             flags.append(line.split()[1:])
