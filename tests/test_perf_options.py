@@ -456,3 +456,35 @@ def test_b128_weights_share_an_embedding_their_block_divides(tmp_path):
         assert (shared["bits"], shared["block"], shared["shape"][1]) == (bits, 128, 128)
         assert "embed_tokens" not in check_safetensors_header(b / "host.safetensors")
         assert inspect_bundle(b)["embedding"].startswith(f"int{bits}, blocks of 128: the tied")
+
+
+def test_regression_faster_int8_prefill_kernel_spreads_one_outlier_channel_over_the_chunk(
+        tmp_path):
+    """Why the cpu prefill keeps MatMulNBits, though onnxruntime's DynamicQuantizeMatMul ran the
+    same int8 product 2.0-2.2x faster at 64-256 rows (bench/cpu_kernels.py): it quantizes the
+    activations per tensor, so one outlier channel (real LLM activations have them; random
+    weights do not make them, so no oracle here would see the loss) costs every row of the chunk
+    its precision, where MatMulNBits' per-block scales keep the outlier in its block. Should
+    onnxruntime's kernel stop doing that, this fails and the choice is open again."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench" / "cpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("cpu_kernels", path)
+    kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels)
+    rng = np.random.default_rng(0)
+    K, N = 1024, 256  # Qwen3-0.6B's hidden size: 8 blocks of 128 along K
+    w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
+    x = rng.standard_normal((64, K)).astype(np.float32)  # one AR-64 prefill chunk
+    outlier = x.copy()
+    outlier[:, 7] *= 100
+    error = {}
+    for contender in ("int8-b128", "dqmm-int8"):
+        sess = kernels.session(kernels.matmul_model(w, contender, tmp_path))
+        error[contender] = [kernels.relative_error(sess.run(None, {"x": v})[0], v @ w)
+                            for v in (x, outlier)]
+    (nbits, nbits_outlier), (dqmm, dqmm_outlier) = error["int8-b128"], error["dqmm-int8"]
+    assert nbits < 0.02 and dqmm < 0.02, error  # alike without an outlier
+    assert nbits_outlier < 0.05, error
+    assert dqmm_outlier > 3 * nbits_outlier, error
