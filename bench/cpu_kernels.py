@@ -79,6 +79,15 @@ def relative_error(y: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
 
 
+def product_errors(sess, w: np.ndarray, x: np.ndarray) -> dict[str, float]:
+    """The session's x @ w vs fp32 on activations x [M, K] ("gaussian") and on the same with
+    input channel 7 x 100 ("outlier_channel")."""
+    outlier = x.copy()
+    outlier[:, 7] *= 100
+    return {name: relative_error(sess.run(None, {"x": v})[0], v @ w)
+            for name, v in (("gaussian", x), ("outlier_channel", outlier))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1024x3072,3072x1024", help="KxN,... (Qwen3-0.6B's MLP)")
@@ -95,11 +104,7 @@ def main() -> None:
             w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
             sess = {c: session(matmul_model(w, c, Path(tmp))) for c in contenders}
             x = rng.standard_normal((64, K)).astype(np.float32)
-            outlier = x.copy()
-            outlier[:, 7] *= 100
-            errors = {c: {name: relative_error(s.run(None, {"x": v})[0], v @ w)
-                          for name, v in (("gaussian", x), ("outlier_channel", outlier))}
-                      for c, s in sess.items()}
+            errors = {c: product_errors(s, w, x) for c, s in sess.items()}
             for M in (int(v) for v in a.rows.split(",")):
                 xm = rng.standard_normal((M, K)).astype(np.float32)
                 reps = 200 if M == 1 else 10
