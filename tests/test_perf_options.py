@@ -189,7 +189,7 @@ def test_cpu_graphs_update_the_cache_in_place(bundle, family):
     """Issue 10: the cpu decode and prefill graphs attend with onnxruntime's GroupQueryAttention
     over the rows held (a prefill chunk: causally), writing the state buffers themselves (their
     present outputs are bound to them, not copies), with fused norms, the rope inside the op
-    where it can take it, and no mask input."""
+    where it can take it (from constant tables under 1-D positions), and no mask input."""
     import onnx
 
     import hexforge
@@ -210,6 +210,14 @@ def test_cpu_graphs_update_the_cache_in_place(bundle, family):
             fused = family == "qwen3"
             assert all(inside) == fused and any(inside) == fused
             assert ("RotaryEmbedding" in ops) != fused
+            # 1-D positions (both here): the rope comes from constant tables, not rope inputs;
+            # where the op takes it (qwen3), no per-step Concat pads the step's rows and no
+            # position_ids (M-RoPE: the next test)
+            assert not [i for i in graph.inputs if i.bind.startswith("rope_")]
+            if fused:
+                assert "Concat" not in ops
+                assert all(len(n.input) < 10 or not n.input[9]  # position_ids
+                           for n in nodes if n.op_type == "GroupQueryAttention")
             aliases = [o for o in graph.outputs if o.bind.startswith("alias:")]
             kv = [o for o in aliases if o.bind.removeprefix("alias:past.") in caches]
             assert ops.count("GroupQueryAttention") == len(kv) // 2 > 0
@@ -293,27 +301,46 @@ def test_prefill_runs_the_head_on_its_last_chunk_only(bundle):
     np.testing.assert_array_equal(logits, observed)
 
 
-def test_rope_inside_group_query_attention_keeps_mrope_and_partial_rotary_exact(tmp_path):
-    """GroupQueryAttention(do_rotary) reads the step's own host tables (padded to the cache's
-    rows, position_ids 0..T-1), so Qwen3.5's interleaved M-RoPE and partial rotary (16 of 64
-    dims here: R/2 = 8, which the op takes) stay greedy-exact against HF with no RotaryEmbedding
-    node left; the new k rows the op rotates itself are not computed twice."""
+@pytest.mark.parametrize("positions", ["1d", "mrope"])
+def test_rope_inside_group_query_attention_keeps_mrope_and_partial_rotary_exact(tmp_path,
+                                                                               positions):
+    """GroupQueryAttention(do_rotary) takes the rope, and Qwen3.5's partial rotary (16 of 64
+    dims here: R/2 = 8, which the op takes) stays greedy-exact against HF with no RotaryEmbedding
+    node left; the new k rows the op rotates itself are not computed twice.
+    - 1-D positions (text-only Qwen3.5): the op reads constant tables at the rows it writes, and
+      the graph has no rope inputs and no position_ids;
+    - M-RoPE (Qwen3.5 with its vision tower, the hub's layout): the step's own host tables,
+      padded to the cache's rows, read at position_ids 0..T-1."""
     import json
 
     import onnx
 
     from hexforge.build.pipeline import BuildOptions, build
-    from hexforge.tiny import make_tiny_checkpoint
+    from hexforge.tiny import TINY_CONFIGS, make_tiny_checkpoint
 
-    ck = make_tiny_checkpoint("qwen3_5", tmp_path / "ck", head_dim=64)
+    if positions == "1d":
+        ck = make_tiny_checkpoint("qwen3_5", tmp_path / "ck", head_dim=64)
+    else:
+        text = TINY_CONFIGS["qwen3_5_vl"]["text_config"]
+        rope = dict(text["rope_parameters"], mrope_section=[4, 2, 2])  # sums to R/2 = 8
+        ck = make_tiny_checkpoint("qwen3_5_vl", tmp_path / "ck",
+                                  text_config=dict(text, head_dim=64, rope_parameters=rope))
     out = build(ck, tmp_path / "b", BuildOptions(context=96, prefill_len=8, verify_tokens=12),
                 log=lambda s: None)
     report = json.loads((out / "report.json").read_text())["cpu"]
     assert report["passed"] and report["greedy"]["exact"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["host"]["positions"] == positions
+    graphs = {g["file"]: g for g in manifest["targets"]["cpu"]["graphs"]}
     for name in ("s0.prefill", "s0.decode"):
-        ops = [n.op_type for n in onnx.load(str(out / "cpu" / f"{name}.onnx"),
-                                            load_external_data=False).graph.node]
+        nodes = onnx.load(str(out / "cpu" / f"{name}.onnx"), load_external_data=False).graph.node
+        ops = [n.op_type for n in nodes]
         assert "RotaryEmbedding" not in ops and ops.count("GroupQueryAttention") == 2
+        position_ids = {n.input[9] if len(n.input) > 9 else "" for n in nodes
+                        if n.op_type == "GroupQueryAttention"}
+        rope_inputs = [i for i in graphs[f"cpu/{name}.onnx"]["inputs"]
+                       if i["bind"].startswith("rope_")]
+        assert (position_ids == {""}) == (not rope_inputs) == (positions == "1d")
 
 
 def _external_spans(path, op_type: str | None = None) -> set[tuple[str, str, str]]:

@@ -201,7 +201,21 @@ class DecoderFamily:
         from . import blocks
 
         return blocks.InPlaceCache.wrap(
-            blocks.use_cpu_kernels(self.decoder_module(hf, args, layers, seq_len, context)))
+            blocks.use_cpu_kernels(self.decoder_module(hf, args, layers, seq_len, context)),
+            self.cache_row_rope_tables(hf, args, context))
+
+    def cache_row_rope_tables(self, hf, args, rows: int) -> dict[str, tuple]:
+        """The host's cos/sin tables [rows, R] (``runtime.host.rope_tables``) of each rope whose
+        position is the token's cache row: every rope of a family with 1-D positions; none under
+        M-RoPE, whose positions the host derives from the media and shifts after it."""
+        from ..runtime.host import rope_tables
+
+        recipe = self.host_recipe(hf, args)
+        if recipe.positions != "1d":
+            return {}
+        tensors = self.host_tensors(hf, args)
+        return {r.name: rope_tables(np.asarray(tensors[r.inv_freq]), r.attention_scaling, rows)
+                for r in recipe.ropes if r.mrope_section is None}
 
     def head_module(self, hf, args):
         from . import blocks

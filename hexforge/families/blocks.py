@@ -211,7 +211,8 @@ class InPlaceCache(nn.Module):
     rows there before anything reads them. A chunk must end inside the cache (the engine runs a
     prompt's tail that would not through AR-1).
 
-    inputs : the shard's, mask_full replaced by kv_seqlens [1] int32, kv_total [] int32
+    inputs : the shard's, mask_full replaced by kv_seqlens [1] int32, kv_total [] int32, less
+             the rope's cos/sin where the attention reads it as constant tables (1-D positions)
     outputs: the shard's, less the new rows of the caches GQA writes (the write is done: as
              outputs they only cost a Transpose each, two Reshapes ORT could not merge around
              it, and an engine row write per cache — 56 of each per Qwen3-0.6B token), + present.
@@ -219,42 +220,70 @@ class InPlaceCache(nn.Module):
     HTP graphs keep the static form: the HTP has no such op and needs static shapes.
     """
 
-    def __init__(self, shard: nn.Module):
+    def __init__(self, shard: nn.Module, rope_tables: dict | None = None):
         super().__init__()
         self.shard = shard
         names = [n for n, _ in shard.io.inputs]
         self.at = names.index("mask_full")
-        inputs = [*shard.io.inputs[:self.at], ("kv_seqlens", "kv_seqlens:full"),
-                  ("kv_total", "kv_total:full"), *shard.io.inputs[self.at + 1:]]
+        full = [*shard.io.inputs[:self.at], ("kv_seqlens", "kv_seqlens:full"),
+                ("kv_total", "kv_total:full"), *shard.io.inputs[self.at + 1:]]
+        # a shard's one rope, where the family says positions are cache rows (``rope_tables``:
+        # name -> cos, sin [C, R]): the attention reads it as constant tables
+        # (``ortops.gqa_rotary``), and the rope inputs leave the graph (``_with_rope_rows``)
+        ropes = [b.removeprefix("rope_cos:") for _, b in full if b.startswith("rope_cos:")]
+        self.tables = None
+        if len(ropes) == 1 and ropes[0] in (rope_tables or {}):
+            self.tables = tuple(torch.from_numpy(t) for t in rope_tables[ropes[0]])
+        binds = [b for _, b in full]
+        self.derived = [binds.index(f"rope_{f}:{ropes[0]}") for f in ("cos", "sin")
+                        ] if self.tables is not None else []  # where cos, sin were
+        inputs = [x for i, x in enumerate(full) if i not in self.derived]
+        self.total_at = [n for n, _ in inputs].index("kv_total")
         # which caches the attention reads, in call order: one eager pass (the op is zeros there)
-        example = self.example_inputs()
+        example = self._with_rope_rows(self.example_inputs())
         with torch.no_grad():
             presents = self._run(example)[1]
-        by_id = {id(t): n for (n, _), t in zip(inputs, example, strict=True)}
-        written = {bind for n, bind in inputs if n in {by_id[id(past)] for past, _ in presents}}
+        by_id = {id(t): n for (n, _), t in zip(full, example, strict=True)}
+        written = {bind for n, bind in full if n in {by_id[id(past)] for past, _ in presents}}
         self.keep = [bind not in written for _, bind in shard.io.outputs]  # per shard output
         self.io = GraphIO(inputs=inputs, outputs=[
             o for o, keep in zip(shard.io.outputs, self.keep, strict=True) if keep] + [
             (f"present.{by_id[id(past)]}", f"alias:{by_id[id(past)]}") for past, _ in presents])
 
     @classmethod
-    def wrap(cls, shard: nn.Module) -> nn.Module:
+    def wrap(cls, shard: nn.Module, rope_tables: dict | None = None) -> nn.Module:
         """The shard in place-cache form, or unchanged when it has no full-cache attention."""
         binds = [b for _, b in shard.io.inputs if b.startswith("mask:")]
-        return cls(shard) if binds == ["mask:full"] else shard
+        return cls(shard, rope_tables) if binds == ["mask:full"] else shard
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         ex = list(self.shard.example_inputs())
-        lengths = [torch.tensor([0], dtype=torch.int32), torch.tensor(1, dtype=torch.int32)]
-        return (*ex[:self.at], *lengths, *ex[self.at + 1:])
+        T = ex[0].shape[1]  # a first chunk: rows 0 .. T-1 held after it
+        lengths = [torch.tensor([T - 1], dtype=torch.int32), torch.tensor(T, dtype=torch.int32)]
+        full = (*ex[:self.at], *lengths, *ex[self.at + 1:])
+        return tuple(t for i, t in enumerate(full) if i not in self.derived)
+
+    def _with_rope_rows(self, args) -> tuple[torch.Tensor, ...]:
+        """The graph's inputs -> the shard's, the rope inputs it dropped made again: the step's
+        rows of the constant tables at its positions total-T .. total-1. The attention does not
+        read them (it reads the tables), so they are dead code in the graph unless a layer
+        reads them besides (e.g. k rows for a later layer's shared cache)."""
+        if not self.derived:
+            return tuple(args)
+        T = args[0].shape[1]
+        positions = args[self.total_at].long() - T + torch.arange(T)  # [T]
+        rows = [t.index_select(0, positions)[None] for t in self.tables]  # cos, sin [1, T, R]
+        given = iter(args)
+        return tuple(rows[self.derived.index(i)] if i in self.derived else next(given)
+                     for i in range(len(args) + len(self.derived)))
 
     def _run(self, args):
-        lengths = CacheLengths(args[self.at], args[self.at + 1])
+        lengths = CacheLengths(args[self.at], args[self.at + 1], tables=self.tables)
         outs = self.shard(*args[:self.at], lengths, *args[self.at + 2:])
         return outs, lengths.presents
 
     def forward(self, *args):
-        outs, presents = self._run(args)
+        outs, presents = self._run(self._with_rope_rows(args))
         return (*(o for o, keep in zip(outs, self.keep, strict=True) if keep),
                 *(present for _, present in presents))
 
@@ -476,7 +505,9 @@ class Head(nn.Module):
         return (torch.randn(1, 1, self.hidden_size),)
 
     def forward(self, hidden):
-        logits = self.lm_head(self.norm(hidden)).float()
+        logits = self.lm_head(self.norm(hidden))
+        if logits.dtype != torch.float32:  # .float() on fp32 traces to a Cast onnxruntime keeps
+            logits = logits.float()  # (a graph output): a copy of the logits every token
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

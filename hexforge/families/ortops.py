@@ -189,22 +189,35 @@ def group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, num_heads: 
 
 def gqa_rotary(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, rows: int,
                lengths: CacheLengths) -> tuple:
-    """GroupQueryAttention's own rope inputs for the step's host tables cos/sin [1, 1, T, R]:
-    (cos_cache, sin_cache [rows, R/2], position_ids [1, T]) or () where the op cannot take them
-    (its kernel wants R/2 a multiple of 8). Query t reads row t — the step's own rows, so any
-    position rule the host applies (M-RoPE, offsets) holds; the op also checks that the tables
-    have at least ``total`` rows, so they are padded to the cache's ``rows`` (rows past T are
-    never read). Made once per shard and table (``lengths.rotary``): one Concat per step, not
-    two RotaryEmbedding nodes a layer (56 of a Qwen3-0.6B step).
+    """GroupQueryAttention's own rope inputs for the step's host tables cos/sin [1, 1, T, R], or
+    () where the op cannot take them (its kernel wants R/2 a multiple of 8). Made once per shard
+    and table (``lengths.rotary``), not two RotaryEmbedding nodes a layer (56 of a Qwen3-0.6B
+    step). The op checks that its tables hold at least ``total`` rows, so they span the cache.
+
+    - ``lengths.tables`` set (a 1-D rope whose positions are the cache rows): the whole table
+      as a constant, and no position_ids — the op reads row seqlens_k - T + 1 + t for query t,
+      which is that token's position. Nothing is made per step (onnxruntime-genai's form).
+    - else (M-RoPE, or positions the host shifts): the step's own rows, padded, with query t
+      reading row t — any position rule the host applies holds::
 
         step tables  [T, R/2] ─Concat zeros─▶ [C, R/2] ─┐
         position_ids [[0 .. T-1]] ──────────────────────┴─▶ GroupQueryAttention(do_rotary=1)
-    """
+
+    Why the first: the Concat writes 2 x C x R/2 floats a step (512 KB at Qwen3-0.6B, C = 1024)
+    with its Slices and Gathers; raw decode runs of that graph with the constant tables took
+    0.966-0.975x the time of the padded one (real-shape Qwen3-0.6B int8-b128, 2 threads)."""
     T, R = int(cos.shape[2]), int(cos.shape[-1])
     if R > head_dim or (R // 2) % 8:
         return ()
     made = lengths.rotary.get(id(cos))
-    if made is None:
+    if made is None and lengths.tables is not None:
+        table_cos, table_sin = lengths.tables
+        if table_cos.shape[0] < rows or table_cos.shape[1] != R:
+            raise ValueError(f"rope tables {list(table_cos.shape)} do not cover {rows} cache rows "
+                             f"of {R} rotary dims")
+        made = lengths.rotary[id(cos)] = (table_cos[:rows, :R // 2].contiguous(),
+                                          table_sin[:rows, :R // 2].contiguous())
+    elif made is None:
         # rows past T as a constant Concat (the exporter's Pad left a Transpose-Slice-Cast chain
         # making its pads)
         zeros = torch.zeros(rows - T, R // 2, dtype=cos.dtype)
@@ -223,6 +236,9 @@ class CacheLengths:
     total: torch.Tensor  # [] int32: rows held after the step
     presents: list = field(default_factory=list)  # (cache input, its present output), call order
     rotary: dict = field(default_factory=dict)  # id(host cos table) -> gqa_rotary's inputs
+    # (cos, sin) [>= C, R] constant: the shard's one rope, where a token's position is its cache
+    # row (1-D positions), as the host computes it (``runtime.host.rope_tables``); else None
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 # ---- GatedDeltaNet (Qwen3.5) as four contrib ops ---------------------------------------------------

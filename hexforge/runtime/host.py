@@ -267,6 +267,18 @@ def shared_table(path: Path, name: str, ref) -> Int4Table | Int8Table:
     return (Int4Table if bits == 4 else Int8Table)(name, arrays["rows"], arrays["scales"])
 
 
+def rope_tables(inv_freq: np.ndarray, attention_scaling: float,
+                positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [positions, R] for positions 0 .. positions-1, fp32 as HF computes them: the
+    host's rows, and the constant tables cpu graphs' GroupQueryAttention reads (built from this
+    same function, so the two agree bit for bit). inv_freq [R/2]."""
+    pos = np.arange(positions, dtype=np.float32)[:, None]
+    freqs = pos * inv_freq.astype(np.float32)[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    scale = np.float32(attention_scaling)
+    return np.cos(emb) * scale, np.sin(emb) * scale
+
+
 class HostInputs:
     def __init__(self, recipe: HostRecipe, tensors: dict[str, np.ndarray], max_positions: int,
                  placeholder_ids: list[int] = ()):
@@ -282,14 +294,9 @@ class HostInputs:
         self.embed_scale = np.float32(recipe.embed.scale)
         self.placeholder_ids = list(placeholder_ids)  # media placeholders (manifest encoders)
         self.max_positions = max_positions  # rows of the rope tables
-        # cos/sin tables for every position a (padded) step can touch: [P, R], fp32 as HF computes
-        pos = np.arange(max_positions, dtype=np.float32)[:, None]
-        self.rope: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        for r in recipe.ropes:
-            freqs = pos * inv[r.name][None, :]
-            emb = np.concatenate([freqs, freqs], axis=-1)
-            scale = np.float32(r.attention_scaling)
-            self.rope[r.name] = (np.cos(emb) * scale, np.sin(emb) * scale)
+        # cos/sin tables for every position a (padded) step can touch: [P, R]
+        self.rope = {r.name: rope_tables(inv[r.name], r.attention_scaling, max_positions)
+                     for r in recipe.ropes}
         # M-RoPE: which position axis (0 t, 1 h, 2 w) each of the R rotary columns reads
         self.mrope_axis = {r.name: mrope_axes(r.mrope_section, r.mrope_interleaved,
                                               inv[r.name].shape[0])
