@@ -24,6 +24,15 @@ Stages (each reused when its output exists under --work):
 Decode tok/s: a --prompt token prompt prefilled, then --tokens greedy tokens; only the tokens after
 the first are timed. HF eager runs its own KV-cache loop (model(next, past_key_values=...)), which
 is faster than generate() (no logits processors): the generous baseline.
+Load order: the earlier a model is loaded into a process, the slower it decodes, whatever the
+model. Raw decode-step runs of one graph loaded three times into one process (real-shape
+Qwen3-0.6B int8-b128, 2 threads, interleaved rounds), ms in load order: 23.35 / 21.97 / 21.37,
+23.12 / 22.76 / 22.64, 22.51 / 21.50 / 21.30, 23.61 / 22.16 / 21.26; over the 6 load orders of 3
+different graphs the first loaded was the slowest in all 6, by 3.5-8 %. Not the threads (pinned,
+the same), nor the first session made (a tiny or a deleted one made before: the same); a process
+with one model (a user's; hexforge's own session order tried both ways: 43.51 vs 43.55 tok/s)
+does not see it. So the models loaded first (hexforge's, by default) carry a handicap here: run
+--load-order hexforge-first and peers-first, and take the geometric mean of each ratio.
 Roofline: decode weight bytes per token / copy bandwidth (numpy copy of a 512 MiB array, STREAM
 convention: read + write bytes; the best of 1 and 2 threads); also / the read bandwidth of a
 float32 GEMV over 512 MiB (the decode access pattern; higher than copy on this machine).
@@ -229,6 +238,9 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--also", default="", help="more hexforge bundle dirs, comma-separated (e.g. "
                     "one built before a change: an A/B in the same interleaved run)")
+    ap.add_argument("--load-order", choices=["hexforge-first", "peers-first"],
+                    default="hexforge-first", help="which models are loaded first (run both "
+                    "and take the geometric mean of the ratios: the first loaded decodes slower)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -249,26 +261,31 @@ def main() -> None:
     result: dict = {"shape": a.shape, "context": a.context, "threads": threads,
                     "prompt": a.prompt, "tokens": a.tokens, "runs": a.runs, "builds": {}}
 
-    contenders = []
+    def hexforge_contender(bundle: Path):
+        c = Hexforge(bundle)
+        c.weight_bytes = inspect_bundle(bundle)["targets"]["cpu"]["decode_weight_bytes_per_token"]
+        return c
+
+    ours, peers = [], []  # makers, in the order they are reported
     for w in a.cpu_weights.split(","):
         out = work / f"hf-{a.shape}-{w}-c{a.context}"
         result["builds"][out.name] = build_hexforge(ckpt, out, a.context, w, log)
-        c = Hexforge(out)
-        c.weight_bytes = inspect_bundle(out)["targets"]["cpu"]["decode_weight_bytes_per_token"]
-        contenders.append(c)
+        ours.append(lambda out=out: hexforge_contender(out))
     for extra in filter(None, a.also.split(",")):
-        c = Hexforge(Path(extra))
-        c.weight_bytes = inspect_bundle(Path(extra))["targets"]["cpu"]["decode_weight_bytes_per_token"]
-        contenders.append(c)
+        ours.append(lambda extra=extra: hexforge_contender(Path(extra)))
+    max_length = max(a.prompt + a.tokens + 1, a.ttft_prompt + 2)
     for precision in filter(None, a.genai.split(",")):
         gdir = work / f"genai-{a.shape}-{precision}"
         result["builds"][gdir.name] = build_genai(ckpt, gdir, precision, log)
         if (gdir / "genai_config.json").is_file():
-            max_length = max(a.prompt + a.tokens + 1, a.ttft_prompt + 2)
             for t in [None, *(int(x) for x in filter(None, a.genai_threads.split(",")))]:
-                contenders.append(GenAI(gdir, max_length, precision, t))
+                peers.append(lambda gdir=gdir, p=precision, t=t: GenAI(gdir, max_length, p, t))
     if not a.no_hf:
-        contenders.append(HFEager(ckpt, threads))
+        peers.append(lambda: HFEager(ckpt, threads))
+    # the load order (see the module docstring: the first model loaded decodes slower)
+    made = [m() for m in (peers + ours if a.load_order == "peers-first" else ours + peers)]
+    contenders = made[len(peers):] + made[:len(peers)] if a.load_order == "peers-first" else made
+    result["load_order"] = a.load_order
     result["rss_after_load_mb"] = round(peak_rss_mb())
 
     rng = np.random.default_rng(0)

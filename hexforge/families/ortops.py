@@ -203,9 +203,11 @@ def gqa_rotary(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, rows: int,
         step tables  [T, R/2] ─Concat zeros─▶ [C, R/2] ─┐
         position_ids [[0 .. T-1]] ──────────────────────┴─▶ GroupQueryAttention(do_rotary=1)
 
-    Why the first: the Concat writes 2 x C x R/2 floats a step (512 KB at Qwen3-0.6B, C = 1024)
-    with its Slices and Gathers; raw decode runs of that graph with the constant tables took
-    0.966-0.975x the time of the padded one (real-shape Qwen3-0.6B int8-b128, 2 threads)."""
+    Why the first: the Concat writes 2 x C x R/2 floats a step (512 KB at Qwen3-0.6B, C = 1024),
+    with 8 more small nodes. Real-shape Qwen3-0.6B int8-b128 decode step, raw IO-bound runs on 2
+    threads, the 6 load orders of (this, the padded step, genai's graph) balanced: 22.52 ms vs
+    22.78 (0.989x) and genai's 22.63; end to end (bench/compare.py, both load orders) 1.006x
+    and 0.992x the padded bundle: within the noise, a small gain at best."""
     T, R = int(cos.shape[2]), int(cos.shape[-1])
     if R > head_dim or (R // 2) % 8:
         return ()
