@@ -147,6 +147,36 @@ def test_decode_fast_path_gives_the_general_paths_logits_bit_for_bit(bundle, fam
     assert taken[0] is None and all(t is not None for t in taken[1:40])  # the first builds
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma4", "qwen3_5", "llama-w8a16"])
+def test_reset_leaves_the_kv_rows_and_no_step_reads_a_stale_one(bundle, htp_bundle, family):
+    """reset() no longer zeroes the KV caches (a pass over all of them every request, and the
+    first request's faults on every page): after a long sequence, a short one gives a fresh
+    engine's logits bit for bit while the long one's rows are still in the caches. qwen3: the cpu
+    step reads the rows held; gemma4: rings, KV sharing, held-row slices; qwen3_5: its recurrent
+    states are still zeroed; llama-w8a16 on the HTP simulator: static steps under a mask of
+    -100, not -1e9."""
+    import hexforge
+
+    if family == "llama-w8a16":
+        b, kw = htp_bundle("llama", "w8a16"), {"backend": "qnn-sim"}
+    else:
+        b, kw = bundle(family), {}
+    used, fresh = hexforge.load(b, **kw).engine, hexforge.load(b, **kw).engine
+    rng = np.random.default_rng(3)
+    tok = int(np.argmax(used.prefill([int(x) for x in rng.integers(3, used.vocab_size, 50)])))
+    for _ in range(40):
+        tok = int(np.argmax(used.decode(tok)))
+    used.reset()
+    assert all(np.any(buf) for buf, _ in used.state.kv.values())  # the long sequence's rows
+    prompt = [int(x) for x in rng.integers(3, used.vocab_size, 5)]
+    got = [e.prefill(prompt) for e in (used, fresh)]
+    for _ in range(12):
+        np.testing.assert_array_equal(got[0], got[1])
+        tok = int(np.argmax(got[0]))
+        got = [e.decode(tok) for e in (used, fresh)]
+    np.testing.assert_array_equal(got[0], got[1])
+
+
 def test_op_profile_splits_a_decode_token_by_op_type(bundle, capsys):
     """hexforge bench --op-profile: onnxruntime's per-node profile of the timed decode steps,
     summed by op type; the parts add up and the counts are the decode graph's nodes a token."""
