@@ -121,12 +121,13 @@ class State:
 
     def reset(self) -> None:
         """A fresh sequence. The recurrent states (conv fifos, ssm) are read whole: zeroed. KV
-        caches are not: no step reads a row its slot group does not hold (the cpu steps read
-        only the rows held; the static steps mask the others, and their zero-initialised or
-        stale values are both finite), so the old rows are left to be overwritten. Zeroing them
-        cost every request a pass over all of them (8.4 ms at real-shape Qwen3-0.6B, 235 MB of
-        fp32 cache at --context 1024) and the first request 0.33 s more, faulting in every page
-        of the cache; left alone, a cache page is resident once a step writes a row in it."""
+        caches are not: no step reads a row its slot group does not hold. The cpu steps read
+        only the rows held; the static steps' mask hides the others (the HTP recipes' bounded
+        -100 too: the test on w8a16 gives a fresh engine's logits bit for bit), and their
+        values, zero-initialised or stale, are finite. Zeroing them cost every request a pass
+        over all of them (8.3 ms at real-shape Qwen3-0.6B: 235 MB of fp32 cache at --context
+        1024) and the first one ~60 ms more, faulting in every page; left alone, a page of cache
+        is resident once a step writes a row in it."""
         for name, b in self.buffers.items():
             if name not in self.kv:
                 b.fill(0)
