@@ -112,8 +112,11 @@ class Engine:
                                    if o.bind.startswith("state:")}
                             for role, graphs in self.step_graphs.items()}
         self._constants_of: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        # the ropes whose rows a graph reads: a cpu step under 1-D positions reads its rope as
+        # constant tables inside the graph, so its rows are not made per step
+        self.ropes = [name for name in self.host.rope if f"rope_cos:{name}" in binds]
         self.row_keys = ["hidden", *(f"host:{e.name}" for e in manifest.host.extra_embeds),
-                         *(f"rope_{f}:{name}" for name in self.host.rope for f in ("cos", "sin"))]
+                         *(f"rope_{f}:{name}" for name in self.ropes for f in ("cos", "sin"))]
         self._kept_rows: dict[str, np.ndarray] = {}
         self._ar1_inputs: dict[str, np.ndarray] | None = None  # see _decode_inputs
 
@@ -176,7 +179,7 @@ class Engine:
             embeds, rows, rope_pos = self.media.slice(self.prompt_offset, T, embeds, rope_pos)
             inputs.update(rows)  # replaces the zero rows
         inputs["hidden"] = inputs["embed"] = embeds.astype(self.hidden_dtype, copy=False)
-        for name in self.host.rope:
+        for name in self.ropes:
             inputs[f"rope_cos:{name}"], inputs[f"rope_sin:{name}"] = self.host.rope_tables(
                 name, rope_pos)
         for name, (seqlens, total) in self.kv_lengths.items():  # row p holds position p
@@ -208,7 +211,8 @@ class Engine:
         host.write_token_rows(token, self._kept_rows)
         # a shard's output replaced "hidden" last step
         inputs["hidden"] = inputs["embed"] = self._kept_rows["hidden"]
-        for name, (cos, sin) in host.rope.items():
+        for name in self.ropes:
+            cos, sin = host.rope[name]
             self._kept_rows[f"rope_cos:{name}"][0, 0] = cos[rope_pos]
             self._kept_rows[f"rope_sin:{name}"][0, 0] = sin[rope_pos]
         for seqlens, total in self.kv_lengths.values():
