@@ -45,7 +45,10 @@ def test_three_shards_across_the_kv_sharing_boundary_equal_one(bundle, hf_greedy
     assert shards == [[0, 5], [5, 9], [9, 10]]
     last = next(g for g in m["targets"]["cpu"]["graphs"] if g["name"] == "s2.decode")
     binds = {i["bind"] for i in last["inputs"]}
-    assert {"state:L4.k", "new:L4.k"} <= binds  # the donor lives in shard 0
+    # the donor lives in shard 0, which wrote the step's rows into the cache in place: L9 reads
+    # them back from it (no new: rows) and writes them again through its own alias output
+    assert "state:L4.k" in binds and "new:L4.k" not in binds
+    assert {"alias:past.L4.k", "alias:past.L4.v"} <= {o["bind"] for o in last["outputs"]}
     ids = prompt_ids(W + N + 3)
     a = hexforge.load(bundle("gemma4")).generate(ids, max_new_tokens=64, ignore_eos=True)
     b = hexforge.load(three).generate(ids, max_new_tokens=64, ignore_eos=True)
@@ -55,13 +58,17 @@ def test_three_shards_across_the_kv_sharing_boundary_equal_one(bundle, hf_greedy
 def test_gemma4_cpu_step_reads_only_the_cache_rows_held(bundle):
     """Regression (issue 10): the cpu step attended over every cache row and masked the unwritten
     ones, so its cost followed --context (10-layer E2B cut: 35 vs 41-49 tok/s at 4096 vs 256).
-    Now it cuts each cache to the rows held: NaN past them must not reach any output."""
+    Now the rings are cut to the rows held and the full caches are read by GroupQueryAttention up
+    to the rows held: NaN past them must not reach any output (a full cache's present is the
+    cache itself: its rows held and the one written must be clean)."""
     import onnxruntime as ort
 
     path = bundle("gemma4")
     m = json.loads((path / "manifest.json").read_text())
     graph = next(g for g in m["targets"]["cpu"]["graphs"] if g["role"] == "decode")
-    assert {"kv_total:full", "mask:sliding", "mask:full"} <= {i["bind"] for i in graph["inputs"]}
+    binds = {i["bind"] for i in graph["inputs"]}
+    assert {"kv_seqlens:full", "kv_total:full", "mask:sliding"} <= binds
+    assert "mask:full" not in binds  # the full caches take no mask: the op reads the rows held
     held = W - 3  # positions 0..4 held, the step writes 5: no ring has wrapped
     rng = np.random.default_rng(0)
     feeds = {}
@@ -69,6 +76,8 @@ def test_gemma4_cpu_step_reads_only_the_cache_rows_held(bundle):
         shape, bind = i["shape"], i["bind"]
         if bind.startswith("kv_total"):
             feeds[i["name"]] = np.array(held + 1, np.int32)
+        elif bind.startswith("kv_seqlens"):
+            feeds[i["name"]] = np.array([held], np.int32)
         elif bind.startswith("mask:"):  # [1, 1, 1, cap + 1]: the held rows and the new one visible
             mask = np.full(shape, -1e9, np.float32)
             mask[..., :held] = mask[..., -1] = 0
@@ -77,15 +86,47 @@ def test_gemma4_cpu_step_reads_only_the_cache_rows_held(bundle):
             feeds[i["name"]] = rng.standard_normal(shape).astype(np.float32)
     sess = ort.InferenceSession(str(path / graph["file"]), providers=["CPUExecutionProvider"])
     caches = [i["name"] for i in graph["inputs"] if i["bind"].startswith("state:")]
-    assert caches
+    presents = [k for k, o in enumerate(graph["outputs"]) if o["bind"].startswith("alias:")]
+    assert caches and presents
     outs = {}
     for fill in (0.0, np.nan):
         for name in caches:
             feeds[name][:, :, held:] = fill
         outs[fill] = sess.run(None, feeds)
-    for clean, poisoned in zip(outs[0.0], outs[np.nan], strict=True):
+    for k, (clean, poisoned) in enumerate(zip(outs[0.0], outs[np.nan], strict=True)):
+        if k in presents:  # [1, KVH, C, D]: rows 0 .. held written, the rest as they came
+            clean, poisoned = clean[:, :, :held + 1], poisoned[:, :, :held + 1]
         assert np.isfinite(poisoned).all()
         np.testing.assert_array_equal(clean, poisoned)
+
+
+def test_both_ops_writing_one_full_cache_write_it_in_place(bundle):
+    """Regression (session 24): a full cache that two ops of one graph write (the layer that owns
+    it and a layer sharing it) is two outputs bound alias:<cache>. Binding only one of them left
+    the other to onnxruntime: its op then copies the whole cache (all --context rows) into a
+    present of its own every step, and the cache is written by the copy, not in place."""
+    from hexforge.runtime.bound import BoundSession
+
+    eng = hexforge.load(bundle("gemma4")).engine
+    graph = eng.step_graphs["decode"][0]
+    aliases = [(k, o.bind[6:]) for k, o in enumerate(graph.outputs) if o.bind.startswith("alias:")]
+    assert {"past.L4.k", "past.L4.v"} <= {name for _, name in aliases}
+    assert len(aliases) > len({name for _, name in aliases})  # L4's cache has two writers
+    sess = eng.sessions[graph.name]
+    assert isinstance(sess, BoundSession)
+    seen = {}
+
+    def spy(output_names, feeds, run_options=None):
+        seen["feeds"], seen["outs"] = feeds, BoundSession.run(sess, output_names, feeds,
+                                                               run_options)
+        return seen["outs"]
+
+    sess.run = spy
+    eng.prefill(prompt_ids(5))
+    for token in (7, 8):
+        eng.decode(token)
+        for k, name in aliases:
+            assert np.shares_memory(seen["outs"][k], seen["feeds"][name]), graph.outputs[k].name
 
 
 def test_chat_template_renders_like_transformers(bundle, ckpt):

@@ -182,11 +182,10 @@ class Gemma4Family(DecoderFamily):
                            hidden_size=args.hidden_size)
 
     def cpu_step_module(self, hf, args, layers: tuple[int, int], seq_len: int, context: int):
-        """The static graphs, reading only the cache rows held (``HeldRows``): KV-shared layers
-        attend over their donor's keys *with* the rows the same step writes, which
-        GroupQueryAttention cannot take as its past."""
-        shard = blocks.use_cpu_kernels(self.decoder_module(hf, args, layers, seq_len, context))
-        return HeldRows(shard) if FULL in args.layer_types else shard
+        """The cpu form of the step (``Gemma4Shard`` with cpu=True): full caches updated in place
+        by GroupQueryAttention, sliding rings cut to the rows held."""
+        return blocks.use_cpu_kernels(Gemma4Shard(self, hf, args, layers, seq_len, context,
+                                                  cpu=True))
 
 
 # ---- export modules (torch) ----------------------------------------------------------------------
@@ -235,6 +234,27 @@ class Gemma4Layer(nn.Module):
         h = self.in_norm(x)
         return self._tail(x, self.attn.attend(h, cos, sin, mask, keys, values), ple_i)
 
+    def forward_in_place(self, x, cos, sin, lengths: ortops.CacheLengths, ple_i, past_k, past_v,
+                         rows: tuple | None = None):
+        """cpu graphs, full layers: GroupQueryAttention over the cache rows held, the op writing
+        the step's rows into the cache it is given (``blocks.InPlaceCache``'s op; the rope
+        outside it: a sharer's q rotates, its keys are rows the cache holds). A sharer passes
+        its donor's new rows as ``rows``: the op writes what it is given, so it writes the
+        donor's rows again, unchanged. -> (x, rows: k, v [1, T, KVH*D] as the cache holds
+        them, (present_k, present_v))."""
+        a = self.attn
+        H, KV = a.n_heads, a.n_kv
+        h = self.in_norm(x)
+        q = ortops.rotary_embedding(a._head_norm(a.q_proj(h), H, a.q_norm), cos, sin, H)
+        if rows is None:
+            k = a.k_proj(h)  # [1, T, KV*D]
+            v = a.v_proj(h) if a.v_proj is not None else k  # k_eq_v: the raw k projection
+            rows = (ortops.rotary_embedding(a._head_norm(k, KV, a.k_norm), cos, sin, KV),
+                    a._head_norm(v, KV, a.v_norm))
+        out, present_k, present_v = ortops.group_query_attention(
+            q, *rows, past_k, past_v, lengths.seqlens_k, lengths.total, H, KV, float(a.scaling))
+        return self._tail(x, a.o_proj(out), ple_i), rows, (present_k, present_v)
+
 
 class Gemma4Shard(nn.Module):
     """Layers [a, b) + their slice of the PLE projection, as one static step graph.
@@ -244,13 +264,36 @@ class Gemma4Shard(nn.Module):
              past.L{i}.k/v per unshared layer, and for donors in earlier shards
              past.L{d}.k/v (state before the step) + cur.L{d}.k/v (the donor's new rows)
     outputs: hidden_out [1,T,H], new.L{i}.k/v per unshared layer
+
+    cpu=True, the cpu target's step: attention reads only the cache rows that hold a position.
+    The static step (the HTP's) attends over every row and masks the rows not written yet, so
+    its cost follows --context, not the tokens held (10-layer E2B cut, int4-b128, 32-96 tokens
+    held: 43.1 tok/s at --context 4096 against 50.2 at 256; reading the rows held: 48.6-52)::
+
+        full   cache ──past──▶ GroupQueryAttention(q, k_new, v_new, kv_seqlens, kv_total)
+               ▲                     │ reads rows [0, total), writes the T new rows in place
+               └──────present────────┘ (output bind alias:<cache input>: the same memory)
+               a sharer in the shard: past = its donor's present, k/v = the donor's new rows
+               (the op writes them again, unchanged); in a later shard: past = the cache input,
+               k/v = its rows total-T .. total-1, which the donor's shard wrote
+        ring   past [1,KVH,W,D] ─Slice[:held]─▶ ─┐
+                           new rows [1,KVH,T,D] ─┴─Concat─▶ keys [1,KVH,held+T,D]
+               mask [1,1,T,W+T] ─▶ columns [:held] ++ [W:W+T];  held = min(total - T, W)
+
+    The rings keep the slices: GroupQueryAttention's window cache keeps positions in order
+    (rows [0, L), evicting as it goes), not at row p % W as the ring the engine and the HTP
+    share. Inputs: mask_full gives way to kv_seqlens [1] + kv_total [] int32 (rows held once
+    the step is written); only sliding donors in earlier shards come with cur.L{d} rows.
+    Outputs: new rows of the rings only, then present.L{i}.k/v per full layer (own or sharing)
+    bound alias:past.L{cache}.k/v. Why (E2B, 3 full caches of head 512): at 3000 rows held
+    the slices copied ~72 MB a token; the ring slices copy at most W rows.
     """
 
     def __init__(self, fam: Gemma4Family, hf, args: Args, layers: tuple[int, int], seq_len: int,
-                 context: int):
+                 context: int, cpu: bool = False):
         super().__init__()
         tm = fam.text_model(hf)
-        self.args, self.seq_len, self.context = args, seq_len, context
+        self.args, self.seq_len, self.context, self.cpu = args, seq_len, context, cpu
         self.a, self.b = layers
         ids = list(range(*layers))
         self.layers = nn.ModuleList([Gemma4Layer(tm.layers[i], args, i) for i in ids])
@@ -263,18 +306,32 @@ class Gemma4Shard(nn.Module):
         self.own = [i for i in ids if args.donors[i] is None]
         self.external = sorted({args.donors[i] for i in ids
                                 if args.donors[i] is not None and args.donors[i] < self.a})
+        # the caches GroupQueryAttention updates in place: cpu full layers
+        self.in_place = {i for i in self.own + self.external if cpu and args.layer_types[i] == FULL}
         g = [GROUP[t] for t in self.types]
+        lengths = [("kv_seqlens", "kv_seqlens:full")] if cpu and FULL in self.types else []
+        lengths += [("kv_total", "kv_total:full")] if cpu else []
         self.io = GraphIO(
             inputs=[("hidden", "hidden"), ("embed", "embed")]
             + ([("ple", "host:ple")] if P else [])
             + [(f"{cs}_{n}", f"rope_{cs}:{n}") for n in g for cs in ("cos", "sin")]
-            + [(f"mask_{n}", f"mask:{n}") for n in g]
+            + [(f"mask_{GROUP[t]}", f"mask:{GROUP[t]}") for t in self.types
+               if not (cpu and t == FULL)] + lengths
             + [(f"past.L{i}.{kv}", f"state:L{i}.{kv}") for i in self.own for kv in "kv"]
             + [(f"past.L{d}.{kv}", f"state:L{d}.{kv}") for d in self.external for kv in "kv"]
-            + [(f"cur.L{d}.{kv}", f"new:L{d}.{kv}") for d in self.external for kv in "kv"],
+            + [(f"cur.L{d}.{kv}", f"new:L{d}.{kv}") for d in self.external
+               if d not in self.in_place for kv in "kv"],
             outputs=[("hidden_out", "hidden")]
-            + [(f"new.L{i}.{kv}", f"state:L{i}.{kv}") for i in self.own for kv in "kv"],
+            + [(f"new.L{i}.{kv}", f"state:L{i}.{kv}") for i in self.own
+               if i not in self.in_place for kv in "kv"]
+            + [(f"present.L{i}.{kv}", f"alias:past.L{self._cache_of(i)}.{kv}") for i in ids
+               if self._cache_of(i) in self.in_place for kv in "kv"],
         )
+
+    def _cache_of(self, i: int) -> int:
+        """The layer whose cache layer i reads: its own, or its donor's."""
+        d = self.args.donors[i]
+        return i if d is None else d
 
     def _capacity(self, t: str) -> int:
         """Cache rows of a layer type: the context (full), the ring's window (sliding)."""
@@ -290,17 +347,21 @@ class Gemma4Shard(nn.Module):
         for t in self.types:
             out += [torch.ones(1, T, dims[t]), torch.zeros(1, T, dims[t])]
         for t in self.types:
-            out.append(torch.zeros(1, 1, T, self._capacity(t) + T))
+            if not (self.cpu and t == FULL):
+                out.append(torch.zeros(1, 1, T, self._capacity(t) + T))
+        if self.cpu:  # the full caches held to their last row once the step is written
+            total = self.context
+            out += [torch.tensor([total - 1], dtype=torch.int32)] if FULL in self.types else []
+            out.append(torch.tensor(total, dtype=torch.int32))
         for i in self.own + self.external:  # distinct tensors: the dynamo exporter aliases equal ones
             rows = self._capacity(a.layer_types[i])
             out += [torch.zeros(1, a.kv_heads[i], rows, a.head_dims[i]) for _ in "kv"]
         for d in self.external:
-            out += [torch.zeros(1, a.kv_heads[d], T, a.head_dims[d]) for _ in "kv"]
+            if d not in self.in_place:
+                out += [torch.zeros(1, a.kv_heads[d], T, a.head_dims[d]) for _ in "kv"]
         return tuple(out)
 
-    def forward(self, hidden, embed, *rest, total: torch.Tensor | None = None):
-        """``total`` ([] int32, ``HeldRows``): rows held once the step is written; with it each
-        cache and mask is cut to the rows held before the step."""
+    def forward(self, hidden, embed, *rest):
         a, T = self.args, hidden.shape[1]
         rest = list(rest)
         P = a.hidden_size_per_layer_input
@@ -313,82 +374,61 @@ class Gemma4Shard(nn.Module):
         for t in self.types:  # cos/sin [1, 1, T, d]: broadcast over heads
             c, s = rest.pop(0), rest.pop(0)
             rope[t] = (c[:, None], s[:, None])
-        masks = {t: rest.pop(0) for t in self.types}
+        masks = {t: rest.pop(0) for t in self.types if not (self.cpu and t == FULL)}
+        lengths = None
+        if self.cpu:
+            seqlens = rest.pop(0) if FULL in self.types else None
+            total = rest.pop(0)
+            lengths = ortops.CacheLengths(seqlens, total)
         past = {}
         for i in self.own + self.external:
             past[i] = (rest.pop(0), rest.pop(0))
-        if total is not None and ortops.run_time_sizes():  # dynamo: the static step
+        if self.cpu and ortops.run_time_sizes():  # dynamo: the static step
             masks, past = self._held_rows(total - self.seq_len, masks, past)
-        kv = {d: (torch.cat((past[d][0], rest.pop(0)), dim=2),
-                  torch.cat((past[d][1], rest.pop(0)), dim=2)) for d in self.external}
+        kv, presents = {}, []  # kv: cache layer -> keys/values (static) or new rows (in place)
+        for d in self.external:
+            if d in self.in_place:  # the donor's shard wrote its rows: read them back
+                rows = (total - T).to(torch.int64) + torch.arange(T)
+                kv[d] = tuple(c.index_select(2, rows).transpose(1, 2).reshape(1, T, -1)
+                              for c in past[d])
+            else:
+                kv[d] = (torch.cat((past[d][0], rest.pop(0)), dim=2),
+                         torch.cat((past[d][1], rest.pop(0)), dim=2))
         new = []
         for j, layer in enumerate(self.layers):
             i = self.a + j
-            t = a.layer_types[i]
+            t, c = a.layer_types[i], self._cache_of(i)
             cos, sin = rope[t]
             ple_i = ple[:, :, j] if P else None
-            if layer.shared:
-                keys, values = kv[a.donors[i]]
+            if c in self.in_place:
+                rows = kv.get(c) if layer.shared else None
+                hidden, kv[c], cache = layer.forward_in_place(hidden, cos, sin, lengths, ple_i,
+                                                              *past[c], rows)
+                past[c] = cache  # a sharer here reads the present: it runs after the write
+                presents += cache
+            elif layer.shared:
+                keys, values = kv[c]
                 hidden = layer.forward_shared(hidden, cos, sin, masks[t], ple_i, keys, values)
             else:
                 hidden, k, v, keys, values = layer(hidden, cos, sin, masks[t], ple_i, *past[i])
                 kv[i] = (keys, values)
                 new += [k, v]
-        return (hidden, *new)
+        return (hidden, *new, *presents)
 
     def _held_rows(self, before: torch.Tensor, masks: dict, past: dict) -> tuple[dict, dict]:
-        """Each cache cut to the rows that hold a position before the step (``before`` = its
-        first position) and each mask [1,1,T,cap+T] to those columns + the step's own T."""
-        cap = {t: self._capacity(t) for t in self.types}
-        # rows 0.. fill first in both kinds: a full cache holds position p at row p, a ring at
-        # row p % W, so min(before, cap) leading rows are held
+        """Each ring cut to the rows that hold a position before the step (``before`` = its
+        first position) and each ring mask [1,1,T,W+T] to those columns + the step's own T."""
+        cap = {t: self._capacity(t) for t in masks}
+        # a ring holds position p at row p % W: min(before, W) leading rows are held
         held = {t: torch.minimum(before, torch.tensor(cap[t], dtype=before.dtype))
-                .reshape(1).to(torch.int64) for t in self.types}  # [1]: Slice's end
+                .reshape(1).to(torch.int64) for t in masks}  # [1]: Slice's end
         masks = {t: torch.cat((ortops.leading_rows(m, held[t], 3), m[..., cap[t]:]), dim=3)
                  for t, m in masks.items()}
         types = self.args.layer_types
-        past = {i: tuple(ortops.leading_rows(c, held[types[i]], 2) for c in kv)
+        past = {i: kv if i in self.in_place else
+                tuple(ortops.leading_rows(c, held[types[i]], 2) for c in kv)
                 for i, kv in past.items()}
         return masks, past
-
-
-class HeldRows(nn.Module):
-    """The cpu target's Gemma-4 step: attention over the cache rows that hold a position only.
-
-    The static step (the HTP's) attends over every row of its caches and masks the rows not
-    written yet, so its cost follows --context, not the tokens held: on a real-width 10-layer
-    E2B cut (int4-b128, 32-96 tokens held, medians of interleaved runs) decode ran 43.1 tok/s
-    at --context 4096 against 50.2 at 256; this step runs 48.6-52 at 4096. With 3000 rows held
-    it decodes as the static step (0.89-1.04x, median 0.97x, in 4 interleaved pairs: it copies
-    the rows it reads, at that length most rows) and its TTFT(3000) is 1.16-1.22x. It also takes
-    ``kv_total`` (rows held once the step is written, as the engine makes it for every cache
-    group) and slices each cache and mask at run time::
-
-        past  [1,KVH,cap,D] ─Slice[:held]─▶ [1,KVH,held,D] ─┐
-                                       new rows [1,KVH,T,D] ─┴─Concat─▶ keys [1,KVH,held+T,D]
-        mask  [1,1,T,cap+T] ─▶ columns [:held] ++ [cap:cap+T]
-
-    held = min(total - T, cap). The rows cut are the ones the mask hid: the values are the
-    static step's. The new rows still leave as outputs for the engine to write: a ring cannot
-    take GroupQueryAttention's in-place write, nor can a KV-shared layer, which reads its
-    donor's rows with the step's own appended (``blocks.InPlaceCache`` is the dense form).
-    """
-
-    def __init__(self, shard: Gemma4Shard):
-        super().__init__()
-        self.shard = shard
-        # "full": the group whose row p holds position p; its total is every group's position
-        self.io = GraphIO(inputs=[*shard.io.inputs, ("kv_total", "kv_total:full")],
-                          outputs=shard.io.outputs)
-
-    def example_inputs(self) -> tuple[torch.Tensor, ...]:
-        # as many rows held as the caches have: the traced shapes are the static step's
-        before = self.shard.context
-        return (*self.shard.example_inputs(),
-                torch.tensor(before + self.shard.seq_len, dtype=torch.int32))
-
-    def forward(self, *args):
-        return self.shard(*args[:-1], total=args[-1])
 
 
 FAMILY = Gemma4Family()

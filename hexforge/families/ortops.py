@@ -134,8 +134,9 @@ class _LeadingRowsOp(torch.autograd.Function):
 
 def leading_rows(x: torch.Tensor, n: torch.Tensor, axis: int) -> torch.Tensor:
     """x's first ``n`` ([1] int64, a graph value) entries along ``axis``: a Slice whose length is
-    known only when the graph runs (cpu graphs: attention over the cache rows that hold a
-    position, ``gemma4.HeldRows``). Eager or the torchscript exporter only: see ``run_time_sizes``."""
+    known only when the graph runs (cpu graphs: attention over the ring rows that hold a
+    position, ``gemma4.Gemma4Shard`` with cpu=True). Eager or the torchscript exporter only: see
+    ``run_time_sizes``."""
     if torch.jit.is_tracing():  # the torchscript exporter
         return _LeadingRowsOp.apply(x, n, axis)
     return _LeadingRowsOp.forward(None, x, n, axis)

@@ -43,8 +43,12 @@ class BoundSession:
         specs = {o.name: o for o in graph.outputs}
         self._fixed: dict[str, np.ndarray] = {}
         self._kept: list[bool] = []  # per output: returned as is (True) or as a copy
-        # input name -> the output written into its memory (bound together in run())
-        self._alias = {o.bind[6:]: o.name for o in graph.outputs if o.bind.startswith("alias:")}
+        # input name -> the outputs written into its memory (bound together in run()): more
+        # than one where several ops update one cache (Gemma-4's KV-shared layers)
+        self._alias: dict[str, list[str]] = {}
+        for o in graph.outputs:
+            if o.bind.startswith("alias:"):
+                self._alias.setdefault(o.bind[6:], []).append(o.name)
         for name in self._names:
             spec = specs.get(name)
             self._kept.append(spec is not None and preallocated(spec.bind))
@@ -78,10 +82,11 @@ class BoundSession:
             if arr.flags.c_contiguous:
                 io.bind_cpu_input(name, arr)
                 bound[name] = arr  # the reference keeps the buffer (and the identity) alive
-                out = self._alias.get(name)
-                if out is not None:  # the graph writes this input in place
+                outs = self._alias.get(name)
+                for out in outs or ():  # the graph writes this input in place
                     io.bind_output(out, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
                     self._fixed[out] = arr
+                if outs:
                     self._update_same()
             elif name in self._alias:  # a copy would take the in-place write and drop it
                 raise ValueError(f"input {name} is updated in place: it must be contiguous")
