@@ -287,9 +287,10 @@ class Gemma4Shard(nn.Module):
     Outputs: new rows of the rings only, then present.L{i}.k/v per full layer (own or sharing)
     bound alias:past.L{cache}.k/v. Why: cut to the rows held, the full caches were sliced and
     concatenated each step (E2B, 3 full caches of head 512, 3000 rows held: ~74 MB copied a
-    token), so at long context decode fell back to the static step's speed. Measured on the
-    10-layer cut after a 3000-token prompt, 6 pairs alternated by process: decode 1.08x the
-    sliced step, TTFT(3000) 0.95x; after 32 tokens 1.02x.
+    token), so at long context decode fell back to the static step's speed. Measured after a
+    3000-token prompt, pairs alternated by process: decode 1.08x the sliced step on the
+    10-layer cut (6 pairs; TTFT(3000) 0.95x), 1.05x on the full E2B (4 pairs; TTFT 0.99x);
+    after 32 tokens 1.02x and 0.99x.
     """
 
     def __init__(self, fam: Gemma4Family, hf, args: Args, layers: tuple[int, int], seq_len: int,
