@@ -114,12 +114,12 @@ class Hexforge:
 
     def prefill(self, ids: list[int], mode: str = "chunked") -> int:
         self.eng.reset()
-        return int(np.argmax(self.eng.prefill(ids, mode)))
+        return int(np.argmax(self.eng.prefill(ids, mode, copy=False)))
 
     def decode_timed(self, token: int, n: int) -> float:
         t = time.perf_counter()
         for _ in range(n):
-            token = int(np.argmax(self.eng.decode(token)))
+            token = int(np.argmax(self.eng.decode(token, copy=False)))
         return time.perf_counter() - t
 
 

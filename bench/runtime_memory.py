@@ -48,7 +48,7 @@ def child(bundle: str, prompt: int, tokens: int) -> dict:
     token = int(np.argmax(logits))
     t = time.perf_counter()
     for _ in range(tokens):
-        token = int(np.argmax(eng.decode(token)))
+        token = int(np.argmax(eng.decode(token, copy=False)))
     decode = tokens / (time.perf_counter() - t)
     return {"load_s": round(load_s, 2), "after_load": after_load, "after_run": rss_mb(),
             "ttft_s": round(ttft, 3), "decode_tok_s": round(decode, 2)}

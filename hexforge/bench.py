@@ -35,11 +35,11 @@ def time_generation(engine, ids: list[int], new_tokens: int, prefill_mode: str =
     """One greedy run from a fresh state -> (TTFT s, decode s for new_tokens - 1 tokens)."""
     engine.reset()
     t0 = time.perf_counter()
-    logits = engine.prefill(ids, prefill_mode)
+    logits = engine.prefill(ids, prefill_mode, copy=False)
     token = int(np.argmax(logits))
     t1 = time.perf_counter()
     for _ in range(new_tokens - 1):
-        token = int(np.argmax(engine.decode(token)))
+        token = int(np.argmax(engine.decode(token, copy=False)))
     return t1 - t0, time.perf_counter() - t1
 
 

@@ -4,12 +4,17 @@
              state buffers, which live as long as the engine; the previous shard's preallocated
              hidden output) is not bound again — ORT reads its memory in place, so in-place
              updates between calls are seen. New arrays (mask, rope rows, embeds) are rebound.
-    outputs  preallocated once per graph and written in place. ``hidden`` and ``state:*`` are
-             returned as they are (the engine consumes them within the step: the next shard, the
-             state commit); anything else (logits, which callers may keep) is returned as a copy
-             — one copy, as ORT's own output buffer had to be copied too, without its allocation.
-             ``alias:<input>`` outputs (a cache the graph updates in place) are bound to the memory
-             of that input whenever it is bound, and returned as that input's array.
+    outputs  preallocated once per graph, written in place and returned as they are: valid
+             until this graph runs again. The engine consumes ``hidden`` and ``state:*`` within
+             the step; the logits go to the caller, and ``Engine.decode``/``prefill`` copy them
+             unless asked not to (``copy=False``: generate_step, the benchmarks), which saves a
+             600 KB copy a token at a 152k vocabulary (~85 us of a 13 ms Qwen3-0.6B int4 token:
+             a fresh buffer's page faults, not the copy). ``alias:<input>`` outputs (a cache the
+             graph updates in place) are bound to the memory of that input whenever it is bound,
+             and returned as that input's array.
+    repeats  a call whose feeds are the very arrays of the call before (an AR-1 step: the state
+             buffers, the kept per-step rows, the shard outputs) skips the binding loop: one
+             tuple of names and ids, compared in C, instead of ~60 dict lookups.
 
 Measured (bench/loop_overhead.py --runs 31 --tokens 32, tiny qwen3, interleaved): 237 vs 266 us
 per decode token with the engine's AR-1 paths, which keep the per-step arrays (mask row, embed and
@@ -26,12 +31,6 @@ from ..manifest import GraphSpec
 from .state import NP_DTYPES
 
 
-def preallocated(bind: str) -> bool:
-    """Outputs returned as the preallocated array itself, not a copy: the engine consumes them
-    before the same graph runs again."""
-    return bind == "hidden" or bind.startswith(("state:", "alias:"))
-
-
 class BoundSession:
     writes_in_place = True  # alias:<input> outputs are that input's own memory (see run())
 
@@ -39,10 +38,10 @@ class BoundSession:
         self.sess = sess
         self._io = sess.io_binding()
         self._bound: dict[str, np.ndarray] = {}
+        self._last_ids: tuple | None = None  # the names and id()s of a repeatable call's feeds
         self._names = [o.name for o in sess.get_outputs()]
         specs = {o.name: o for o in graph.outputs}
         self._fixed: dict[str, np.ndarray] = {}
-        self._kept: list[bool] = []  # per output: returned as is (True) or as a copy
         # input name -> the outputs written into its memory (bound together in run()): more
         # than one where several ops update one cache (Gemma-4's KV-shared layers)
         self._alias: dict[str, list[str]] = {}
@@ -51,7 +50,6 @@ class BoundSession:
                 self._alias.setdefault(o.bind[6:], []).append(o.name)
         for name in self._names:
             spec = specs.get(name)
-            self._kept.append(spec is not None and preallocated(spec.bind))
             if spec is not None and spec.bind.startswith("alias:"):
                 self._fixed[name] = np.empty(0)  # its input's array, once bound
             elif spec is not None:
@@ -60,22 +58,37 @@ class BoundSession:
                 self._fixed[name] = arr
             else:
                 self._io.bind_output(name, "cpu")
-        self._all_fixed = len(self._fixed) == len(self._names)
         self._same: list[np.ndarray] | None = None
         self._update_same()
 
     def _update_same(self) -> None:
-        """A graph whose outputs are all returned as they are (a decoder shard) returns the same
-        list every call (remade when an alias output is bound to a new input array)."""
-        self._same = [self._fixed[n] for n in self._names] if all(self._kept) else None
+        """A graph whose outputs are all preallocated returns the same list every call (remade
+        when an alias output is bound to a new input array)."""
+        self._same = ([self._fixed[n] for n in self._names]
+                      if len(self._fixed) == len(self._names) else None)
 
     def __getattr__(self, name: str):  # get_inputs(), get_outputs(), ... of the session
         return getattr(self.sess, name)
 
     def run(self, output_names, feeds: dict[str, np.ndarray], run_options=None) -> list[np.ndarray]:
-        """As ``InferenceSession.run(None, feeds)``; preallocated outputs are the same arrays on
-        every call (valid until this graph runs again)."""
-        io, bound = self._io, self._bound
+        """As ``InferenceSession.run(None, feeds)``; the outputs are the same arrays on every
+        call (valid until this graph runs again)."""
+        ids = (*feeds, *map(id, feeds.values()))  # names, then arrays: compared in C
+        if ids != self._last_ids:  # an id is unique here: self._bound holds each bound array
+            self._last_ids = ids if self._bind(feeds) else None
+        self.sess.run_with_iobinding(self._io, run_options)
+        if self._same is not None:
+            return self._same
+        # ORT-allocated outputs (none unless the graph spec misses one): .numpy() is a view of a
+        # buffer ORT reuses next call, so they are copied
+        outs = self._io.get_outputs()
+        return [self._fixed[n] if n in self._fixed else outs[i].numpy().copy()
+                for i, n in enumerate(self._names)]
+
+    def _bind(self, feeds: dict[str, np.ndarray]) -> bool:
+        """Bind the feeds not bound already; -> whether all of them are now (none was a strided
+        view, bound as a copy that is not kept and whose id may be reused)."""
+        io, bound, kept = self._io, self._bound, True
         for name, arr in feeds.items():
             if bound.get(name) is arr:
                 continue
@@ -93,12 +106,5 @@ class BoundSession:
             else:  # a strided view: bind a contiguous copy, never cache it
                 io.bind_cpu_input(name, np.ascontiguousarray(arr))
                 bound.pop(name, None)
-        self.sess.run_with_iobinding(io, run_options)
-        if self._same is not None:
-            return self._same
-        # ORT-allocated outputs (none unless the graph spec misses one): .numpy() is a view of a
-        # buffer ORT reuses next call, so they are copied like the other unkept ones
-        outs = None if self._all_fixed else io.get_outputs()
-        return [self._fixed[n] if kept else
-                self._fixed[n].copy() if n in self._fixed else outs[i].numpy().copy()
-                for i, (n, kept) in enumerate(zip(self._names, self._kept, strict=True))]
+                kept = False
+        return kept

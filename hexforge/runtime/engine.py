@@ -259,10 +259,15 @@ class Engine:
         self._run(self.head, out, valid[-1:])
         return out["logits"][0, -1]
 
-    def prefill(self, ids: list[int], mode: str = "chunked", media: MediaRows | None = None
-                ) -> np.ndarray:
+    def prefill(self, ids: list[int], mode: str = "chunked", media: MediaRows | None = None,
+                copy: bool = True) -> np.ndarray:
         """Prompt -> logits of its last token. mode "decode" feeds it through the AR-1 graph.
-        media: the soft tokens (and M-RoPE positions) of this prompt's images / audio."""
+        media: the soft tokens (and M-RoPE positions) of this prompt's images / audio.
+        copy=False: the logits may be the graph's own output buffer, valid until the next step."""
+        logits = self._prefill(ids, mode, media)
+        return logits.copy() if copy else logits
+
+    def _prefill(self, ids: list[int], mode: str, media: MediaRows | None) -> np.ndarray:
         ids_arr = np.asarray(ids, dtype=np.int64)
         self.media, self.prompt_offset = media, 0
         try:
@@ -296,8 +301,10 @@ class Engine:
             logits = self.forward(ids[i:i + 1], 1, "decode")
         return logits
 
-    def decode(self, token: int) -> np.ndarray:
-        return self.forward(np.array([token], dtype=np.int64), 1, "decode")
+    def decode(self, token: int, copy: bool = True) -> np.ndarray:
+        """token at self.pos -> the next logits [V] (copy=False: as prefill's)."""
+        logits = self.forward(np.array([token], dtype=np.int64), 1, "decode")
+        return logits.copy() if copy else logits
 
     # ---- media encoders ------------------------------------------------------------------------
     def encode(self, spec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -330,14 +337,16 @@ class Engine:
                       prefill_mode: str = "chunked", fresh: bool = True,
                       media: MediaRows | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """Yield (token, logits it was sampled from) up to max_new_tokens; stop by breaking out.
+        The logits are valid until the next step (the graph writes the next ones into the same
+        buffer): copy them to keep them.
         fresh=False continues from the current state (a chat session's next turn): the ids are
         appended at self.pos. Every yielded token but the last is in the state afterwards."""
         self.check_request(prompt_ids, max_new_tokens, 0 if fresh else self.pos)
         if fresh:
             self.reset()
-        logits = self.prefill(prompt_ids, prefill_mode, media)
+        logits = self.prefill(prompt_ids, prefill_mode, media, copy=False)
         for i in range(max_new_tokens):
             token = sampler(logits)
             yield token, logits
             if i + 1 < max_new_tokens:
-                logits = self.decode(token)
+                logits = self.decode(token, copy=False)

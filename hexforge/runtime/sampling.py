@@ -2,6 +2,8 @@
 
 A processor maps logits [V] float32 -> logits [V]; a sampler maps logits -> token id.
 ``make_sampler`` composes them; temperature 0 means greedy (argmax, first index on ties, as torch).
+A processor returns a new array and never writes the one it gets: in ``generate_step`` that is
+the graph's own output buffer.
 """
 
 from __future__ import annotations
