@@ -182,6 +182,22 @@ def test_vision_cpu_matches_hf(built, hf_model, encoder, non_square):
     assert_close_rows(got, encoder.reference(hf, inputs), 0.99999)
 
 
+def test_regression_a_second_image_overwrote_the_first_images_soft_tokens(built):
+    """The IO-bound vision session returns its own output buffers: a prompt's second image ran
+    into them while the first image's rows (views) were still to be read."""
+    from hexforge.runtime.multimodal import encode_items
+
+    m = load_manifest(built)
+    spec = m.encoders[0]
+    eng = Engine(built, m, "cpu", Backend("cpu"))
+    items = [Qwen2VLImagePrep(spec.params)(photo(70, 150, seed=s))[0] for s in (1, 2)]
+    alone = [eng.encode(spec, x)["soft"][0].copy() for x in items]
+    assert not np.allclose(alone[0], alone[1])
+    got = encode_items(eng, spec, items, [spec.max_soft_tokens] * 2)
+    for (soft, _), want in zip(got, alone, strict=True):
+        np.testing.assert_array_equal(soft, want)
+
+
 @pytest.mark.parametrize("arch", HTP_ARCHS)
 def test_vision_htp_fp16_matches_hf(built, hf_model, encoder, arch):
     """The same bundle's vision context binaries for v79 and v81 on the simulator (CPU fallback

@@ -318,7 +318,9 @@ class Engine:
                                    f"graph's {i.shape}")
             feeds[i.name] = value.astype(NP_DTYPES[i.dtype], copy=False)
         values = self.sessions[graph.name].run(None, feeds)
-        return {o.bind: v for o, v in zip(graph.outputs, values, strict=True)}
+        # copies: an IO-bound session hands out its own buffers, which the next item's run (a
+        # second image of the prompt) would overwrite
+        return {o.bind: np.array(v) for o, v in zip(graph.outputs, values, strict=True)}
 
     # ---- the loop ------------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], max_new_tokens: int, past: int = 0) -> None:
