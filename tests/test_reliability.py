@@ -254,9 +254,9 @@ def test_check_06_client_disconnect_stops_generation_and_frees_the_engine(live, 
 
     real_decode = model.engine.decode
 
-    def slow_decode(token):  # 25 ms per token: 200 tokens would take 5 s
+    def slow_decode(token, **kw):  # 25 ms per token: 200 tokens would take 5 s
         time.sleep(0.025)
-        return real_decode(token)
+        return real_decode(token, **kw)
 
     ended: list[tuple[float, int, str]] = []
     real_iterate = model._iterate

@@ -124,7 +124,8 @@ def test_disconnected_streams_free_the_engine_within_a_second(server, client):
     engine_decode = model.engine.decode
     # 2 ms a token, as a small real model (the tiny one decodes ~4600 tok/s: its 229 tokens took
     # less than noticing the closed socket, so the count below failed about half the runs)
-    model.engine.decode = lambda token: decodes.append(1) or time.sleep(0.002) or engine_decode(token)
+    model.engine.decode = lambda token, **kw: (decodes.append(1) or time.sleep(0.002)
+                                               or engine_decode(token, **kw))
     body = {"model": "tiny", "messages": MSGS, "max_tokens": 230, "ignore_eos": True,
             "stream": True, "temperature": 1.0}
     closed: list[float] = []
