@@ -33,8 +33,8 @@ the same), nor the first session made (a tiny or a deleted one made before: the 
 with one model (a user's; hexforge's own session order tried both ways: 43.51 vs 43.55 tok/s)
 does not see it. So the models loaded first (hexforge's, by default) carry a handicap here: run
 --load-order hexforge-first and peers-first, and take the geometric mean of each ratio. --also
-bundles always load after the first one: for an A/B of two bundles, alternate one-model
-processes (`hexforge bench B --prompt-tokens 32 -n 64 --runs 3`) instead.
+bundles always load after the first one: for an A/B of two bundles, or a peer ratio as a user
+would see it, run `bench/alternate.py` (each contender alone in a process, rounds alternated).
 Roofline: decode weight bytes per token / copy bandwidth (numpy copy of a 512 MiB array, STREAM
 convention: read + write bytes; the best of 1 and 2 threads); also / the read bandwidth of a
 float32 GEMV over 512 MiB (the decode access pattern; higher than copy on this machine).

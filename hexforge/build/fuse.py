@@ -85,7 +85,10 @@ def pack_sibling_matmuls(model, min_group: int = 3) -> int:
     pairs, which genai leaves apart too. Packed, they measured 1.03-1.12x on a chain of 28
     Qwen3-0.6B MLPs alone (int4-b128, M=1, 2 threads) but nothing past the noise in the whole
     decode graph: 0.991x (ratio of medians, both orders of a 25-round in-process A/B; +-3.5 %
-    between the orders). -> nodes removed."""
+    between the orders), and 1.004x one model a process (`bench/alternate.py`, 36 rounds; per
+    round 0.939-1.125x). At M = 1 in cache the packed 1024 x 6144 runs 182 GOPS against 125 for
+    each 1024 x 3072 half, but a whole decode token streams its weights from memory, where the
+    two come out even. -> nodes removed."""
     from onnx import helper, numpy_helper
 
     g = model.graph
