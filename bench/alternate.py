@@ -36,6 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare  # bench/ is not a package: found through the path above
+
 KINDS = ("hexforge", "genai")
 WARMUP_TOKENS = 8
 
@@ -77,9 +80,6 @@ def prompt_ids(vocab: int, n: int) -> list[int]:
 
 def worker(kind: str, path: Path, args) -> dict:
     """One contender in this process: median ms a decode token over --reps runs."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import compare
-
     if kind == "hexforge":
         c = compare.Hexforge(path)
         vocab = c.eng.vocab_size
@@ -108,15 +108,13 @@ def pair_ratio(a_ms: list[float], b_ms: list[float]) -> dict:
     """Per-round speed of A relative to B (b_ms / a_ms): geometric mean, median, range."""
     rs = [b / a for a, b in zip(a_ms, b_ms, strict=True)]
     return {"geomean": round(math.exp(sum(map(math.log, rs)) / len(rs)), 4),
-            "median": round(statistics.median(rs), 4),
-            "min": round(min(rs), 4), "max": round(max(rs), 4), "n": len(rs)}
+            **compare.stats(rs, 4)}
 
 
 def summarize(names: list[str], per_round: list[dict[str, float]]) -> dict:
     ms = {n: [r[n] for r in per_round] for n in names}
     return {
-        "ms_a_token": {n: {"median": round(statistics.median(v), 3), "min": round(min(v), 3),
-                           "max": round(max(v), 3)} for n, v in ms.items()},
+        "ms_a_token": {n: compare.stats(v, 3) for n, v in ms.items()},
         "speed_ratio": {f"{a} vs {b}": pair_ratio(ms[a], ms[b])
                         for i, a in enumerate(names) for b in names[i + 1:]},
     }
