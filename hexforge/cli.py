@@ -53,10 +53,10 @@ def cmd_build(a) -> int:
                         max_shard_bytes=a.max_shard_bytes, verify=not a.no_verify,
                         exporter=a.exporter, quant=a.quant, calib=a.calib,
                         share_weights=a.share_weights, audio_seconds=a.audio_seconds,
-                        cpu_weights=a.cpu_weights, int8_embedding=a.int8_embedding,
+                        cpu_weights=a.cpu_weights,
                         int4_per_layer_tables=a.int4_per_layer_tables,
-                        verify_tokens=a.verify_tokens,
-                        keep_work=a.keep_work)
+                        verify_tokens=a.verify_tokens, eval_text=a.eval_text,
+                        eval_tokens=a.eval_tokens, keep_work=a.keep_work)
     build(a.checkpoint, a.output, opts, log=lambda m: print(m, file=sys.stderr))
     return 0
 
@@ -161,24 +161,25 @@ def cmd_inspect(a) -> int:
 
 def cmd_verify(a) -> int:
     from .build.checkpoint import read_checkpoint
+    from .build.pipeline import BuildOptions, _evaluation
+    from .build.quality import oracle_line
     from .build.verify import verify_bundle
     from .families import load_family
     from .manifest import load_manifest
 
     manifest = load_manifest(a.bundle)
-    ckpt = read_checkpoint(a.reference)
+    evaluation = _evaluation(BuildOptions(eval_text=a.eval_text, eval_tokens=a.eval_tokens))
+    ckpt = read_checkpoint(a.reference, log=lambda m: print(m, file=sys.stderr))
     fam = load_family(ckpt.model_type).FAMILY
     hf = fam.load_hf(ckpt.dir)
     targets = [a.target] if a.target else None
-    report = verify_bundle(Path(a.bundle), manifest, fam, hf, targets, new_tokens=a.n)
+    report = verify_bundle(Path(a.bundle), manifest, fam, hf, targets, new_tokens=a.n,
+                           evaluation=evaluation)
     if a.json:
         print(json.dumps(report))
     else:
         for name, r in report.items():
-            tf, g = r["teacher_forced"], r["greedy"]
-            print(f"[{name}] {'PASS' if r['passed'] else 'FAIL'}  teacher-forced cos min "
-                  f"{tf['cos_min']:.6f} mean {tf['cos_mean']:.6f} top-1 {tf['top1']:.3f}  greedy "
-                  f"{g['matching_prefix']}/{g['new_tokens']}")
+            print(f"[{name}] {oracle_line(r)}")
             for gname, m in r["graphs"].items():
                 print(f"    {gname:<14} cos min {m['cos_min']:.7f}  max|Δ| {m['max_abs']:.3g}")
             for f in r["failures"]:
@@ -226,7 +227,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"hexforge {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    b = sub.add_parser("build", help="HF checkpoint dir -> bundle")
+    b = sub.add_parser("build", help="HF checkpoint dir or .gguf file -> bundle")
     b.add_argument("checkpoint")
     b.add_argument("-o", "--output", required=True)
     b.add_argument("--target", default="cpu", help="cpu (always built) plus e.g. v81 or v79,v81")
@@ -239,11 +240,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--cpu-weights", choices=tuple(CPU_WEIGHTS), default="fp32",
                    help="cpu target weights: fp32 (greedy-exact vs HF) or weight-only int8 / int4 "
                         "(onnxruntime MatMulNBits, a scale per 32 weights; int8-b128 / int4-b128: "
-                        "per 128, fewer bytes and faster, coarser; gated on teacher-forced "
-                        "cosine); vision and audio towers take int8 under all of them")
-    b.add_argument("--int8-embedding", action="store_true",
-                   help="under --cpu-weights int4 / int4-b128, keep the host embedding int8 "
-                        "(default: int4 in the weights' blocks, stored once with a tied head)")
+                        "per 128, fewer bytes and faster, coarser; the head and embedding int8; "
+                        "gated on KL to HF); vision and audio towers take int8 under all of them")
     b.add_argument("--int4-per-layer-tables", action="store_true",
                    help="under --cpu-weights int4 / int4-b128 (no HTP target), Gemma-4's "
                         "per-layer embedding tables int4 in the weights' blocks too (default: "
@@ -256,6 +254,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--verify-tokens", type=int, default=64, metavar="N",
                    help="the oracle's teacher-forced / greedy tokens (default 64); on the x86 HTP "
                         "simulator a real-size decode step takes about a minute (bench/htp_sim_step.py)")
+    _eval_args(b)
     b.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript")
     b.add_argument("--keep-work", action="store_true",
                    help="HTP: keep _work/ (each graph's float and QDQ ONNX) in the bundle for "
@@ -316,9 +315,11 @@ def parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="re-run the HF oracle on a bundle")
     v.add_argument("bundle")
-    v.add_argument("--reference", required=True, help="the HF checkpoint dir")
+    v.add_argument("--reference", required=True,
+                   help="the HF checkpoint dir, or the .gguf file the bundle was built from")
     v.add_argument("--target", default=None)
     v.add_argument("-n", type=int, default=64, help="greedy tokens to compare")
+    _eval_args(v)
     v.add_argument("--json", action="store_true")
     v.set_defaults(fn=cmd_verify)
 
@@ -346,6 +347,15 @@ def parser() -> argparse.ArgumentParser:
     bb.add_argument("--json", action="store_true")
     bb.set_defaults(fn=cmd_bench)
     return p
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--eval-text", metavar="FILE", default=None,
+                   help="the oracle's held-out text (UTF-8) for KL / perplexity / top-1 against HF "
+                        "(default: a built-in English text no build calibrates on)")
+    p.add_argument("--eval-tokens", type=int, default=256, metavar="N",
+                   help="score at most N tokens of it (default 256; fewer where the context or "
+                        "whole prefill chunks stop sooner)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

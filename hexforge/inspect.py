@@ -99,6 +99,7 @@ def inspect_bundle(bundle: Path) -> dict:
     if m.report and confine(bundle, m.report).is_file():
         raw = json.loads(confine(bundle, m.report).read_text())
         report = {n: {"passed": r["passed"], "teacher_forced": r["teacher_forced"],
+                      "text": r.get("text"),
                       "greedy": {k: r["greedy"][k] for k in ("matching_prefix", "new_tokens")},
                       "encoders": r.get("encoders")}
                   for n, r in raw.items()}
@@ -116,7 +117,10 @@ def inspect_bundle(bundle: Path) -> dict:
 
 def print_inspection(info: dict) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+
+    from .build.quality import oracle_line
 
     c = Console()
     c.print(f"[bold]{info['bundle']}[/]  {info['model_type']} (families/{info['family']}.py)  "
@@ -143,10 +147,7 @@ def print_inspection(info: dict) -> None:
             line += f"; bandwidth roofline (ESTIMATE, DDR peak / bytes): {est}"
         c.print(line)
     for name, r in (info["report"] or {}).items():
-        tf, g = r["teacher_forced"], r["greedy"]
-        c.print(f"oracle \\[{name}]: {'PASS' if r['passed'] else 'FAIL'}  logits cos min "
-                f"{tf['cos_min']:.6f}, top-1 {tf['top1']:.3f}, greedy {g['matching_prefix']}/"
-                f"{g['new_tokens']}")
+        c.print(f"oracle \\[{name}]: {escape(oracle_line(r))}")
         for enc, e in (r.get("encoders") or {}).items():
             c.print(f"  encoder {enc}: {'PASS' if e['passed'] else 'FAIL'}  soft cos min "
                     f"{e['outputs']['soft']['cos_min']:.6f} (gate {e['gate']})")

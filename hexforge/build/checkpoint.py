@@ -40,10 +40,16 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def read_checkpoint(path: str | Path) -> Checkpoint:
-    d = Path(path)
+def read_checkpoint(path: str | Path, log=None) -> Checkpoint:
+    """A HF checkpoint dir, or a GGUF file (or a dir holding one): converted once into a cached
+    checkpoint dir (``build/gguf.py``), whose dequantized fp32 model is then the oracle."""
+    from .gguf import find_gguf, gguf_checkpoint
+
+    gguf = find_gguf(path)
+    d = gguf_checkpoint(gguf, log) if gguf else Path(path)
     if not d.is_dir():
-        raise CheckpointError(f"{d} is not a directory (expected a local HF checkpoint dir)")
+        raise CheckpointError(f"{d} is not a directory (expected a local HF checkpoint dir or a "
+                              ".gguf file)")
     if not (d / "config.json").is_file():
         raise CheckpointError(f"{d} has no config.json; is it a HF checkpoint directory?")
     config = _read_json(d / "config.json")

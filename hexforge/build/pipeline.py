@@ -39,7 +39,7 @@ from .export import share_weights
 from .fuse import fuse_cpu_graph
 from .graphs import export_float, plan_target, weight_groups, weights_file
 from .hosttables import share_tied_embedding
-from .quantize import check_cpu_weights, get_recipe, host_table_formats, quantize_cpu_graph
+from .quantize import check_cpu_weights, cpu_head_format, get_recipe, host_table_formats, quantize_cpu_graph
 
 Log = Callable[[str], None]
 
@@ -56,11 +56,12 @@ class BuildOptions:
     calib: str | None = None  # calibration text file (default: a built-in sample)
     share_weights: bool = False  # HTP: one context per shard for prefill + decode (device only)
     cpu_weights: str = "fp32"  # cpu target: fp32 (oracle-exact) | int8 | int4 (MatMulNBits)
-    int8_embedding: bool = False  # int4 cpu weights: keep the host embedding int8, not int4
     int4_per_layer_tables: bool = False  # int4 cpu weights, no HTP target: Gemma-4's per-layer
     # embedding tables int4 as well (int8 by default)
     exporter: str = "torchscript"  # measured: same tiny-model speed, 2.5x faster export
     verify_tokens: int = 64
+    eval_text: str | None = None  # the oracle's held-out text file (default: build/quality.py's)
+    eval_tokens: int = 256  # at most this many of its tokens
     audio_seconds: float | None = None  # the audio encoder's fixed window (default: the model's)
     image_size: tuple[int, int] | None = None  # fixed-resolution vision graphs (Qwen-VL): H, W
     force: bool = True  # replace an existing bundle at the output path
@@ -95,13 +96,15 @@ def _build_cpu_target(fam, hf, args, target: Target, opts: BuildOptions, out: Pa
         folder = out / target.name
         for group in weight_groups(plan, cpu=True):
             for name in group:
-                quantize_cpu_graph(folder / f"{name}.onnx", bits, block)
+                quantize_cpu_graph(folder / f"{name}.onnx", bits, block, args.vocab_size)
             # q/k/v MatMulNBits packed into one (fuse.pack_sibling_matmuls) as they are re-shared
             share_weights([folder / f"{n}.onnx" for n in group], weights_file(group),
                           fuse_cpu_graph)
         for g in graphs:
             g.bytes = (out / g.file).stat().st_size
-        log(f"[{target.name}] weights {opts.cpu_weights} (MatMulNBits, block {block}) "
+        head_bits, head_block = cpu_head_format(bits, block)
+        log(f"[{target.name}] weights {opts.cpu_weights} (MatMulNBits, block {block}; head "
+            f"int{head_bits}, block {head_block}) "
             f"({time.perf_counter() - t:.1f}s)")
     return TargetSpec(name=target.name, graphs=graphs, plan=plan, quant=opts.cpu_weights)
 
@@ -110,7 +113,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
           log: Log = print) -> Path:
     opts = opts or BuildOptions()
     t_start = time.perf_counter()
-    ckpt = read_checkpoint(checkpoint)
+    ckpt = read_checkpoint(checkpoint, log)
     targets = parse_targets(opts.targets)
     get_recipe(opts.quant)  # a bad --quant fails before any heavy work
     cpu_bits = (check_cpu_weights(opts.cpu_weights) or (32, 0))[0]
@@ -119,6 +122,8 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                          "HTP target (HTP graphs run 8/16-bit weights and read the same tables)")
     if opts.prefill_len < 1 or opts.context < 2:
         raise BuildError("--prefill-len must be >= 1 and --context >= 2")
+    if opts.verify:
+        _evaluation(opts)
     fam = load_family(ckpt.model_type).FAMILY
     args = fam.Args.from_config(ckpt.config)
     fam.check_supported(args)
@@ -161,7 +166,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         htp = any(tg.is_htp for tg in targets)
         formats = host_table_formats(
             opts.cpu_weights, host.embed.table, [e.table for e in host.extra_embeds], tensors,
-            int8_embedding=htp or opts.int8_embedding, int4_extras=opts.int4_per_layer_tables)
+            int8_embedding=htp, int4_extras=opts.int4_per_layer_tables)
         write_host_tensors(tmp / "host.safetensors", tensors, formats)
         del tensors
         release_mapped_pages(ckpt.dir)  # the whole checkpoint has been read once by now
@@ -212,10 +217,13 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         save_manifest(tmp, manifest)
 
         if opts.verify:
+            from .quality import oracle_line
             from .verify import hf_references, qdq_verdict, verify_bundle
 
             t = time.perf_counter()
-            refs = hf_references(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens)
+            evaluation = _evaluation(opts)
+            refs = hf_references(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens,
+                                 evaluation=evaluation)
             release_mapped_pages(ckpt.dir)  # the HF forward read all of it; the graphs come next
             log("oracle: HF references computed")
             if not manifest.encoders:  # the graphs are judged against refs alone: free the HF
@@ -223,16 +231,13 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                 gc.collect()
                 hf = None
             report = verify_bundle(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens,
-                                   references=refs, qdq_twins=qdq)
+                                   references=refs, qdq_twins=qdq, evaluation=evaluation)
             if not opts.keep_work:
                 shutil.rmtree(tmp / "_work", ignore_errors=True)
             opts.timings["verify_s"] = time.perf_counter() - t
             (tmp / "report.json").write_text(json.dumps(report, indent=1))
             for name, r in report.items():
-                tf = r["teacher_forced"]
-                log(f"[{name}] oracle: logits cos {tf['cos_min']:.6f} top-1 {tf['top1']:.3f} "
-                    f"greedy {r['greedy']['matching_prefix']}/{r['greedy']['new_tokens']} "
-                    f"{'PASS' if r['passed'] else 'FAIL'}")
+                log(f"[{name}] oracle: {oracle_line(r)}")
             failed = {n: r["failures"] for n, r in report.items() if not r["passed"]}
             if failed:
                 # the per-graph cosines say which graph lost the accuracy: kept beside the
@@ -257,6 +262,17 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
 # the build option each modality's encoders may take: (spec keyword, BuildOptions field, CLI flag)
 ENCODER_OPTIONS = {"audio": ("max_seconds", "audio_seconds", "--audio-seconds"),
                    "image": ("image_size", "image_size", "--image-size")}
+
+
+def _evaluation(opts: BuildOptions):
+    """The oracle's held-out text from the options (a bad --eval-text fails before any work)."""
+    from .quality import eval_text
+    from .verify import EvalText
+
+    if opts.eval_tokens < 2:
+        raise BuildError("--eval-tokens must be >= 2")
+    name = Path(opts.eval_text).name if opts.eval_text else "built-in"
+    return EvalText(eval_text(opts.eval_text), name, opts.eval_tokens)
 
 
 def _encoder_spec(encoder, hf, config: dict, opts: BuildOptions):

@@ -507,15 +507,14 @@ def host_table_formats(weights: str, embed: str, extras: list[str], tensors: dic
     """The host tables quantized under --cpu-weights ``weights``: {table: (bits, block)}.
 
     fp32 keeps every table as the checkpoint holds it. Quantized weights quantize the tables too:
-    the embedding in the weights' own format (int8 or int4 blocks by onnxruntime's quantizer, so
-    a tied head's weight is the same bytes, as genai keeps a tied int4 embedding); int8 in blocks
-    of 32 where the weights' block does not divide its width, or ``int8_embedding``: a bundle
-    with HTP targets, which read the same table under 8- or 16-bit weights, or a build asked for
-    it with --int8-embedding. The other tables (Gemma-4's per-layer inputs, ~35 rows a token of
-    which each layer reads one) int8 rows with a scale per 32 columns, as no peer runs them at 4
-    bits to compare against; ``int4_extras`` (--int4-per-layer-tables, int4 weights) puts them in
-    the weights' int4 blocks where those divide their width. Qwen3.5-0.8B's embedding: 508 MB
-    bf16, 286 MB int8, 135 MB int4 at block 128."""
+    the embedding in the head's format (``cpu_head_format``: int8 under int8 and int4 weights), so
+    a tied head's weight is the same bytes and is stored once; int8 in blocks of 32 where that
+    block does not divide its width, or ``int8_embedding`` (a bundle with HTP targets, which read
+    the same table under 8- or 16-bit weights). The other tables (Gemma-4's per-layer inputs,
+    ~35 rows a token of which each layer reads one) int8 rows with a scale per 32 columns, as no
+    peer runs them at 4 bits to compare against; ``int4_extras`` (--int4-per-layer-tables, int4
+    weights) puts them in the weights' int4 blocks where those divide their width. Qwen3.5-0.8B's
+    embedding: 508 MB bf16, 286 MB int8."""
     from ..runtime.host import INT8_BLOCK
 
     fmt = check_cpu_weights(weights)
@@ -524,8 +523,9 @@ def host_table_formats(weights: str, embed: str, extras: list[str], tensors: dic
     bits, block = fmt
     out = {name: (bits, block) if int4_extras and bits == 4 and not tensors[name].shape[-1] % block
            else (8, INT8_BLOCK) for name in extras}
-    fallback = int8_embedding or tensors[embed].shape[-1] % block
-    out[embed] = (8, INT8_BLOCK) if fallback else (bits, block)
+    head = cpu_head_format(bits, block)
+    fallback = int8_embedding or tensors[embed].shape[-1] % head[1]
+    out[embed] = (8, INT8_BLOCK) if fallback else head
     return out
 
 
@@ -553,18 +553,54 @@ def structural_matmuls(model) -> list[str]:
     return out
 
 
-def quantize_cpu_graph(path: Path, bits: int, block_size: int,
+def head_matmuls(model, vocab_size: int) -> list[str]:
+    """MatMuls whose constant weight [K, vocab] makes the logits: the lm_head (in the head graph
+    and in a decode graph that runs it). -> node names (named where the export left them blank)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    out = []
+    for i, n in enumerate(model.graph.node):
+        t = inits.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) == 2 else None
+        if t is not None and len(t.dims) == 2 and t.dims[1] == vocab_size:
+            n.name = n.name or f"head_matmul_{i}"
+            out.append(n.name)
+    return out
+
+
+def quantize_cpu_graph(path: Path, bits: int, block_size: int, vocab_size: int | None = None,
                        accuracy_level: int = CPU_ACCURACY_LEVEL) -> int:
     """Every MatMul with an initializer weight (not ``structural_matmuls``) -> com.microsoft
-    MatMulNBits (symmetric, blocks of ``block_size`` along K), in place; the result is saved with
-    its weights inline (the caller moves them out again with ``share_weights``). -> MatMuls quantized."""
+    MatMulNBits (symmetric, blocks of ``block_size`` along K), in place; the head's (the MatMuls
+    to ``vocab_size`` columns) in ``cpu_head_format``. The result is saved with its weights inline
+    (the caller moves them out again with ``share_weights``). -> MatMuls quantized."""
     import onnx
+
+    model = onnx.load(str(path))  # with its external weights: one graph at a time in memory
+    structural = structural_matmuls(model)
+    head = head_matmuls(model, vocab_size) if vocab_size else []
+    model = _matmul_nbits(model, bits, block_size, accuracy_level, exclude=structural + head)
+    if head:
+        model = _matmul_nbits(model, *cpu_head_format(bits, block_size), accuracy_level,
+                              exclude=structural)
+    n = sum(1 for node in model.graph.node if node.op_type == "MatMulNBits")
+    onnx.save(model, str(path))
+    return n
+
+
+def cpu_head_format(bits: int, block_size: int) -> tuple[int, int]:
+    """The lm_head's (bits, block) under weights of (bits, block): int4 weights keep an int8 head
+    in blocks of 32 (and so an int8 embedding where it is tied), as llama.cpp keeps its output
+    matrix at 6 bits in Q4_K_M. Measured on SmolLM2-135M-Instruct (HF, the head alone rounded,
+    255 tokens of held-out text): int4 blocks of 32 cost KL 0.142 and top-1 0.76, blocks of 128
+    KL 0.218; int8 blocks of 32 KL < 1e-4 (docs/quality.md)."""
+    return (8, 32) if bits == 4 else (bits, block_size)
+
+
+def _matmul_nbits(model, bits: int, block_size: int, accuracy_level: int, exclude: list[str]):
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
         MatMulNBitsQuantizer,
     )
 
-    model = onnx.load(str(path))  # with its external weights: one graph at a time in memory
     cfg = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True,
                                        accuracy_level=accuracy_level, bits=bits)
     root_log = logging.getLogger()
@@ -573,12 +609,8 @@ def quantize_cpu_graph(path: Path, bits: int, block_size: int,
     try:
         q = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True,
                                  accuracy_level=accuracy_level, algo_config=cfg,
-                                 nodes_to_exclude=structural_matmuls(model))
+                                 nodes_to_exclude=exclude)
         q.process()
     finally:
         root_log.setLevel(level)
-    out = q.model.model
-    del model, q
-    n = sum(1 for node in out.graph.node if node.op_type == "MatMulNBits")
-    onnx.save(out, str(path))
-    return n
+    return q.model.model

@@ -30,33 +30,33 @@ VERIFY_TEXT = ("The capital of France is Paris, and the river that runs through 
 
 @dataclass(frozen=True)
 class Gate:
-    graph_cos: float  # every graph, every row
-    tf_cos: float  # teacher-forced logits, min over steps
-    top1: float  # teacher-forced top-1 agreement
+    graph_cos: float | None  # every decoder graph's hidden state, every row (logits are judged
+    # by KL); None: reported, not gated
+    kl: float  # mean KL(HF ‖ bundle), teacher-forced prompt and held-out text (build/quality.py)
+    top1: float  # top-1 agreement with HF, teacher-forced prompt and held-out text
     greedy_exact: bool
 
 
+# Set on real trained models (SmolLM2-135M-Instruct, Gemma-3-270M from GGUF: docs/quality.md);
+# the tiny random fixtures prove the plumbing only.
 GATES = {
-    "fp32": Gate(graph_cos=0.99999, tf_cos=0.99999, top1=1.0, greedy_exact=True),
-    "fp16": Gate(graph_cos=0.999, tf_cos=0.9995, top1=0.9, greedy_exact=False),
-    "w8a16": Gate(graph_cos=0.99, tf_cos=0.999, top1=0.8, greedy_exact=False),
-    "w8a16-b128": Gate(graph_cos=0.99, tf_cos=0.999, top1=0.8, greedy_exact=False),
-    # int4 on random-weight tiny models: ~8.5% output error per matmul (quantize.py), 0.97-0.99
-    # teacher-forced over 6 layers; the gate catches broken builds (bad scales give cos < 0.5)
-    "w4a16": Gate(graph_cos=0.95, tf_cos=0.95, top1=0.5, greedy_exact=False),
+    "fp32": Gate(graph_cos=0.99999, kl=1e-6, top1=1.0, greedy_exact=True),
+    "fp16": Gate(graph_cos=0.999, kl=0.01, top1=0.9, greedy_exact=False),
+    "w8a16": Gate(graph_cos=0.99, kl=0.05, top1=0.8, greedy_exact=False),
+    "w8a16-b128": Gate(graph_cos=0.99, kl=0.05, top1=0.8, greedy_exact=False),
+    # int4 on random-weight tiny models: ~8.5% output error per matmul (quantize.py); the gate
+    # catches broken builds (bad scales give cos < 0.5)
+    "w4a16": Gate(graph_cos=0.95, kl=0.5, top1=0.5, greedy_exact=False),
     # cpu target, weight-only MatMulNBits (fp32 activations, int8 activations inside the matmul
-    # at accuracy level 4): teacher-forced cosine, not exact tokens
-    "int8": Gate(graph_cos=0.99, tf_cos=0.995, top1=0.8, greedy_exact=False),
-    # blocks of 128: a block's step ~16 % larger on Gaussian weights (as int4-b128 below), still
-    # far inside int8's gate (tiny qwen3 teacher-forced cos > 0.9995 either way)
-    "int8-b128": Gate(graph_cos=0.99, tf_cos=0.995, top1=0.8, greedy_exact=False),
-    # int4 RTN (blocks of 32) on random Gaussian weights, int4's worst case: real-shape
-    # Qwen3-0.6B teacher-forced cos 0.912 with top-1 1.0 and greedy 16/16 (tiny qwen3: 0.985);
-    # the gate catches broken builds (wrong scales / packing give cos < 0.5)
-    "int4": Gate(graph_cos=0.88, tf_cos=0.88, top1=0.5, greedy_exact=False),
-    # blocks of 128: on Gaussian weights a block's max, and so its step, is ~16 % larger than a
-    # 32-block's (~2.9 vs ~2.5 sigma)
-    "int4-b128": Gate(graph_cos=0.85, tf_cos=0.85, top1=0.5, greedy_exact=False),
+    # at accuracy level 4)
+    "int8": Gate(graph_cos=0.99, kl=0.01, top1=0.8, greedy_exact=False),
+    "int8-b128": Gate(graph_cos=0.99, kl=0.01, top1=0.8, greedy_exact=False),
+    # int4 weights: real models sit at or below HF's own round-to-nearest floor (docs/quality.md);
+    # the gate catches broken builds (wrong scales / packing give KL of several nats). Hidden
+    # states are not gated: SmolLM2's last hidden rows reach cos 0.76 at KL 0.2, the massive
+    # activation channels of trained models dominating the row
+    "int4": Gate(graph_cos=None, kl=1.0, top1=0.5, greedy_exact=False),
+    "int4-b128": Gate(graph_cos=None, kl=1.0, top1=0.5, greedy_exact=False),
 }
 GATES["w4a16-rtn"] = GATES["w4a16"]  # the same format, rounded to nearest
 
@@ -107,9 +107,13 @@ def hf_greedy_tokens(hf, prompt: list[int], new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def hf_reference(family, hf, prompt: list[int], new_tokens: int) -> dict:
-    """HF greedy tokens (EOS off) and, on prompt + those tokens, every layer's output + logits."""
+def hf_reference(family, hf, prompt: list[int], new_tokens: int,
+                 eval_ids: list[int] | None = None) -> dict:
+    """HF greedy tokens (EOS off) and, on prompt + those tokens, every layer's output + logits;
+    with ``eval_ids``, HF's logits at every position of the held-out text too."""
     import torch
+
+    from .quality import hf_logits
 
     tokens = hf_greedy_tokens(hf, prompt, new_tokens)
     layers = family.reference_layers(hf)
@@ -125,25 +129,53 @@ def hf_reference(family, hf, prompt: list[int], new_tokens: int) -> dict:
     finally:
         for h in hooks:
             h.remove()
-    return {"prompt": list(prompt), "tokens": tokens, "layers": captured, "logits": logits}
+    ref = {"prompt": list(prompt), "tokens": tokens, "layers": captured, "logits": logits}
+    if eval_ids is not None:
+        ref["eval_ids"], ref["eval_logits"] = list(eval_ids), hf_logits(hf, eval_ids)
+    return ref
+
+
+@dataclass(frozen=True)
+class EvalText:
+    """The held-out text the oracle scores every target on (build/quality.py)."""
+
+    text: str
+    name: str = "built-in"
+    max_tokens: int = 256
+
+    def ids(self, tok: TextTokenizer, prefill_len: int, context: int) -> list[int]:
+        """At most max_tokens, and no more than whole prefill chunks inside the context (a
+        chunk of a cpu graph that writes its cache in place must end inside it)."""
+        from .quality import eval_ids
+
+        return eval_ids(tok, self.text, min(self.max_tokens, context // prefill_len * prefill_len))
+
+
+def default_eval() -> EvalText:
+    from .quality import EVAL_TEXT
+
+    return EvalText(EVAL_TEXT)
 
 
 def hf_references(bundle: Path, manifest: Manifest, family, hf, targets: list[str] | None = None,
-                  new_tokens: int = 64) -> dict[str, dict]:
+                  new_tokens: int = 64, evaluation: EvalText | None = None) -> dict[str, dict]:
     """HF's side of the oracle for each target (one HF run per distinct prompt), computed before
     any graph loads: the caller may then free the HF model (``verify_bundle(references=...)``).
     A bf16/fp16-loaded model computes as fp32 (``family.float32_forward``)."""
     from ..manifest import confine
 
     tok = TextTokenizer(confine(bundle, manifest.tokenizer.dir))
+    evaluation = evaluation or default_eval()
     n = min(new_tokens, manifest.context - 2)
     out, done = {}, {}
     with family.float32_forward(hf):
         for name in targets or list(manifest.targets):
-            prompt = oracle_prompt(tok, manifest.targets[name].plan.prefill_len, manifest.context, n)
-            key = tuple(prompt)
+            N = manifest.targets[name].plan.prefill_len
+            prompt = oracle_prompt(tok, N, manifest.context, n)
+            ids = evaluation.ids(tok, N, manifest.context)
+            key = (tuple(prompt), tuple(ids))
             if key not in done:
-                done[key] = hf_reference(family, hf, prompt, n)
+                done[key] = hf_reference(family, hf, prompt, n, ids)
             out[name] = done[key]
     return out
 
@@ -196,12 +228,17 @@ def oracle_prompt(tok: TextTokenizer, prefill_len: int, context: int, new_tokens
 
 
 def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Manifest, target: str,
-                  quant: str, new_tokens: int = 64, ref: dict | None = None) -> dict:
+                  quant: str, new_tokens: int = 64, ref: dict | None = None,
+                  evaluation: EvalText | None = None) -> dict:
+    from .quality import bundle_logits, compare, log_softmax
+
+    evaluation = evaluation or default_eval()
     prompt = oracle_prompt(tok, engine.prefill_len, manifest.context, new_tokens)
+    ids = evaluation.ids(tok, engine.prefill_len, manifest.context)
     if ref is None:
         with family.float32_forward(hf):
-            ref = hf_reference(family, hf, prompt, new_tokens)
-    if ref["prompt"] != prompt:
+            ref = hf_reference(family, hf, prompt, new_tokens, ids)
+    if ref["prompt"] != prompt or ref["eval_ids"] != ids:
         raise ValueError("the HF reference was computed for another prompt")
 
     tallies: dict[str, _Tally] = {}
@@ -220,36 +257,44 @@ def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Mani
     # teacher-forced: prefill the prompt, then feed HF's greedy tokens
     engine.observer = observe
     tf = _Tally()
-    top1 = []
+    got_rows, want_rows = [], []
     try:
         engine.reset()
         logits = engine.prefill(prompt)
         for i, token in enumerate(ref["tokens"]):
             want = ref["logits"][len(prompt) - 1 + i]
             tf.add(logits[None], want[None])
-            top1.append(int(np.argmax(logits)) == int(np.argmax(want)))
+            got_rows.append(logits)
+            want_rows.append(want)
             if i + 1 < len(ref["tokens"]):
                 logits = engine.decode(token)
     finally:
         engine.observer = None
+    lp_got, lp_want = log_softmax(np.stack(got_rows)), log_softmax(np.stack(want_rows))
+    kl_tf = (np.exp(lp_want) * (lp_want - lp_got)).sum(-1)
+
+    text = {"text": evaluation.name, **compare(ref["eval_logits"], bundle_logits(engine, ids), ids)}
 
     got = [t for t, _ in engine.generate_step(prompt, greedy, new_tokens)]
     match = next((i for i, (a, b) in enumerate(zip(got, ref["tokens"], strict=False)) if a != b), len(got))
 
     gate = GATES[quant]
     graphs = {name: t.summary() for name, t in tallies.items()}
-    tfs = {**tf.summary(), "top1": float(np.mean(top1))}
+    tfs = {**tf.summary(), "top1": float((lp_got.argmax(-1) == lp_want.argmax(-1)).mean()),
+           "kl_mean": float(kl_tf.mean()), "kl_max": float(kl_tf.max())}
     failures = [f"{n}: cos {g['cos_min']:.6f} < {gate.graph_cos}" for n, g in graphs.items()
-                if g["cos_min"] < gate.graph_cos]
-    if tfs["cos_min"] < gate.tf_cos:
-        failures.append(f"teacher-forced logits cos {tfs['cos_min']:.6f} < {gate.tf_cos}")
-    if tfs["top1"] < gate.top1:
-        failures.append(f"teacher-forced top-1 {tfs['top1']:.3f} < {gate.top1}")
+                if gate.graph_cos is not None and g["cos_min"] < gate.graph_cos and n != "head"
+                and not n.endswith(":logits")]
+    for what, r in (("teacher-forced", tfs), ("held-out text", text)):
+        if r["kl_mean"] > gate.kl:
+            failures.append(f"{what} KL {r['kl_mean']:.4g} > {gate.kl:g}")
+        if r["top1"] < gate.top1:
+            failures.append(f"{what} top-1 {r['top1']:.3f} < {gate.top1}")
     if gate.greedy_exact and match < len(ref["tokens"]):
         failures.append(f"greedy tokens differ from HF at step {match} of {len(ref['tokens'])}")
     return {
         "target": target, "quant": quant, "gate": asdict(gate),
-        "prompt_tokens": len(prompt), "graphs": graphs, "teacher_forced": tfs,
+        "prompt_tokens": len(prompt), "graphs": graphs, "teacher_forced": tfs, "text": text,
         "greedy": {"new_tokens": new_tokens, "matching_prefix": match,
                    "exact": match == len(ref["tokens"]), "hf": ref["tokens"], "bundle": got},
         "passed": not failures, "failures": failures,
@@ -258,7 +303,8 @@ def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Mani
 
 def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[str] | None = None,
                   new_tokens: int = 64, references: dict[str, dict] | None = None,
-                  qdq_twins: dict[str, dict[str, str]] | None = None) -> dict:
+                  qdq_twins: dict[str, dict[str, str]] | None = None,
+                  evaluation: EvalText | None = None) -> dict:
     """Judge each target's graphs against HF: ``references`` (``hf_references``) when given, then
     ``hf`` may be None unless the bundle has encoders. An HTP target that fails and has
     ``qdq_twins`` (graph name -> the QDQ graph it was compiled from) gets them judged on the CPU
@@ -284,7 +330,7 @@ def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[st
         engine = Engine(bundle, manifest, name, backend)
         report[name] = r = verify_target(family, hf, engine, tok, manifest, name, spec.quant,
                                          new_tokens=min(new_tokens, manifest.context - 2),
-                                         ref=(references or {}).get(name))
+                                         ref=(references or {}).get(name), evaluation=evaluation)
         if manifest.encoders:
             from .encoders import verify_encoders
 
@@ -297,12 +343,14 @@ def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[st
             r["passed"] = not r["failures"]
         if not r["passed"] and name in (qdq_twins or {}):
             r["qdq_on_cpu"] = _qdq_on_cpu(bundle, manifest, family, hf, tok, name,
-                                          qdq_twins[name], new_tokens, (references or {}).get(name))
+                                          qdq_twins[name], new_tokens, (references or {}).get(name),
+                                          evaluation)
     return report
 
 
 def _qdq_on_cpu(bundle: Path, manifest: Manifest, family, hf, tok: TextTokenizer, name: str,
-                files: dict[str, str], new_tokens: int, ref: dict | None) -> dict:
+                files: dict[str, str], new_tokens: int, ref: dict | None,
+                evaluation: EvalText | None = None) -> dict:
     """Target ``name``'s QDQ graphs — what was compiled — run on the CPU EP and judged like it.
     Measured (real-width 4-layer Qwen3.5 cut, v81 w8a16): HTP teacher-forced cos 0.9974, its QDQ
     graphs on the CPU 0.9981, the float graphs with only the int8 weights 0.9981: the gate missed
@@ -312,8 +360,9 @@ def _qdq_on_cpu(bundle: Path, manifest: Manifest, family, hf, tok: TextTokenizer
     m, twin = qdq_twin(manifest, name, files)
     engine = Engine(bundle, m, twin, Backend("cpu"))
     r = verify_target(family, hf, engine, tok, m, twin, manifest.targets[name].quant,
-                      new_tokens=min(new_tokens, manifest.context - 2), ref=ref)
-    return {k: r[k] for k in ("graphs", "teacher_forced", "passed", "failures")} | {
+                      new_tokens=min(new_tokens, manifest.context - 2), ref=ref,
+                      evaluation=evaluation)
+    return {k: r[k] for k in ("graphs", "teacher_forced", "text", "passed", "failures")} | {
         "greedy": {k: r["greedy"][k] for k in ("new_tokens", "matching_prefix")}}
 
 
@@ -331,3 +380,4 @@ def qdq_verdict(target_report: dict) -> str:
         if target_report.get("quant") == "w8a16" else ""
     return (f" (its QDQ graphs on the CPU fail too, cos {cos:.6f}: the quantization lost the "
             f"accuracy, not the HTP{hint})")
+

@@ -13,8 +13,8 @@ from types import ModuleType
 
 from ..errors import UnsupportedModelError
 
-REMAP = {"qwen2": "llama", "mistral": "llama", "gemma4_text": "gemma4", "qwen3_5_text": "qwen3_5",
-         "qwen3_vl_text": "qwen3_vl", "qwen3_5_vision": "qwen3_vl_vision"}
+REMAP = {"qwen2": "llama", "mistral": "llama", "gemma4_text": "gemma4", "gemma3_text": "gemma3",
+         "qwen3_5_text": "qwen3_5", "qwen3_vl_text": "qwen3_vl", "qwen3_5_vision": "qwen3_vl_vision"}
 
 
 def family_name(model_type: str) -> str:

@@ -167,7 +167,7 @@ class Gemma4Family(DecoderFamily):
 
     def layer_weight_bytes(self, hf, bytes_per_weight: float) -> list[int]:
         tm = self.text_model(hf)
-        P = tm.config.hidden_size_per_layer_input or 0
+        P = getattr(tm.config, "hidden_size_per_layer_input", 0) or 0
         proj = P * tm.config.hidden_size  # each shard holds its layers' slice of the PLE projection
         return [int((sum(p.numel() for p in layer.parameters()) + proj) * bytes_per_weight)
                 for layer in tm.layers]
@@ -180,6 +180,10 @@ class Gemma4Family(DecoderFamily):
         tm = self.text_model(hf)
         return blocks.Head(tm.norm, hf.lm_head, softcap=args.final_logit_softcapping,
                            hidden_size=args.hidden_size)
+
+    def layer_module(self, hf_layer, args: Args, i: int) -> nn.Module:
+        """Layer i's static step module (``Gemma4Layer``'s interface)."""
+        return Gemma4Layer(hf_layer, args, i)
 
     def cpu_step_module(self, hf, args, layers: tuple[int, int], seq_len: int, context: int):
         """The cpu form of the step (``Gemma4Shard`` with cpu=True): full caches updated in place
@@ -221,7 +225,7 @@ class Gemma4Layer(nn.Module):
         x = x + self.post_ff_norm(self.mlp(self.pre_ff_norm(x)))
         if self.has_ple:
             x = x + self.ple_norm(self.ple_proj(self.act(self.ple_gate(x)) * ple_i))
-        return x * self.layer_scalar
+        return x if self.layer_scalar is None else x * self.layer_scalar
 
     def forward(self, x, cos, sin, mask, ple_i, past_k, past_v):
         h = self.in_norm(x)
@@ -300,7 +304,7 @@ class Gemma4Shard(nn.Module):
         self.args, self.seq_len, self.context, self.cpu = args, seq_len, context, cpu
         self.a, self.b = layers
         ids = list(range(*layers))
-        self.layers = nn.ModuleList([Gemma4Layer(tm.layers[i], args, i) for i in ids])
+        self.layers = nn.ModuleList([fam.layer_module(tm.layers[i], args, i) for i in ids])
         P = args.hidden_size_per_layer_input
         if P:
             w = tm.per_layer_model_projection.weight.detach()  # [L*P, H]
@@ -316,8 +320,8 @@ class Gemma4Shard(nn.Module):
         lengths = [("kv_seqlens", "kv_seqlens:full")] if cpu and FULL in self.types else []
         lengths += [("kv_total", "kv_total:full")] if cpu else []
         self.io = GraphIO(
-            inputs=[("hidden", "hidden"), ("embed", "embed")]
-            + ([("ple", "host:ple")] if P else [])
+            inputs=[("hidden", "hidden")]
+            + ([("embed", "embed"), ("ple", "host:ple")] if P else [])
             + [(f"{cs}_{n}", f"rope_{cs}:{n}") for n in g for cs in ("cos", "sin")]
             + [(f"mask_{GROUP[t]}", f"mask:{GROUP[t]}") for t in self.types
                if not (cpu and t == FULL)] + lengths
@@ -343,9 +347,10 @@ class Gemma4Shard(nn.Module):
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         a, T = self.args, self.seq_len
-        out = [torch.randn(1, T, a.hidden_size), torch.randn(1, T, a.hidden_size)]
-        if a.hidden_size_per_layer_input:
-            out.append(torch.randn(1, T, a.num_hidden_layers * a.hidden_size_per_layer_input))
+        out = [torch.randn(1, T, a.hidden_size)]
+        if a.hidden_size_per_layer_input:  # the token embeddings + per-layer inputs (PLE)
+            out += [torch.randn(1, T, a.hidden_size),
+                    torch.randn(1, T, a.num_hidden_layers * a.hidden_size_per_layer_input)]
         dims = {t: next(a.head_dims[i] for i in range(a.num_hidden_layers) if a.layer_types[i] == t)
                 for t in self.types}
         for t in self.types:
@@ -365,12 +370,13 @@ class Gemma4Shard(nn.Module):
                 out += [torch.zeros(1, a.kv_heads[d], T, a.head_dims[d]) for _ in "kv"]
         return tuple(out)
 
-    def forward(self, hidden, embed, *rest):
+    def forward(self, hidden, *rest):
         a, T = self.args, hidden.shape[1]
         rest = list(rest)
         P = a.hidden_size_per_layer_input
         if P:
             n = self.b - self.a
+            embed = rest.pop(0)
             tok = rest.pop(0)[:, :, self.a * P:self.b * P].reshape(1, T, n, P)
             prj = torch.matmul(embed, self.ple_w.t()) * (a.hidden_size ** -0.5)
             ple = (self.ple_norm(prj.reshape(1, T, n, P)) + tok) * (2.0 ** -0.5)  # [1,T,n,P]

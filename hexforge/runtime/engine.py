@@ -301,6 +301,13 @@ class Engine:
             logits = self.forward(ids[i:i + 1], 1, "decode")
         return logits
 
+    def head_logits(self, hidden: np.ndarray) -> np.ndarray:
+        """The head graph on one hidden row [1, 1, H] -> logits [V] (a copy): the oracle runs
+        every row of a prefill chunk through it (build/quality.py)."""
+        out = {"hidden": np.ascontiguousarray(hidden, dtype=self.hidden_dtype)}
+        self._run(self.head, out, np.array([self.pos - 1]))
+        return out["logits"][0, -1].copy()
+
     def decode(self, token: int, copy: bool = True) -> np.ndarray:
         """token at self.pos -> the next logits [V] (copy=False: as prefill's)."""
         logits = self.forward(np.array([token], dtype=np.int64), 1, "decode")
