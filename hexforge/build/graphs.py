@@ -20,7 +20,8 @@ from .quantize import get_recipe
 
 
 def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
-                  rel_folder: str, log, cpu: bool = False) -> tuple[list[GraphSpec], RunPlan]:
+                  rel_folder: str, log, cpu: bool = False, fp16_residual_scale: float | None = None
+                  ) -> tuple[list[GraphSpec], RunPlan]:
     """Export prefill + decode per shard and the head as float ONNX into root/rel_folder.
     cpu: the cpu target's own graphs — fused onnxruntime nodes (``fuse``), prefill and decode
     graphs that update the cache in place (``fam.cpu_step_module``), the last decode graph with
@@ -30,7 +31,7 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
         HTP:  s0.prefill s0.decode -> s0.weights ...  head -> head.weights
         cpu:  s0.prefill s0.decode -> s0.weights ...  sK.prefill sK.decode+head head -> sK.weights
     """
-    from ..families.blocks import WithHead, use_cpu_kernels
+    from ..families.blocks import WithHead, use_cpu_kernels, use_fp16_form
 
     fuse = fuse_cpu_graph if cpu else None
     folder = root / rel_folder
@@ -39,6 +40,8 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
     plan: list[ShardPlan] = []
 
     def export(name: str, role: str, module, layers=None) -> GraphSpec:
+        if fp16_residual_scale is not None:
+            module = use_fp16_form(module, fp16_residual_scale)
         path = folder / f"{name}.onnx"
         t = time.perf_counter()
         ins, outs = export_module(module, path, opts.exporter)

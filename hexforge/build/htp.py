@@ -177,10 +177,14 @@ def _media_prompts(engine: Engine, manifest: Manifest, ids: list[int], hf):
 
 
 def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, manifest: Manifest,
-                      log) -> tuple[dict[str, TargetSpec], dict[str, dict[str, str]]]:
+                      residual_peak: float, log
+                      ) -> tuple[dict[str, TargetSpec], dict[str, dict[str, str]]]:
     """-> (target specs, per target: graph name -> the QDQ graph it was compiled from, under
-    ``root/_work``: the oracle runs those on the CPU EP when a target fails its gate)."""
+    ``root/_work``: the oracle runs those on the CPU EP when a target fails its gate).
+    ``residual_peak``: the calibrated peak |x| of the residual stream; graphs with fp16
+    activations carry it scaled into fp16's range where the family can (``fp16_scale``)."""
     recipe = get_recipe(opts.quant)
+    scale = fp16_scale(fam, residual_peak, log) if recipe.activations is None else None
     sdk = qnn.sdk_version()
     prepared: dict[tuple, tuple[list[GraphSpec], RunPlan, Path]] = {}
     specs: dict[str, TargetSpec] = {}
@@ -190,8 +194,15 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
         key = tuple(shards)
         if key not in prepared:  # float export + calibration + QDQ are arch-independent
             rel = f"_work/{recipe.name}-{len(prepared)}"
-            graphs, plan = export_float(fam, hf, args, shards, opts, root, rel, log)
+            graphs, plan = export_float(fam, hf, args, shards, opts, root, rel, log,
+                                        fp16_residual_scale=scale)
             srcs = root / rel
+            if recipe.weight_only:
+                t = time.perf_counter()
+                weight_only(plan, srcs, recipe, args.vocab_size)
+                log(f"[{target.name}] weights {recipe.name}: MatMulNBits int{recipe.weight_bits}, "
+                    f"blocks of {recipe.block_size}, fp16 activations "
+                    f"({time.perf_counter() - t:.1f}s)")
             if recipe.activations:
                 t = time.perf_counter()
                 text = calibration_text(opts.calib)
@@ -213,15 +224,16 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
                     f"({time.perf_counter() - t:.1f}s)")
             prepared[key] = (graphs, plan, srcs)
         graphs, plan, srcs = prepared[key]
-        if recipe.activations:
-            qdq[target.name] = {g.name: (srcs / f"{g.name}.qdq.onnx").relative_to(root).as_posix()
+        suffix = compiled_suffix(recipe)
+        if recipe.weight_bits:  # the quantized graphs, judged on the CPU EP if the HTP fails
+            qdq[target.name] = {g.name: (srcs / f"{g.name}{suffix}").relative_to(root).as_posix()
                                 for g in graphs}
         soc = target.default_soc
         folder = root / target.name
         folder.mkdir()
         compiled = []
         for g in graphs:
-            src = srcs / (f"{g.name}.qdq.onnx" if recipe.activations else f"{g.name}.onnx")
+            src = srcs / f"{g.name}{suffix}"
             res = compile_graph(src, folder / f"{g.name}.ctx.onnx", target.htp_arch, soc.soc_model,
                                 fp16=recipe.activations is None)
             log(f"[{target.name}] compiled {g.name}: {res['bin_bytes']:,} B ({res['seconds']:.1f}s)")
@@ -233,11 +245,57 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
         specs[target.name] = TargetSpec(
             name=target.name, htp_arch=target.htp_arch, soc_model=soc.soc_model, qnn_sdk=sdk,
             quant=recipe.name, mask_value=recipe.mask_value, graphs=compiled, plan=plan,
-            weight_shared=opts.share_weights)
-    for f in (root / "_work").rglob("*"):  # the float graphs are done with: keep the QDQ ones
-        if f.is_file() and not f.name.endswith(".qdq.onnx") and not opts.keep_work:
+            weight_shared=opts.share_weights, hidden_scale=1.0 / (scale or 1.0))
+    keep = (".qdq.onnx", ".wo.onnx", ".wo.weights")  # the quantized graphs, for the oracle
+    for f in (root / "_work").rglob("*"):  # the float graphs are done with
+        if f.is_file() and not f.name.endswith(keep) and not opts.keep_work:
             f.unlink()
     return specs, qdq
+
+
+def weight_only(plan: RunPlan, folder: Path, recipe: QuantRecipe, vocab_size: int) -> None:
+    """Every float graph ``X.onnx`` in ``folder`` -> ``X.wo.onnx``: each weight MatMul as
+    MatMulNBits (int8 / int4 blocks, the head int8 under int4: ``quantize.cpu_head_format``),
+    each weight group's into one ``<group>.wo.weights`` file (the float graphs stay, for the
+    oracle and the probe). The QNN EP runs MatMulNBits on the HTP with fp16 activations; its
+    activation input must be rank 3, as every projection's [1, T, K] is."""
+    import onnx
+
+    from .export import share_weights
+    from .graphs import weight_groups, weights_file
+    from .quantize import quantize_cpu_graph
+
+    for group in weight_groups(plan, cpu=False):
+        for name in group:
+            dst = folder / f"{name}{COMPILED_SUFFIX['weight-only']}"
+            onnx.save(onnx.load(str(folder / f"{name}.onnx"), load_external_data=False), str(dst))
+            quantize_cpu_graph(dst, recipe.weight_bits, recipe.block_size, vocab_size)
+        share_weights([folder / f"{n}{COMPILED_SUFFIX['weight-only']}" for n in group],
+                      weights_file(group).replace(".weights", ".wo.weights"), None)
+
+
+# the graph each kind of recipe compiles, beside its float graph X.onnx in _work/
+COMPILED_SUFFIX = {"float": ".onnx", "weight-only": ".wo.onnx", "fixed-point": ".qdq.onnx"}
+
+
+def compiled_suffix(recipe: QuantRecipe) -> str:
+    return COMPILED_SUFFIX["weight-only" if recipe.weight_only else
+                           "fixed-point" if recipe.activations else "float"]
+
+
+def fp16_scale(fam, residual_peak: float, log) -> float:
+    """The residual scale s of fp16 graphs (``blocks.residual_scale``), 1 where the family cannot
+    carry its residual scaled (``residual_scaling``) or the stream fits fp16 as it is."""
+    from ..families.blocks import residual_scale
+
+    s = residual_scale(residual_peak)
+    if s != 1.0 and not getattr(fam, "residual_scaling", False):
+        log(f"  warning: the residual stream peaks at {residual_peak:.4g}, near fp16's 65504, and "
+            "this family cannot carry it scaled: fp16 graphs may overflow")
+        return 1.0
+    if s != 1.0:
+        log(f"  fp16 graphs carry the residual stream at 1/{s:g} (its peak |x| {residual_peak:.4g})")
+    return s
 
 
 def _share(compiled: list[GraphSpec], plan: RunPlan, srcs: Path, folder: Path, target: Target,
@@ -255,7 +313,7 @@ def _share(compiled: list[GraphSpec], plan: RunPlan, srcs: Path, folder: Path, t
         ctx = folder / f"{g.name}.ctx.onnx"
         for f in (ctx, ctx.with_name(ctx.stem + "_qnn.bin")):
             f.rename(twins / f.name)
-    suffix = ".qdq.onnx" if recipe.activations else ".onnx"
+    suffix = compiled_suffix(recipe)
     for shard in plan.shards:
         group = [(srcs / f"{n}{suffix}", folder / f"{n}.ctx.onnx") for n in (shard.prefill, shard.decode)]
         res = compile_shared(group, target.htp_arch, soc_model, fp16=recipe.activations is None)

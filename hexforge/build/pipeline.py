@@ -149,10 +149,11 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
 
         calib_ids = TextTokenizer(ckpt.dir).encode(calibration_text(opts.calib))[:opts.context]
         with fam.float32_forward(hf):  # a bf16/fp16 model computes as fp32 (no-op on fp32)
-            calibrate_norm_scales(hf, calib_ids)
+            residual_peak = calibrate_norm_scales(hf, calib_ids, fam.reference_layers(hf))
             calibrate_encoder_norms(encoders, enc_specs, hf)
         log(f"calibrated norm prescales on {len(calib_ids)} tokens"
-            + (" and the encoders' example inputs" if encoders else ""))
+            + (" and the encoders' example inputs" if encoders else "")
+            + f" (residual stream peak |x| {residual_peak:.4g})")
 
         tok_dir = tmp / "tokenizer"
         tok_dir.mkdir()
@@ -205,7 +206,8 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
             from .htp import build_htp_targets
 
             with fam.float32_forward(hf):  # calibration runs the towers on media prompts
-                specs, qdq = build_htp_targets(fam, hf, args, htp_targets, opts, tmp, manifest, log)
+                specs, qdq = build_htp_targets(fam, hf, args, htp_targets, opts, tmp, manifest,
+                                               residual_peak, log)
                 manifest.targets.update(specs)
             for tg in htp_targets:
                 manifest.targets[tg.name].graphs += compile_encoders(

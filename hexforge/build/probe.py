@@ -2,7 +2,7 @@
 
 An HTP target that misses its oracle gate says how far the logits moved, not which op moved them.
 This probe answers that for one graph call of a bundle built with ``--keep-work`` (its float and
-QDQ ONNX stay under ``_work/``):
+quantized ONNX stay under ``_work/``). Fixed-point (QDQ) targets:
 
     feeds of call STEP of GRAPH, captured from the QDQ graphs on the CPU EP on the oracle prompt
             │
@@ -14,8 +14,12 @@ QDQ ONNX stay under ``_work/``):
 Every activation the QDQ graph re-quantizes (QuantizeLinear -> DequantizeLinear of an op's output)
 is exposed as an extra output of all three graphs, so each row is one op's output: its relative
 error ``|x - float| / |float|`` on the CPU EP and on the HTP, in graph order. A ratio HTP / CPU far
-above 1 marks an op the HTP computes worse than its QDQ arithmetic (issue 10 found the act x act
+above 1 marks an op the HTP computes worse than its QDQ arithmetic (it found the act x act
 MatMul's 16-bit inputs this way: ``quantize._act_matmul_inputs``).
+
+Targets with fp16 activations (fp16, and the weight-only recipes, whose CPU column is the
+MatMulNBits graph on the CPU EP): every output of the ops that make values (``FLOAT_PROBED``),
+so the first row whose HTP error jumps is where fp16 loses the model (an overflow reads ~1).
 """
 
 from __future__ import annotations
@@ -47,11 +51,16 @@ class TensorError:
 
 
 def qdq_graph_files(bundle: Path, manifest: Manifest, target: str) -> dict[str, Path]:
-    """Graph name -> the QDQ ONNX it was compiled from, under the bundle's ``_work/``."""
+    """Graph name -> the ONNX it was compiled from (QDQ, weight-only or the float graph itself),
+    under the bundle's ``_work/``."""
+    from .htp import compiled_suffix
+    from .quantize import get_recipe
+
     spec = manifest.targets[target]
+    suffix = compiled_suffix(get_recipe(spec.quant))
     names = [g.name for g in spec.graphs if g.role not in ("vision", "audio")]
     for folder in sorted((bundle / "_work").glob(f"{spec.quant}-*")):
-        files = {n: folder / f"{n}.qdq.onnx" for n in names}
+        files = {n: folder / f"{n}{suffix}" for n in names}
         if all(f.is_file() and f.with_name(f"{n}.onnx").is_file() for n, f in files.items()):
             return files
     raise FileNotFoundError(f"{bundle} has no float + QDQ graphs of target {target} under _work/: "
@@ -132,6 +141,34 @@ def _rel(x: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(x.astype(np.float64) - ref) / (np.linalg.norm(ref) + 1e-30))
 
 
+def _requantized(model, outputs: list[str]) -> list[tuple[str, str, str, str]]:
+    """Every activation a QDQ graph re-quantizes: (DQ output in the QDQ graph, the float tensor
+    it stands for, op, node)."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    picked = []
+    for n in model.graph.node:
+        q = producer.get(n.input[0]) if n.op_type == "DequantizeLinear" else None
+        if q is None or q.op_type != "QuantizeLinear" or n.output[0] in outputs:
+            continue  # weights (no QuantizeLinear) and the graph's outputs (compared below)
+        op = producer.get(q.input[0])
+        if op is not None and op.op_type not in ("Constant", "QuantizeLinear", "DequantizeLinear"):
+            picked.append((n.output[0], q.input[0], op.op_type, op.name))
+    return picked
+
+
+# the ops whose outputs a graph with fp16 activations is probed at: where values are made
+# (projections, norms, the residual adds, attention), not where they are moved
+FLOAT_PROBED = {"MatMul", "MatMulNBits", "SimplifiedLayerNormalization", "RMSNormalization",
+                "Add", "Softmax", "Mul", "Sigmoid", "Exp", "Div", "Sqrt", "ReduceMean"}
+
+
+def _float_tensors(model, outputs: list[str]) -> list[tuple[str, str, str, str]]:
+    """Every output of a FLOAT_PROBED op of a graph with fp16 activations (the weight-only
+    graph keeps the float graph's tensor names): (name, name, op, node)."""
+    return [(o, o, n.op_type, n.name) for n in model.graph.node if n.op_type in FLOAT_PROBED
+            for o in n.output[:1] if o not in outputs]
+
+
 def tensor_errors(bundle: Path, target: str = "v81", graph: str | None = None,
                   step: int = 8) -> list[TensorError]:
     """One row per re-quantized activation of ``graph`` (default: the first decode graph), then
@@ -154,26 +191,20 @@ def tensor_errors(bundle: Path, target: str = "v81", graph: str | None = None,
 
     qdq = files[graph]
     model = onnx.load(str(qdq), load_external_data=False)
-    producer = {o: n for n in model.graph.node for o in n.output}
     outputs = [o.name for o in model.graph.output]
-    picked = []  # (DQ output in the QDQ graph, the float tensor it stands for, op, node)
-    for n in model.graph.node:
-        q = producer.get(n.input[0]) if n.op_type == "DequantizeLinear" else None
-        if q is None or q.op_type != "QuantizeLinear" or n.output[0] in outputs:
-            continue  # weights (no QuantizeLinear) and the graph's outputs (compared below)
-        op = producer.get(q.input[0])
-        if op is not None and op.op_type not in ("Constant", "QuantizeLinear", "DequantizeLinear"):
-            picked.append((n.output[0], q.input[0], op.op_type, op.name))
-    probe = qdq.with_name(f"{graph}.probe.qdq.onnx")
+    fixed_point = any(n.op_type == "QuantizeLinear" for n in model.graph.node)
+    picked = (_requantized(model, outputs) if fixed_point else _float_tensors(model, outputs))
+    probe = qdq.with_name(f"{graph}.probe.q.onnx")
     _expose(qdq, probe, [p[0] for p in picked])
     float_probe = qdq.with_name(f"{graph}.probe.onnx")
     _expose(qdq.with_name(f"{graph}.onnx"), float_probe, [p[1] for p in picked])
     ctx = qdq.with_name(f"{graph}.probe.ctx.onnx")
+    fp16 = not fixed_point  # fp16 activations: the float and weight-only recipes
     try:
         ref = _run(float_probe, feeds)
         cpu = _run(probe, feeds)
-        compile_graph(probe, ctx, spec.htp_arch, spec.soc_model, fp16=False)
-        so = qnn.session_options(qnn.provider_options(spec.htp_arch, spec.soc_model, False), {})
+        compile_graph(probe, ctx, spec.htp_arch, spec.soc_model, fp16=fp16)
+        so = qnn.session_options(qnn.provider_options(spec.htp_arch, spec.soc_model, fp16), {})
         htp = _run(ctx, feeds, so)
     finally:
         for f in (probe, float_probe, ctx, ctx.with_name(ctx.stem + "_qnn.bin")):

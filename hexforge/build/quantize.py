@@ -59,34 +59,39 @@ class QuantRecipe:
     # values) as symmetric int16: the HTP holds a dynamic uint16 input 1 at 8 bits (see
     # int16_matmul_rhs); tiny Gemma-4 w8a16 on v81 went 0.878 -> 0.987 (= its CPU-QDQ 0.989)
 
+    @property
+    def weight_only(self) -> bool:
+        """int8 / int4 weights through MatMulNBits with fp16 activations (no calibration)."""
+        return self.activations is None and self.weight_bits is not None
+
 
 RECIPES = {
+    # float graphs, fp16 on the HTP, in blocks.use_fp16_form (fused norms, the residual stream
+    # scaled into fp16's range where it would not fit)
     "fp16": QuantRecipe("fp16", None, None, bytes_per_weight=2.0, mask_value=-30000.0),
-    "w8a16": QuantRecipe("w8a16", "uint16", 8, bytes_per_weight=1.0, mask_value=-100.0,
-                         gptq=False),
+    # weight-only: the fp16 graphs with every weight MatMul as MatMulNBits (int8 in blocks of 32;
+    # int4 in blocks of 64 with the head int8), no calibration. On real trained models the
+    # fixed-point road below loses the massive activations (docs/htp.md: SmolLM2 w8a16-qdq top-1
+    # 0.19); fp16 activations keep them, as AI Hub's weight-only "w4" recipe does
+    "w8a16": QuantRecipe("w8a16", None, 8, block_size=32, bytes_per_weight=1.0 + 2 / 32,
+                         mask_value=-30000.0),
+    "w4a16": QuantRecipe("w4a16", None, 4, block_size=64, bytes_per_weight=0.5 + 2 / 64,
+                         mask_value=-30000.0),
+    # fixed point: uint16 activations (calibrated Q/DQ pairs) and int8 per-channel weights
+    "w8a16-qdq": QuantRecipe("w8a16-qdq", "uint16", 8, bytes_per_weight=1.0, mask_value=-100.0,
+                             gptq=False),
     # decoder weights int4 (block 64) via GPTQ with Hessians pooled over the prefill + decode graphs
     # of a shard, each weight's GPTQ kept only where it beats round to nearest on held-out rows;
-    # lm_head int8. Held-out relative output error per weight on the tiny random llama: RTN
-    # 0.0955, GPTQ per-graph H 0.0978 (overfits 64 decode rows), GPTQ pooled H 0.0849. Real-width
-    # 4-layer cuts, QDQ graphs on the CPU EP, teacher-forced cos (16 tokens): Qwen3 GPTQ 0.9415 /
-    # RTN 0.9347 / validated 0.9433 (28 of 28 kept); Qwen3.5 0.7485 / 0.8644 / 0.8365 (5 of 32).
-    # GPTQ's damping grows as the calibration rows fall below K (weightquant.gptq_damp); over 48
-    # tokens, cos min / mean: Qwen3 0.9411 / 0.9463 -> 0.9535 / 0.9597 (RTN 0.9342 / 0.9395),
-    # Qwen3.5 0.8346 / 0.8871 -> 0.8605 / 0.8979 (RTN 0.8600 / 0.8980).
-    # Random Gaussian weights with near-isotropic activations are int4's worst case.
-    "w4a16": QuantRecipe("w4a16", "uint16", 4, block_size=64, bytes_per_weight=0.5 + 2 / 64,
-                         mask_value=-100.0, head_bits=8),
-    # int8 weights with one scale per 128 input rows (DequantizeLinear block_size, as w4a16) instead
-    # of one per output channel: the real-width Qwen3.5 cut above, 0.99894 -> 0.99926
-    "w8a16-b128": QuantRecipe("w8a16-b128", "uint16", 8, block_size=128,
-                              bytes_per_weight=1.0 + 4 / 128, mask_value=-100.0, gptq=False),
+    # lm_head int8 (docs/quantization.md has the measurements behind each choice)
+    "w4a16-qdq": QuantRecipe("w4a16-qdq", "uint16", 4, block_size=64,
+                             bytes_per_weight=0.5 + 2 / 64, mask_value=-100.0, head_bits=8),
+    # int8 weights with one scale per 128 input rows instead of one per output channel
+    "w8a16-qdq-b128": QuantRecipe("w8a16-qdq-b128", "uint16", 8, block_size=128,
+                                  bytes_per_weight=1.0 + 4 / 128, mask_value=-100.0, gptq=False),
 }
-# w4a16's format with every weight rounded to nearest (no calibration Hessians). Per-weight
-# validation judges a weight's own output, not what the model carries on: on the Qwen3.5 cut GPTQ
-# on layer 0's GatedDeltaNet in_proj_qkv held out better (0.057 vs 0.096 relative output error)
-# yet cost 0.020 of the 0.028 end to end (validated 0.8365, that weight rounded 0.8566, all
-# rounded 0.8644)
-RECIPES["w4a16-rtn"] = replace(RECIPES["w4a16"], name="w4a16-rtn", gptq=False)
+# w4a16-qdq's format with every weight rounded to nearest (no calibration Hessians): per-weight
+# validation judges a weight's own output, not what the model carries on
+RECIPES["w4a16-qdq-rtn"] = replace(RECIPES["w4a16-qdq"], name="w4a16-qdq-rtn", gptq=False)
 
 
 def get_recipe(name: str) -> QuantRecipe:

@@ -41,24 +41,26 @@ class Gate:
 # the tiny random fixtures prove the plumbing only.
 GATES = {
     "fp32": Gate(graph_cos=0.99999, kl=1e-6, top1=1.0, greedy_exact=True),
-    "fp16": Gate(graph_cos=0.999, kl=0.01, top1=0.9, greedy_exact=False),
-    "w8a16": Gate(graph_cos=0.99, kl=0.05, top1=0.8, greedy_exact=False),
-    "w8a16-b128": Gate(graph_cos=0.99, kl=0.05, top1=0.8, greedy_exact=False),
-    # int4 on random-weight tiny models: ~8.5% output error per matmul (quantize.py); the gate
-    # catches broken builds (bad scales give cos < 0.5)
-    "w4a16": Gate(graph_cos=0.95, kl=0.5, top1=0.5, greedy_exact=False),
-    # cpu target, weight-only MatMulNBits (fp32 activations, int8 activations inside the matmul
-    # at accuracy level 4)
+    "fp16": Gate(graph_cos=0.999, kl=0.002, top1=0.98, greedy_exact=False),
+    # weight-only on the HTP (fp16 activations) and on the cpu (fp32 activations, int8 inside
+    # the matmul at accuracy level 4): int8 blocks of 32
+    "w8a16": Gate(graph_cos=0.99, kl=0.02, top1=0.93, greedy_exact=False),
     "int8": Gate(graph_cos=0.99, kl=0.01, top1=0.8, greedy_exact=False),
     "int8-b128": Gate(graph_cos=0.99, kl=0.01, top1=0.8, greedy_exact=False),
     # int4 weights: real models sit at or below HF's own round-to-nearest floor (docs/quality.md);
     # the gate catches broken builds (wrong scales / packing give KL of several nats). Hidden
     # states are not gated: SmolLM2's last hidden rows reach cos 0.76 at KL 0.2, the massive
     # activation channels of trained models dominating the row
+    "w4a16": Gate(graph_cos=None, kl=1.0, top1=0.5, greedy_exact=False),
     "int4": Gate(graph_cos=None, kl=1.0, top1=0.5, greedy_exact=False),
     "int4-b128": Gate(graph_cos=None, kl=1.0, top1=0.5, greedy_exact=False),
+    # fixed-point QDQ recipes: what they reach on the tiny random fixtures; on real trained
+    # models they fail (docs/htp.md)
+    "w8a16-qdq": Gate(graph_cos=0.99, kl=0.05, top1=0.8, greedy_exact=False),
+    "w8a16-qdq-b128": Gate(graph_cos=0.99, kl=0.05, top1=0.8, greedy_exact=False),
+    "w4a16-qdq": Gate(graph_cos=0.95, kl=0.5, top1=0.5, greedy_exact=False),
 }
-GATES["w4a16-rtn"] = GATES["w4a16"]  # the same format, rounded to nearest
+GATES["w4a16-qdq-rtn"] = GATES["w4a16-qdq"]  # the same format, rounded to nearest
 
 
 def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -242,6 +244,7 @@ def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Mani
         raise ValueError("the HF reference was computed for another prompt")
 
     tallies: dict[str, _Tally] = {}
+    scale = manifest.targets[target].hidden_scale  # the graphs' hidden is HF's times this
 
     def observe(graph: GraphSpec, _feeds: dict, outputs: dict, positions: np.ndarray) -> None:
         t = tallies.setdefault(graph.name, _Tally())
@@ -249,6 +252,7 @@ def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Mani
             t.add(outputs["logits"][0, -1:], ref["logits"][positions])
         elif graph.layers is not None:
             hidden = outputs["hidden"][0, :len(positions)]
+            hidden = hidden / scale if scale != 1.0 else hidden
             t.add(hidden, ref["layers"][graph.layers[1] - 1][0, positions])
             if "logits" in outputs:  # a decode graph that runs the head (cpu)
                 tallies.setdefault(graph.name + ":logits", _Tally()).add(
@@ -376,8 +380,8 @@ def qdq_verdict(target_report: dict) -> str:
         return (f" (its QDQ graphs on the CPU pass, cos {cos:.6f}: the HTP compile or runtime "
                 "lost the accuracy; bench/htp_tensors.py on a --no-verify --keep-work build names "
                 "the ops)")
-    hint = "; weight scales per 128 input rows may pass: --quant w8a16-b128" \
-        if target_report.get("quant") == "w8a16" else ""
+    hint = "; weight scales per 128 input rows may pass: --quant w8a16-qdq-b128" \
+        if target_report.get("quant") == "w8a16-qdq" else ""
     return (f" (its QDQ graphs on the CPU fail too, cos {cos:.6f}: the quantization lost the "
             f"accuracy, not the HTP{hint})")
 

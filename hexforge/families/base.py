@@ -92,6 +92,9 @@ class DecoderFamily:
     """
 
     Args = DenseArgs
+    # fp16 graphs may carry the residual stream scaled (blocks.use_fp16_form): every module
+    # that reads or writes it in this family's shards and head has ``set_residual_scale``
+    residual_scaling = True
 
     def check_supported(self, args) -> None:
         """Raise UnsupportedModelError for configs these export modules do not reproduce."""

