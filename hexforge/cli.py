@@ -53,7 +53,7 @@ def cmd_build(a) -> int:
                         max_shard_bytes=a.max_shard_bytes, verify=not a.no_verify,
                         exporter=a.exporter, quant=a.quant, calib=a.calib,
                         share_weights=a.share_weights, audio_seconds=a.audio_seconds,
-                        cpu_weights=a.cpu_weights,
+                        image_size=a.image_size, cpu_weights=a.cpu_weights,
                         int4_per_layer_tables=a.int4_per_layer_tables,
                         verify_tokens=a.verify_tokens, eval_text=a.eval_text,
                         eval_tokens=a.eval_tokens, keep_work=a.keep_work)
@@ -261,7 +261,8 @@ def parser() -> argparse.ArgumentParser:
                         "per-tensor accuracy probes (bench/htp_tensors.py); large")
     b.add_argument("--image-size", type=_image_size, default=None, metavar="HxW",
                    help="fixed-resolution vision graphs (Qwen-VL): the build resolution, e.g. "
-                        "512x512 (default) or 448; images are resized to it")
+                        "512x512 (default) or 448; images are resized to it (the build log and "
+                        "`hexforge inspect` show it)")
     b.add_argument("--audio-seconds", type=float, default=None,
                    help="audio models: the encoder's fixed window in seconds (default: the "
                         "model's maximum, 30 s on Gemma-4); longer clips are refused at run time")

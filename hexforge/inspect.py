@@ -70,6 +70,20 @@ def embedding_format(bundle: Path, m) -> str:
     return {"I8": "int8", "U8": "int8"}.get(t["dtype"], t["dtype"].lower())
 
 
+def encoder_input(spec) -> dict:
+    """What an encoder takes, from its manifest params: a fixed-resolution vision graph's build
+    size (every image is resized to it, so a bundle built at the wrong size still runs, only
+    worse: the size must be visible), an audio window, or an aspect-preserving image budget."""
+    p = spec.params
+    if "height" in p and "width" in p:
+        h, w = int(p["height"]), int(p["width"])
+        return {"image_size": [h, w], "text": f"images resized to {h}x{w} (H x W)"}
+    if "max_seconds" in p:
+        s = float(p["max_seconds"])
+        return {"audio_seconds": s, "text": f"audio up to {s:g} s"}
+    return {"text": f"{spec.modality}s resized at their own aspect ratio"}
+
+
 def inspect_bundle(bundle: Path) -> dict:
     m = load_manifest(bundle)
     state_bytes = 0
@@ -111,7 +125,8 @@ def inspect_bundle(bundle: Path) -> dict:
         "embedding": embedding_format(bundle, m),
         "targets": targets, "report": report,
         "encoders": [e.model_dump(include={"name", "modality", "max_soft_tokens", "placeholder_text",
-                                           "preprocessor"}) for e in m.encoders],
+                                           "preprocessor"}) | {"input": encoder_input(e)}
+                     for e in m.encoders],
     }
 
 
@@ -130,7 +145,8 @@ def print_inspection(info: dict) -> None:
             f"{info['host_tensors_bytes'] / 1e6:.2f} MB (embedding: {info['embedding']})")
     for e in info.get("encoders", []):
         c.print(f"encoder {e['name']}: {e['modality']} -> up to {e['max_soft_tokens']} soft tokens "
-                f"at {e['placeholder_text']!r} (preprocessor {e['preprocessor']})")
+                f"at {escape(repr(e['placeholder_text']))} (preprocessor {e['preprocessor']}); "
+                f"{e['input']['text']}")
     for name, t in info["targets"].items():
         arch = f"v{t['htp_arch']} soc {t['soc_model']} QNN {t['qnn_sdk']}" if t["htp_arch"] else "CPU EP"
         tab = Table(title=f"target {name}: {arch}, {t['quant']}, AR-{t['prefill_len']} prefill, "

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import CONTEXT
 
 
@@ -68,3 +70,80 @@ def test_tiny_demo_builds_and_runs_on_cpu_and_the_simulator(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "oracle" in r.stdout and "tok/s" in r.stdout and "random-weight" in r.stdout
     assert "[v81 HTP, x86 simulator]" in r.stdout
+
+
+def test_cli_passes_every_build_option(monkeypatch, tmp_path):
+    """Every BuildOptions field a flag sets reaches build(): each flag given a non-default value
+    comes out non-default (a flag cmd_build forgot was silently dropped, as --image-size was)."""
+    import dataclasses
+
+    from hexforge import cli
+    from hexforge.build import pipeline
+
+    seen = []
+    monkeypatch.setattr(pipeline, "build", lambda ckpt, out, opts, log: seen.append(opts))
+    (tmp_path / "t.txt").write_text("text")
+    argv = ["build", "ckpt", "-o", "out", "--target", "v81", "--context", "512",
+            "--prefill-len", "32", "--max-shard-bytes", "1G", "--no-verify", "--quant", "fp16",
+            "--calib", str(tmp_path / "t.txt"), "--share-weights", "--cpu-weights", "int4",
+            "--int4-per-layer-tables", "--exporter", "dynamo", "--verify-tokens", "8",
+            "--eval-text", str(tmp_path / "t.txt"), "--eval-tokens", "99",
+            "--audio-seconds", "4", "--image-size", "64x96", "--keep-work"]
+    assert cli.main(argv) == 0
+    default = pipeline.BuildOptions()
+    unset = [f.name for f in dataclasses.fields(default) if f.name not in ("force", "timings")
+             and getattr(seen[0], f.name) == getattr(default, f.name)]
+    assert not unset, f"build flags that never reach BuildOptions: {unset}"
+    assert seen[0].image_size == (64, 96)
+
+
+def test_regression_gemma4_bidirectional_image_attention_was_built_causal(ckpt, tmp_path):
+    """A Gemma-4 config asking for bidirectional attention over image tokens is refused at build
+    time in one line naming the field, before any work (it used to build, pass the text-only
+    oracle and diverge from HF on image prompts at token 3); no bundle, no partial directory."""
+    import shutil
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(ckpt("gemma4_mm"), src)
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"]["use_bidirectional_attention"] = "vision"
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    r = hexforge("build", src, "-o", out)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1
+    assert 'text_config.use_bidirectional_attention="vision" is not supported' in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_families_accept_hfs_defaults_for_the_fields_they_check():
+    """A config that leaves an ACCEPTED field out gets HF's default: it must be accepted, and a
+    config that spells the default out must build the same."""
+    from transformers import Gemma3TextConfig, Gemma4TextConfig
+
+    from hexforge.errors import UnsupportedModelError
+    from hexforge.families import load_family
+
+    for model_type, defaults in (("gemma4_text", Gemma4TextConfig()),
+                                 ("gemma3_text", Gemma3TextConfig())):
+        fam = load_family(model_type).FAMILY
+        assert fam.ACCEPTED
+        for name in fam.ACCEPTED:
+            fam.check_config({"model_type": model_type, name: getattr(defaults, name)})
+        fam.check_config({"model_type": model_type})
+    gemma3 = load_family("gemma3_text").FAMILY
+    with pytest.raises(UnsupportedModelError, match=r"use_bidirectional_attention=true is not"):
+        gemma3.check_config({"model_type": "gemma3_text", "use_bidirectional_attention": True})
+    with pytest.raises(UnsupportedModelError, match=r"text_config\.enable_moe_block=true"):
+        load_family("gemma4").FAMILY.check_config(
+            {"model_type": "gemma4", "text_config": {"enable_moe_block": True}})
+
+
+def test_encoder_flags_on_a_checkpoint_without_that_encoder_are_refused(ckpt, tmp_path):
+    """--image-size / --audio-seconds on a text-only checkpoint: one line, exit 2, nothing written
+    (not a bundle that silently ignored the flag)."""
+    for flag, value, modality in (("--image-size", "64x96", "image"), ("--audio-seconds", "4", "audio")):
+        r = hexforge("build", ckpt("llama"), "-o", tmp_path / "out", flag, value)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert f"{flag} was given but this checkpoint has no {modality} encoder" in r.stderr
+    assert not any(tmp_path.iterdir())

@@ -264,7 +264,7 @@ def test_fuzz_audio_decoder():
             assert "\n" not in str(e)
             return
         assert x.dtype == np.float32 and x.ndim == 1 and x.shape[0] <= 2 * 16000 + 16000
-        assert np.isfinite(x).all() and np.abs(x).max(initial=0) <= 1.0
+        assert np.isfinite(x).all()  # not clipped: HF's loader keeps float files' own scale
 
     run()
 
@@ -340,7 +340,8 @@ def test_regression_chat_message_without_a_role_was_rendered_as_role_none(bundle
 
 
 def test_regression_float_wav_near_float32_max_mixed_to_nan():
-    """Found by the fuzzer: stereo float samples of ~3e38 are finite, but their mean overflowed."""
+    """Found by the fuzzer: stereo float samples of ~3e38 are finite, but their mean overflowed
+    (HF's loader mixes them to inf too): refused in one line, never handed on as inf / NaN."""
     import soundfile as sf
 
     from hexforge.runtime.media import load_audio
@@ -349,5 +350,6 @@ def test_regression_float_wav_near_float32_max_mixed_to_nan():
     big = np.full((100, 2), 3e38, np.float32)
     big[::2] *= -1
     sf.write(b, big, 16000, format="WAV", subtype="FLOAT")
-    x = load_audio(b.getvalue(), sampling_rate=16000, max_seconds=1.0)
-    assert np.isfinite(x).all() and np.abs(x).max() <= 1.0
+    with pytest.raises(MediaError, match="too large to mix") as e:
+        load_audio(b.getvalue(), sampling_rate=16000, max_seconds=1.0)
+    assert "\n" not in str(e.value)

@@ -105,21 +105,55 @@ def test_log_mel_matches_hf(prep, fe, hf, samples):
     assert n_soft == int(out.attention_mask.sum())
 
 
-def test_wav_44k_stereo_resampled(prep, fe, tmp_path):
+def _speech_like(seconds: float, rate: int, channels: int, peak: float) -> np.ndarray:
+    """A chirp plus noise up to the file's Nyquist (the top mel bins see the resampler's filter),
+    each channel different, scaled to ``peak`` [N, C]; at full scale a square wave instead, whose
+    band-limited version rings past 1."""
+    rng = np.random.default_rng(rate + channels)
+    t = np.arange(int(seconds * rate)) / rate
+    if peak >= 1.0:
+        return np.repeat(np.sign(np.sin(2 * np.pi * 700 * t))[:, None], channels, 1).astype(np.float32)
+    x = np.stack([np.sin(2 * np.pi * (300 + 500 * c + 400 * t) * t) for c in range(channels)], 1)
+    x = x + 0.1 * rng.standard_normal(x.shape)
+    return (peak * x / np.abs(x).max()).astype(np.float32)
+
+
+@pytest.mark.parametrize("rate,channels,fmt,subtype,peak", [
+    (44_100, 2, "WAV", "PCM_16", 0.5),
+    (22_050, 1, "FLAC", "PCM_16", 0.5),
+    (8_000, 1, "WAV", "PCM_16", 0.5),
+    (8_000, 2, "WAV", "PCM_24", 0.5),
+    (48_000, 3, "WAV", "FLOAT", 0.9),  # three channels: the mean's summation order
+    (32_000, 1, "WAV", "FLOAT", 1.0),  # full scale: HF's resampled samples overshoot 1, unclipped
+    (16_000, 2, "WAV", "PCM_16", 0.5),  # no resampling: the channel mean alone
+])
+def test_regression_resampled_audio_differed_from_hfs_loader(prep, fe, hf, tmp_path, rate, channels,
+                                                              fmt, subtype, peak):
+    """A file at any rate gives the very waveform of ``transformers.audio_utils.load_audio`` (what
+    HF processors and chat templates do with an audio path: soxr ``soxr_hq``); scipy's polyphase
+    resampler differed by up to 0.009 at 44.1 kHz, 3.4 in the top log-mel bins, and the greedy
+    tokens from the first one. Features, mask and soft-token count then equal HF's."""
     import soundfile as sf
+    from transformers.audio_utils import load_audio as hf_load_audio
 
     from hexforge.runtime.media import load_audio
 
-    t = np.arange(int(1.25 * 44_100)) / 44_100
-    stereo = np.stack([0.4 * np.sin(2 * np.pi * 440 * t), 0.3 * np.sin(2 * np.pi * 1250 * t)], 1)
-    path = tmp_path / "tone.wav"
-    sf.write(path, stereo, 44_100, subtype="PCM_16")
-    wav = load_audio(path, prep.sampling_rate, prep.max_seconds)
-    assert wav.dtype == np.float32 and wav.shape == (20_000,)  # 1.25 s at 16 kHz
-    inputs, n_soft = prep(wav)
-    feats, mask = _hf_features(fe, wav)
+    path = tmp_path / f"clip.{fmt.lower()}"
+    sf.write(path, _speech_like(1.3, rate, channels, peak), rate, format=fmt, subtype=subtype)
+    want = hf_load_audio(str(path), sampling_rate=SR, backend="soundfile")
+    got = load_audio(path, prep.sampling_rate, prep.max_seconds)
+    assert got.dtype == np.float32 and got.shape == want.shape == (20_800,)  # 1.3 s at 16 kHz
+    np.testing.assert_array_equal(got, want)
+    if peak == 1.0:
+        assert np.abs(got).max() > 1.0
+    inputs, n_soft = prep(got)
+    feats, mask = _hf_features(fe, want)
     assert np.abs(inputs["input_features"][0, : feats.shape[0]] - feats).max() <= 1e-5
-    assert n_soft == int(mask[::2][::2].sum()) == 31
+    np.testing.assert_array_equal(inputs["input_features_mask"][0, : mask.shape[0]],
+                                  mask.astype(np.float32))
+    with torch.no_grad():
+        out = hf.model.get_audio_features(torch.from_numpy(feats[None]), torch.from_numpy(mask[None]))
+    assert n_soft == int(out.attention_mask.sum())
 
 
 def test_torch_module_matches_hf(hf, spec, example):

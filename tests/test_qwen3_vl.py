@@ -284,19 +284,17 @@ def test_htp_targets_run_text_and_image_prompts(built, hf_model, hf_greedy, enco
     assert cosine_rows(got[None], hf_image_run(hf, ids, inputs)[None])[0] >= 0.999
 
 
-def test_python_api_image_prompt_greedy_equals_hf(built, hf_model, tmp_path):
-    """hexforge.load(bundle).generate(text with the image placeholder, images=[file]): the host
+def assert_api_image_prompt_equals_hf(b, hf, tmp_path):
+    """hexforge.load(b).generate(text with the image placeholder, images=[file]): the host
     decodes + preprocesses the file, expands <vision_start> <image_pad> x n <vision_end> (the
     template's own start/end are not doubled), makes M-RoPE positions: 32 tokens = HF."""
-    import hexforge
-
-    model = hexforge.load(built)
+    model = hexforge.load(b)
     spec = model.manifest.encoders[0]
     photo(70, 150, seed=4).save(tmp_path / "p.png")
     from tokenizers import Tokenizer
 
     tok = model.tokenizer
-    raw = Tokenizer.from_file(str(built / "tokenizer" / "tokenizer.json"))
+    raw = Tokenizer.from_file(str(b / "tokenizer" / "tokenizer.json"))
     vs, ve = raw.id_to_token(spec.begin_id), raw.id_to_token(spec.end_id)
     prompt = f"Look: {vs}{spec.placeholder_text}{ve} and say."
     res = model.generate(prompt, images=[tmp_path / "p.png"], max_new_tokens=32, ignore_eos=True)
@@ -304,9 +302,31 @@ def test_python_api_image_prompt_greedy_equals_hf(built, hf_model, tmp_path):
     at = text.index(spec.placeholder_id)
     ids = text[:at] + [spec.placeholder_id] * spec.max_soft_tokens + text[at + 1:]
     assert res.prompt_tokens == len(ids)
-    inputs = Qwen2VLImagePrep(spec.params)(__import__("PIL.Image").Image.open(tmp_path / "p.png")
-                                           .convert("RGB"))[0]
-    assert res.token_ids == hf_image_run(hf_model(FAMILY), ids, inputs, 32)
+    inputs = Qwen2VLImagePrep(spec.params)(Image.open(tmp_path / "p.png").convert("RGB"))[0]
+    assert res.token_ids == hf_image_run(hf, ids, inputs, 32)
+
+
+def test_python_api_image_prompt_greedy_equals_hf(built, hf_model, tmp_path):
+    assert_api_image_prompt_equals_hf(built, hf_model(FAMILY), tmp_path)
+
+
+def test_regression_cli_image_size_was_ignored(ckpt, hf_model, tmp_path):
+    """``hexforge build --image-size HxW`` builds the vision graph at that size (the CLI dropped
+    the flag: the bundle came out at the default resolution without a word); the build log and
+    ``hexforge inspect`` (text and JSON) name the size; an image prompt then equals HF's tokens."""
+    from tests.test_cli import hexforge as cli
+
+    out = tmp_path / "b"
+    r = cli("build", ckpt(FAMILY), "-o", out, "--image-size", "64x96", "--context", "256",
+            "--prefill-len", "8", "--verify-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    assert "encoder vision: images resized to 64x96 (H x W), up to 6 soft tokens" in r.stderr
+    spec = load_manifest(out).encoders[0]
+    assert (spec.params["height"], spec.params["width"], spec.max_soft_tokens) == (64, 96, 6)
+    info = json.loads(cli("inspect", out, "--json").stdout)
+    assert info["encoders"][0]["input"]["image_size"] == [64, 96]
+    assert "images resized to 64x96 (H x W)" in " ".join(cli("inspect", out).stdout.split())
+    assert_api_image_prompt_equals_hf(out, hf_model(FAMILY), tmp_path)
 
 
 def test_w8a16_image_prompt_is_calibrated_on_images(htp_bundle, hf_model):

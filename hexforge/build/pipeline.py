@@ -23,6 +23,7 @@ from .. import __version__
 from ..errors import BuildError, ParityGateError
 from ..families import family_name, load_family
 from ..families.base import encoder_families, write_host_tensors
+from ..inspect import encoder_input
 from ..manifest import (
     MANIFEST_NAME,
     SCHEMA_VERSION,
@@ -125,9 +126,11 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
     if opts.verify:
         _evaluation(opts)
     fam = load_family(ckpt.model_type).FAMILY
+    fam.check_config(ckpt.config)
     args = fam.Args.from_config(ckpt.config)
     fam.check_supported(args)
     encoders = encoder_families(ckpt.config)  # vision / audio towers of a multimodal checkpoint
+    _check_encoder_options(encoders, opts)
 
     out = Path(output).absolute()
     if out.exists() and not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
@@ -143,6 +146,9 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         hf = fam.load_hf(ckpt.dir)
         opts.timings["load_hf_s"] = time.perf_counter() - t
         enc_specs = [_encoder_spec(e, hf, ckpt.config, opts) for e in encoders]  # bad options fail
+        for spec in enc_specs:
+            log(f"encoder {spec.name}: {encoder_input(spec)['text']}, up to "
+                f"{spec.max_soft_tokens} soft tokens")
         from ..families.blocks import calibrate_norm_scales
         from ..runtime.text import TextTokenizer
         from .calib import calibration_text
@@ -275,6 +281,15 @@ def _evaluation(opts: BuildOptions):
         raise BuildError("--eval-tokens must be >= 2")
     name = Path(opts.eval_text).name if opts.eval_text else "built-in"
     return EvalText(eval_text(opts.eval_text), name, opts.eval_tokens)
+
+
+def _check_encoder_options(encoders: list, opts: BuildOptions) -> None:
+    """An encoder option given for a modality the checkpoint has no encoder for is refused, not
+    dropped: a build that ignores a flag the user typed comes out unlike what was asked for."""
+    have = {e.modality for e in encoders}
+    for modality, (_, field_name, flag) in ENCODER_OPTIONS.items():
+        if getattr(opts, field_name) is not None and modality not in have:
+            raise BuildError(f"{flag} was given but this checkpoint has no {modality} encoder")
 
 
 def _encoder_spec(encoder, hf, config: dict, opts: BuildOptions):

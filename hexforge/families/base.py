@@ -26,11 +26,25 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ..manifest import EmbedSpec, HostRecipe, MaskGroup, RopeSpec, StateSpec, TensorSpec
+
+
+@dataclass(frozen=True)
+class Accepts:
+    """A config field's values a family implements (``DecoderFamily.ACCEPTED``), and what the
+    others would change that the graphs do not do."""
+
+    values: tuple
+    why: str
+
+
+def _same(a, b) -> bool:
+    """Config equality that keeps JSON's types apart (``False == 0`` in Python, not in a config)."""
+    return type(a) is type(b) and a == b
 
 
 def from_config(cls, config: dict):
@@ -96,8 +110,33 @@ class DecoderFamily:
     # that reads or writes it in this family's shards and head has ``set_residual_scale``
     residual_scaling = True
 
+    # Config fields that change the math, each with the values these graphs reproduce (and why
+    # the others are not): any other value is refused at build time by ``check_config``. Read
+    # from the text config (``text_config`` where the checkpoint nests one); a field the config
+    # leaves out takes HF's default, which is one of the accepted values. A field HF adds later
+    # is not caught here: new fields are read when a family is brought up to a transformers pin.
+    ACCEPTED: ClassVar[dict[str, Accepts]] = {}
+
+    def check_config(self, config: dict) -> None:
+        """Refuse, in one line, a config whose ``ACCEPTED`` fields hold a value the graphs do not
+        implement: a build would pass its text-only oracle and diverge on the prompts that reach
+        the unimplemented path (Gemma-4's bidirectional image attention did, at token 3)."""
+        from ..errors import UnsupportedModelError
+
+        nested = isinstance(config.get("text_config"), dict)
+        text = config["text_config"] if nested else config
+        for name, accepts in self.ACCEPTED.items():
+            if name in text and not any(_same(text[name], v) for v in accepts.values):
+                where = f"text_config.{name}" if nested else name
+                allowed = " or ".join("absent/null" if v is None else json.dumps(v)
+                                      for v in accepts.values)
+                raise UnsupportedModelError(
+                    f"{config.get('model_type')} with {where}={json.dumps(text[name])} is not "
+                    f"supported: {accepts.why} (supported: {allowed})")
+
     def check_supported(self, args) -> None:
-        """Raise UnsupportedModelError for configs these export modules do not reproduce."""
+        """Raise UnsupportedModelError for configs these export modules do not reproduce (checks
+        that need the resolved Args; single config fields go in ``ACCEPTED``)."""
 
     # ---- build-time: the HF model ----
     def load_hf(self, ckpt_dir: Path):

@@ -19,11 +19,12 @@ rings, full caches written in place on the cpu target), its layers ``Gemma3Layer
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import nn
 
-from ..errors import UnsupportedModelError
 from . import blocks, gemma4
+from .base import Accepts
 
 
 @dataclass
@@ -61,15 +62,14 @@ class Gemma3Family(gemma4.Gemma4Family):
     """Gemma-3 text: sliding + full attention with their own ropes, (1 + w) norms."""
 
     Args = Args
-
-    def check_supported(self, args: Args) -> None:
-        super().check_supported(args)
-        if args.attn_logit_softcapping:
-            raise UnsupportedModelError("Gemma-3 with attn_logit_softcapping is not supported "
-                                        "(the static attention has no score softcap)")
-        if args.use_bidirectional_attention:
-            raise UnsupportedModelError("Gemma-3 with use_bidirectional_attention (an encoder "
-                                        "model such as EmbeddingGemma) is not a decoder")
+    # not Gemma-4's: its image bidirectionality and MoE fields are not Gemma-3 config fields
+    ACCEPTED: ClassVar[dict[str, Accepts]] = {
+        "attn_logit_softcapping": Accepts(
+            (None, 0, 0.0), "the static attention has no score softcap"),
+        "use_bidirectional_attention": Accepts(
+            (False, None), "an encoder model such as EmbeddingGemma attends both ways; the "
+                           "graphs are a causal decoder's"),
+    }
 
     def layer_module(self, hf_layer, args: Args, i: int) -> nn.Module:
         return Gemma3Layer(hf_layer, args)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from ..manifest import EmbedSpec, ExtraEmbedSpec, HostRecipe, MaskGroup, RopeSpec, StateSpec
 from . import blocks, ortops
-from .base import DecoderFamily, GraphIO
+from .base import Accepts, DecoderFamily, GraphIO
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GROUP = {SLIDING: "sliding", FULL: "full"}
@@ -101,6 +102,13 @@ class Gemma4Family(DecoderFamily):
     """Gemma-4 E2B/E4B text: sliding + full attention, KV sharing, PLE, logit softcap."""
 
     Args = Args
+    ACCEPTED: ClassVar[dict[str, Accepts]] = {
+        "use_bidirectional_attention": Accepts(
+            (None,), "'vision' has each image's soft tokens attend to one another both ways "
+                     "('all': every token), hexforge's graphs attend causally"),
+        "enable_moe_block": Accepts(
+            (False,), "the graphs hold the dense MLP of the E2B/E4B checkpoints, no MoE block"),
+    }
 
     def check_supported(self, args: Args) -> None:
         from .blocks import ACTIVATIONS
@@ -108,9 +116,6 @@ class Gemma4Family(DecoderFamily):
         if args.hidden_activation not in ACTIVATIONS:
             raise UnsupportedModelError(f"Gemma-4 activation {args.hidden_activation!r} is not "
                                         "supported")
-        if args.enable_moe_block:
-            raise UnsupportedModelError("Gemma-4 with a MoE block (enable_moe_block) is not "
-                                        "supported yet; the dense E2B/E4B checkpoints are")
 
     # ---- state, masks, host recipe ------------------------------------------------------------
     def mask_groups(self, args: Args, context: int) -> list[MaskGroup]:

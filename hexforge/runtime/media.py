@@ -11,7 +11,8 @@ decoded, so a bomb, a lie about its size or a file that is not media costs a few
     load_audio  soundfile (libsndfile), formats allow-listed; duration = frames / rate from the
                 header checked against ``max_seconds``; then at most that many frames are read
                 (a header that under-states its length cannot make us read more), mixed to mono
-                by the channel mean and resampled with ``scipy.signal.resample_poly``.
+                and resampled exactly as ``transformers.audio_utils.load_audio`` does (the
+                channel mean, soxr ``soxr_hq``: ``mono_resampled``).
 
 Every refusal is a ``MediaError`` (a RequestError: HTTP 400, CLI exit 2) with a one-line message.
 """
@@ -118,8 +119,8 @@ def _convert_rgb(img):
 
 
 def load_audio(source: str | os.PathLike | bytes, sampling_rate: int, max_seconds: float) -> np.ndarray:
-    """An audio file (path, bytes or data URL) -> float32 mono samples in [-1, 1] at
-    ``sampling_rate``.
+    """An audio file (path, bytes or data URL) -> float32 mono samples at ``sampling_rate``, the
+    waveform HF's own loader gives for the same file (``mono_resampled``).
 
     Refused before reading frames: not audio (or a format outside AUDIO_FORMATS), empty, longer
     than ``max_seconds``, an absurd sample rate or channel count; non-finite samples after."""
@@ -161,17 +162,29 @@ def load_audio(source: str | os.PathLike | bytes, sampling_rate: int, max_second
         raise MediaError(f"{name} is longer than the {max_seconds:g} s this model takes; trim it")
     if not np.isfinite(data).all():
         raise MediaError(f"{name} holds NaN or infinite samples")
-    # float files may exceed full scale: clip *before* mixing (the fuzzer found two channels near
-    # float32 max whose mean overflowed to inf / NaN)
-    np.clip(data, -1.0, 1.0, out=data)
-    mono = data.mean(axis=1, dtype=np.float32)
-    if rate != sampling_rate:
-        from scipy.signal import resample_poly
+    with np.errstate(over="ignore", invalid="ignore"):  # refused just below, not warned about
+        mono = mono_resampled(data, rate, sampling_rate)
+    if not np.isfinite(mono).all():  # float samples near float32's max overflow the channel mean
+        raise MediaError(f"{name} holds samples too large to mix or resample (beyond float32)")
+    return mono
 
-        g = math.gcd(rate, sampling_rate)
-        mono = resample_poly(mono, sampling_rate // g, rate // g).astype(np.float32)
-    # resampling overshoots near full scale: keep the [-1, 1] contract
-    return np.clip(mono, -1.0, 1.0, out=mono)
+
+def mono_resampled(frames: np.ndarray, rate: int, sampling_rate: int) -> np.ndarray:
+    """Decoded frames [N, C] f32 at ``rate`` -> mono f32 at ``sampling_rate``, with the steps and
+    dtypes of ``transformers.audio_utils.load_audio`` (its soundfile backend, the same as
+    ``librosa.load``): what HF processors and chat templates do with an audio path, so a file
+    gives HF's waveform bit for bit. The channel mean in float32 over the [C, N] view; soxr's
+    ``soxr_hq`` resampler; the result padded with zeros or cut to ``ceil(N * sampling_rate /
+    rate)`` samples. Not clipped: a resampled clip near full scale overshoots 1 in HF too."""
+    waveform = frames.T  # [C, N], as HF reads it
+    waveform = waveform.mean(axis=0) if waveform.shape[0] > 1 else waveform[0]
+    if rate != sampling_rate:
+        import soxr
+
+        n = math.ceil(waveform.shape[-1] * sampling_rate / rate)
+        waveform = soxr.resample(waveform, rate, sampling_rate, quality="soxr_hq")
+        waveform = np.pad(waveform, (0, max(0, n - len(waveform))))[:n]
+    return np.ascontiguousarray(waveform, dtype=np.float32)
 
 
 def _short(e: Exception) -> str:
