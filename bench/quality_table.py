@@ -22,7 +22,7 @@ from pathlib import Path
 MODELS = ("smollm2", "gemma3")
 ALL = [f"{m}:cpu:{w}" for m in MODELS for w in ("fp32", "int8", "int4", "int4-b128")] + [
     f"{m}:v81:{q}" for m in MODELS for q in ("fp16", "w8a16", "w4a16")] + ["smollm2:v79:w8a16"]
-FLOOR_BLOCK = {"int4": 32, "int4-b128": 128, "w4a16": 64}
+FLOOR_BLOCK = {"int4": 32, "int4-b128": 128, "w4a16": 32}
 
 
 def gguf(name: str, work: Path) -> Path:

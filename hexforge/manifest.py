@@ -246,7 +246,7 @@ class TargetSpec(_Model):
     soc_model: int | None = None
     qnn_sdk: str | None = None
     quant: str = "fp32"
-    mask_value: float = -1e9  # additive mask for hidden keys (HTP: bounded, see HTP_NOTES)
+    mask_value: float = -1e9  # additive mask for hidden keys (HTP: bounded, see docs/htp.md)
     hidden_dtype: DType = "float32"  # the shard-to-shard hand-off
     hidden_scale: float = 1.0  # the hand-off is HF's hidden state times this (fp16 graphs carry a
     # residual stream that would overflow fp16 scaled down: blocks.use_fp16_form)

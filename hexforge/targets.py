@@ -2,9 +2,9 @@
 
 Sources (keep them next to the numbers; the QNN EP accepts any soc_model id without validating it, so
 a wrong id here would silently build for the wrong SoC):
-  * v81 = SM8850, soc_model 87 — the seed bundles (device-validated), shared/HTP_NOTES.md.
+  * v81 = SM8850, soc_model 87 — the seed bundles (device-validated), docs/htp.md.
   * v79 = SM8750 (69), v75 = SM8650 (57), v73 = SM8550 (43) and SC8380XP / Snapdragon X Elite (60):
-    commonly cited QNN soc_model ids (HTP_NOTES.md "Arch <-> SoC"; not device-validated here).
+    commonly cited QNN soc_model ids (docs/htp.md; not device-validated here).
   * per-context ceiling: v81 — 1.8 GB per context loads, 3.6 GB fails with 0x3ea (seeds). Other arches
     use the same conservative 1.8 GB until measured on a device.
   * DDR GB/s: vendor peak LPDDR bandwidth (bus width x data rate), the roofline's denominator only.

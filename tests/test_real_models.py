@@ -10,7 +10,6 @@ import json
 
 import pytest
 
-from tests.conftest import REAL_CONTEXT, REAL_N
 
 MODELS = ["smollm2", "gemma3"]
 # a held-out text longer than Gemma-3's 512-row sliding window: its fp32 bundle is judged past
@@ -120,17 +119,56 @@ def test_a_file_that_is_not_gguf_is_refused_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "b").exists()
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_v81_fp16_build_compiles_and_runs_on_the_simulator(real_bundle, name):
-    """Real weights through the HTP path: the v81 graphs compile with CPU fallback disabled and
-    generate on the x86 simulator. Their quality on the HTP is the next issue's (not judged)."""
+# The HTP on real weights (the x86 simulator runs a SmolLM2 decode step in seconds): small
+# oracle runs here — 16-row prefill chunks, 8 teacher-forced / greedy tokens, 64 held-out tokens;
+# the full table (128 held-out tokens, every precision, v79 too) is bench/quality_table.py's,
+# in docs/htp.md
+HTP = dict(context=128, prefill_len=16, verify_tokens=8, eval_tokens=64)
+
+
+def _htp_report(real_bundle, name: str, quant: str, targets: str = "v81") -> dict:
+    _, report = real_bundle(name, targets=targets, quant=quant, **HTP)
+    return report
+
+
+def test_regression_smollm2_fp16_on_the_htp_was_garbage(real_bundle):
+    """SmolLM2's first row carries 22,500 in one residual channel: the decomposed RMSNorm's x*x
+    overflowed fp16 (teacher-forced top-1 0.25). Fused norms + the residual at 1/4: the issue's
+    fp16 bar, KL <= 0.002 and top-1 >= 0.98 on held-out text."""
+    r = _htp_report(real_bundle, "smollm2", "fp16")["v81"]
+    assert r["passed"], r["failures"]
+    assert r["text"]["kl_mean"] <= 0.002 and r["text"]["top1"] >= 0.98, r["text"]
+    assert r["teacher_forced"]["top1"] >= 0.98
+
+
+def test_smollm2_w8a16_meets_the_w8_bar(real_bundle):
+    """Weight-only int8 (MatMulNBits, fp16 activations): KL <= 0.02 and top-1 >= 0.93 on
+    held-out text (v79 too in docs/htp.md: the same graphs, another arch's compile)."""
+    r = _htp_report(real_bundle, "smollm2", "w8a16")["v81"]
+    assert r["passed"], r["failures"]
+    assert r["text"]["kl_mean"] <= 0.02 and r["text"]["top1"] >= 0.93, r["text"]
+
+
+def test_regression_gemma3_fp16_residual_overflowed_fp16(real_bundle):
+    """Gemma-3-270M's BOS row reaches ~100,000 in the residual stream, past fp16's 65,504: the
+    fp16 graphs carry it at 1/16 (exact: pre-norms ignore a global scale), and meet the fp16
+    bar on held-out text."""
+    import json
+
+    bundle, report = real_bundle("gemma3", targets="v81", quant="fp16", **HTP)
+    r = report["v81"]
+    assert r["passed"], r["failures"]
+    assert r["text"]["kl_mean"] <= 0.002 and r["text"]["top1"] >= 0.98, r["text"]
+    assert json.loads((bundle / "manifest.json").read_text())["targets"]["v81"][
+        "hidden_scale"] == 1 / 16
+
+
+def test_smollm2_answers_on_the_simulator(real_bundle):
+    """The demo's question, on the HTP simulator, from the w8a16 bundle."""
     import hexforge
 
-    bundle, _ = real_bundle(name, targets="v81", quant="fp16", verify=False)
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    assert {g["role"] for g in manifest["targets"]["v81"]["graphs"]} >= {"prefill", "decode", "head"}
-    model = hexforge.load(bundle, backend="qnn-sim", arch="v81")
-    out = model.generate("The capital of France is", max_new_tokens=2, ignore_eos=True)
-    assert len(out.token_ids) == 2 and all(0 <= t < manifest["vocab_size"] for t in out.token_ids)
-    assert REAL_CONTEXT == manifest["context"] and REAL_N == manifest["targets"]["v81"]["plan"][
-        "prefill_len"]
+    bundle, _ = real_bundle("smollm2", targets="v81", quant="w8a16", **HTP)
+    model = hexforge.load(bundle, backend="qnn-sim")
+    out = model.chat([{"role": "user", "content": "What is the capital of France?"}],
+                     max_new_tokens=8)
+    assert "Paris" in out.text

@@ -6,7 +6,7 @@
 
 Encoders stay in fp16 on the HTP: they run once per image / clip, so their cost is small next to
 the decoder, and 16-bit activation quantization of attention-heavy towers costs accuracy
-(HTP_NOTES: act x act ops are where A16 loses it).
+(docs/htp.md: act x act ops are where A16 loses it).
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@
                  (the formats, round to nearest or GPTQ: weightquant.py)
 
 Why our own weight pass: the ORT tool ignores per-channel for MatMul (per-tensor uint8 gave cos 0.996,
-int4 per-tensor 0.28 — HTP_NOTES), while the QNN EP claims hand-built per-channel and block DQ.
+int4 per-tensor 0.28 — docs/htp.md), while the QNN EP claims hand-built per-channel and block DQ.
 KV state: the cache input, the new rows and their Concat get one shared fixed scale so the host can
-write outputs back as inputs and the HTP Concat needs no requantization (HTP_NOTES: the Qwen3.5 FIFO
+write outputs back as inputs and the HTP Concat needs no requantization (docs/htp.md: the Qwen3.5 FIFO
 came out ~1/8 with mismatched Concat scales).
 """
 
@@ -69,13 +69,14 @@ RECIPES = {
     # float graphs, fp16 on the HTP, in blocks.use_fp16_form (fused norms, the residual stream
     # scaled into fp16's range where it would not fit)
     "fp16": QuantRecipe("fp16", None, None, bytes_per_weight=2.0, mask_value=-30000.0),
-    # weight-only: the fp16 graphs with every weight MatMul as MatMulNBits (int8 in blocks of 32;
-    # int4 in blocks of 64 with the head int8), no calibration. On real trained models the
+    # weight-only: the fp16 graphs with every weight MatMul as MatMulNBits (int8 / int4 in blocks
+    # of 32, the head int8 under int4), rounded to nearest, no calibration. The HTP stores int4
+    # at 8 bits (docs/htp.md), so a larger block would save only scales. On real trained models the
     # fixed-point road below loses the massive activations (docs/htp.md: SmolLM2 w8a16-qdq top-1
     # 0.19); fp16 activations keep them, as AI Hub's weight-only "w4" recipe does
     "w8a16": QuantRecipe("w8a16", None, 8, block_size=32, bytes_per_weight=1.0 + 2 / 32,
                          mask_value=-30000.0),
-    "w4a16": QuantRecipe("w4a16", None, 4, block_size=64, bytes_per_weight=0.5 + 2 / 64,
+    "w4a16": QuantRecipe("w4a16", None, 4, block_size=32, bytes_per_weight=0.5 + 2 / 32,
                          mask_value=-30000.0),
     # fixed point: uint16 activations (calibrated Q/DQ pairs) and int8 per-channel weights
     "w8a16-qdq": QuantRecipe("w8a16-qdq", "uint16", 8, bytes_per_weight=1.0, mask_value=-100.0,

@@ -1,7 +1,7 @@
 """Static-shape torch export blocks shared by all families (build time only: imports torch).
 
 They wrap the HF modules' own weights (no copies) and rewrite the forward into a form that exports
-to plain ONNX and that the HTP claims (see shared/HTP_NOTES.md):
+to plain ONNX and that the HTP claims (docs/htp.md):
   * every shape is static: T tokens per call (AR-N prefill or AR-1 decode), cache of S rows;
   * K/V: the graph reads the whole static cache but returns only the T *new* rows; the host writes
     them into its preallocated buffers (no Scatter in-graph, no whole-cache copy out);
@@ -150,8 +150,10 @@ class RMSNorm(nn.Module):
         k, m = self.prescale, self.prescale / self.input_scale
         if m != 1.0:
             x3 = x3 * m
-        if self.fused:
-            return simplified_layer_norm(x3, self._gain(shape[-1], x3), self.eps * k * k
+        if self.fused:  # [1, rows, D]: the HTP's fused norm zeroed rows of a [16, 4, 32] input
+            # (batch 16) and is exact at batch 1 (probed on v81, fp16)
+            x1 = x3.reshape(1, -1, shape[-1])
+            return simplified_layer_norm(x1, self._gain(shape[-1], x1), self.eps * k * k
                                          ).reshape(shape)
         # x*x, not pow(x, 2): quantizers route Pow's exponent through Q/DQ, and an exponent that
         # dequantizes to 1.99997 turns negative bases into NaN
@@ -187,7 +189,7 @@ def residual_scale(absmax: float, limit: float = 8192.0) -> float:
     return 2.0 ** max(0, math.ceil(math.log2(absmax / limit))) if absmax > 2 * limit else 1.0
 
 
-EXP_FLOOR = -80.0  # fp16 Exp on the HTP returns garbage below about -88 (HTP_NOTES)
+EXP_FLOOR = -80.0  # fp16 Exp on the HTP returns garbage below about -88 (docs/htp.md)
 
 
 def safe_exp(x: torch.Tensor) -> torch.Tensor:
