@@ -10,7 +10,6 @@ import json
 
 import pytest
 
-
 MODELS = ["smollm2", "gemma3"]
 # a held-out text longer than Gemma-3's 512-row sliding window: its fp32 bundle is judged past
 # the point where the ring wraps
