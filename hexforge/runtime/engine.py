@@ -28,7 +28,7 @@ from .backends import Backend
 from .host import HostInputs, load_host_tensors, shared_table
 from .multimodal import MediaRows
 from .sampling import Sampler
-from .speculative import PromptLookup, check_speculation, speculative_steps
+from .speculative import PromptLookup, StepCosts, check_speculation, speculative_steps
 from .state import NP_DTYPES, State
 
 # observer(graph, feeds {input name: array}, outputs {bind: array}, valid positions): the oracle
@@ -66,6 +66,7 @@ class Engine:
         # verify graphs (speculative decoding) load on first use: a request without it pays
         # neither their load time nor their copy of the weights
         self.bundle, self.backend = bundle, backend
+        self.step_costs = StepCosts()  # decode vs verify step time: when a draft pays
         self.sessions = {g.name: backend.session(bundle, self.target, g) for g in self.target.graphs
                          if g.role != "verify"}
         self.hidden_dtype = NP_DTYPES[self.target.hidden_dtype]
@@ -394,6 +395,7 @@ class Engine:
         self.check_request(prompt_ids, max_new_tokens, 0 if fresh else self.pos)
         if drafter is not None:
             check_speculation(self)
+            self._load_verify_sessions()
         if fresh:
             self.reset()
         logits = self.prefill(prompt_ids, prefill_mode, media, copy=False)

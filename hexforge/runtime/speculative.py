@@ -24,6 +24,15 @@ own sampler on each row (temperature, top-k/p, min-p, repetition penalty and gra
 seeing the tokens accepted before the row) and compares: every token is distributed as in plain
 decoding.
 
+A verify step is worth it only where its expected tokens beat what its time buys in decode
+steps: on a cpu an 8-row call costs more than a one-row call (measured ~1.5x on SmolLM2-135M),
+so drafts that keep missing (open-ended text, where a one-token match is a weak guess) would
+make decoding slower. The drafter keeps, per n-gram length, how many drafts a verify step
+accepted lately, the engine how long each kind of step takes (``StepCosts``), and a draft is
+sent only while 1 + accepted >= verify time / decode time (and every EXPLORE-th time anyway, to
+notice when the text turns to copying). On the HTP a k-row call costs about one weight read:
+the ratio is ~1 and every draft is sent.
+
 Rows are read one at a time and each token is handed out before the next row is looked at: the
 consumer's per-token work (history for the repetition penalty, the grammar's advance, stop strings,
 cancellation) happens in the same order as without speculation, and the state afterwards holds
@@ -32,6 +41,7 @@ every token handed out but the last, as ``Engine.generate_step``'s does.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,6 +55,31 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 MAX_NGRAM = 3  # the longest context suffix looked up; shorter ones are tried next, down to 1
+EXPLORE = 8  # a draft judged not worth it is still sent every EXPLORE-th time
+GAIN_PRIOR = 1.0  # accepted drafts per verify step assumed before any was seen
+GAIN_RATE = 0.25  # weight of the latest verify step in that estimate
+
+
+class StepCosts:
+    """Seconds a decode step and a verify step take (moving averages, kept by the engine across
+    requests; the first of each is not counted: it pays for the session's first run)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.seen: set[str] = set()
+
+    def add(self, kind: str, seconds: float) -> None:
+        if kind not in self.seen:
+            self.seen.add(kind)
+            return
+        old = self.seconds.get(kind)
+        self.seconds[kind] = seconds if old is None else old + 0.2 * (seconds - old)
+
+    @property
+    def ratio(self) -> float:
+        """verify / decode step time; 1 until both were measured."""
+        d, v = self.seconds.get("decode"), self.seconds.get("verify")
+        return v / d if d and v else 1.0
 
 
 @dataclass
@@ -76,6 +111,9 @@ class PromptLookup:
         self.ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(MAX_NGRAM + 1)]
         self.indexed = 0  # n-grams ending before this position are in self.ends
         self.stats = SpeculationStats()
+        self.gain = [GAIN_PRIOR] * (MAX_NGRAM + 1)  # accepted drafts per verify, by match length
+        self.skipped = [0] * (MAX_NGRAM + 1)
+        self.match = 0  # the match length of the last draft sent
 
     def _index(self, upto: int) -> None:
         ctx = self.context
@@ -84,9 +122,10 @@ class PromptLookup:
                 self.ends[n][tuple(ctx[end - n:end])] = end
         self.indexed = max(self.indexed, upto)
 
-    def draft(self, limit: int) -> list[int]:
+    def draft(self, limit: int, cost_ratio: float = 1.0) -> list[int]:
         """Up to min(k, limit) tokens that followed the latest earlier match of the longest
-        suffix of the context that occurred before; [] if none did."""
+        suffix of the context that occurred before; [] if none did, or if a verify step on a
+        match that long has not paid lately for costing cost_ratio decode steps."""
         ctx, limit = self.context, min(self.k, limit)
         L = len(ctx)
         if limit < 1 or L < 2:
@@ -100,8 +139,18 @@ class PromptLookup:
                 out: list[int] = []
                 for i in range(end, end + limit):
                     out.append(int(ctx[i]) if i < L else out[i - L])
+                if 1 + self.gain[n] < cost_ratio:
+                    self.skipped[n] += 1
+                    if self.skipped[n] % EXPLORE:
+                        return []
+                self.match = n
                 return out
         return []
+
+    def record(self, accepted: int) -> None:
+        """A verify step of the last draft sent accepted this many of its tokens."""
+        g = self.gain[self.match]
+        self.gain[self.match] = g + GAIN_RATE * (accepted - g)
 
 
 def check_speculation(engine: Engine) -> None:
@@ -117,7 +166,7 @@ def speculative_steps(engine: Engine, sampler: Sampler, logits: np.ndarray, max_
                       drafter: PromptLookup) -> Iterator[tuple[int, np.ndarray]]:
     """``Engine.generate_step``'s loop after the prefill, with verify steps wherever a draft is
     found (plain decode steps elsewhere). Yields (token, logits it was sampled from)."""
-    stats = drafter.stats
+    stats, costs = drafter.stats, engine.step_costs
     token = sampler(logits)
     yield token, logits
     left = max_new_tokens - 1
@@ -126,19 +175,25 @@ def speculative_steps(engine: Engine, sampler: Sampler, logits: np.ndarray, max_
         # a verify step takes the last token + drafts, and its rows must end inside the cache;
         # the last token handed out is never a draft (it comes from the row after them)
         room = T - 1 if engine.pos + T <= engine.context else 0
-        drafts = drafter.draft(min(room, left - 1))
+        drafts = drafter.draft(min(room, left - 1), costs.ratio)
         if not drafts:
+            t = time.perf_counter()
             logits = engine.decode(token, copy=False)
+            costs.add("decode", time.perf_counter() - t)
             stats.decode_calls += 1
             token = sampler(logits)
             left -= 1
             yield token, logits
             continue
+        t = time.perf_counter()
         step = engine.verify([token, *drafts])
+        spent = time.perf_counter() - t
         rows = accepted = 0
         try:
             for i in range(len(drafts) + 1):
+                t = time.perf_counter()
                 logits = step.logits(i)
+                spent += time.perf_counter() - t
                 token = sampler(logits)
                 hit = i < len(drafts) and token == drafts[i]
                 rows, left, accepted = i + 1, left - 1, accepted + hit
@@ -147,6 +202,8 @@ def speculative_steps(engine: Engine, sampler: Sampler, logits: np.ndarray, max_
                     break
         finally:  # also when the consumer stops reading: the rows of the tokens handed out
             step.accept(rows)
+            costs.add("verify", spent)
+            drafter.record(accepted)
             stats.verify_calls += 1
             stats.drafted += len(drafts)
             stats.accepted += accepted
