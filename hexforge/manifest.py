@@ -10,6 +10,7 @@ A bundle is a directory::
       cpu/                   one folder per target: graphs + their shared external weight files
         s0.prefill.onnx  s0.decode.onnx  head.onnx  s0.weights   (the last decode graph runs the
                                                                    head too: one file for all three)
+        s0.verify.onnx   AR-k rows for speculative decoding, on the shard's weight file (cpu only)
       v81/ ...
 
 Every path in the manifest is relative, has no ``..``, and must resolve (symlinks included) inside
