@@ -50,6 +50,7 @@ def cmd_build(a) -> int:
     from .build.pipeline import BuildOptions, build
 
     opts = BuildOptions(targets=a.target, context=a.context, prefill_len=a.prefill_len,
+                        verify_len=a.verify_len,
                         max_shard_bytes=a.max_shard_bytes, verify=not a.no_verify,
                         exporter=a.exporter, quant=a.quant, calib=a.calib,
                         share_weights=a.share_weights, audio_seconds=a.audio_seconds,
@@ -106,7 +107,7 @@ def _response_format(a) -> dict | None:
 def _sampling(a) -> dict:
     return dict(max_new_tokens=a.n, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                 min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed,
-                ignore_eos=a.ignore_eos, stop=a.stop)
+                ignore_eos=a.ignore_eos, stop=a.stop, prompt_lookup=a.prompt_lookup)
 
 
 def cmd_chat(a) -> int:
@@ -233,6 +234,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--target", default="cpu", help="cpu (always built) plus e.g. v81 or v79,v81")
     b.add_argument("--context", type=int, default=2048, help="max tokens (prompt + generated)")
     b.add_argument("--prefill-len", type=int, default=64, help="N of the AR-N prefill graph")
+    b.add_argument("--verify-len", type=int, default=8,
+                   help="k of the cpu target's AR-k verify graph (run --prompt-lookup); 0: none")
     b.add_argument("--max-shard-bytes", type=_shard_bytes, default=None,
                    help="per-graph weight ceiling (default: the target's): 1.8G, or cpu=3G,v81=1.8G")
     b.add_argument("--quant", choices=tuple(RECIPES), default="w8a16",
@@ -371,6 +374,10 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--prompt-lookup", type=int, default=None, metavar="K",
+                   help="speculative decoding: draft up to K tokens a step from the prompt and "
+                        "the output so far, verified in one call (same output; --json reports "
+                        "drafted / accepted tokens and tokens per verify call)")
 
 
 def one_line(e: BaseException) -> str:

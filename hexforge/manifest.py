@@ -10,6 +10,7 @@ A bundle is a directory::
       cpu/                   one folder per target: graphs + their shared external weight files
         s0.prefill.onnx  s0.decode.onnx  head.onnx  s0.weights   (the last decode graph runs the
                                                                    head too: one file for all three)
+        s0.verify.onnx   AR-k rows for speculative decoding, on the shard's weight file (cpu only)
       v81/ ...
 
 Every path in the manifest is relative, has no ``..``, and must resolve (symlinks included) inside
@@ -60,7 +61,7 @@ def _check_rel_path(p: str) -> str:
 RelPath = Annotated[str, AfterValidator(_check_rel_path)]
 DType = Literal["float32", "float16", "int64", "int32", "uint16", "uint8", "int8", "bool"]
 StateKind = Literal["kv_full", "kv_sliding", "kv_shared", "conv_fifo", "ssm"]
-GraphRole = Literal["prefill", "decode", "head", "vision", "audio"]
+GraphRole = Literal["prefill", "decode", "verify", "head", "vision", "audio"]
 
 
 class _Model(BaseModel):
@@ -80,7 +81,7 @@ class GraphSpec(_Model):
     name: str  # unique within the target, e.g. "s0.prefill"
     role: GraphRole
     file: RelPath
-    seq_len: int = Field(ge=1)  # T: tokens per call (prefill AR-N) or 1 (decode AR-1)
+    seq_len: int = Field(ge=1)  # T: tokens per call (prefill AR-N, verify AR-k) or 1 (decode)
     layers: tuple[int, int] | None = None  # [start, end) decoder layers, for decoder graphs
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
@@ -230,12 +231,26 @@ class ShardPlan(_Model):
     layers: tuple[int, int]
     prefill: str  # graph names
     decode: str
+    # AR-k: speculative decoding's verify step (a cpu target's last one outputs every row's
+    # logits); None: speculation verifies through the prefill graph
+    verify: str | None = None
+
+    def names(self) -> list[str]:
+        """The shard's graphs: they share one weight file."""
+        return [self.prefill, self.decode] + ([self.verify] if self.verify else [])
 
 
 class RunPlan(_Model):
     prefill_len: int = Field(ge=1)
     shards: list[ShardPlan] = Field(min_length=1)
     head: str
+    verify_len: int | None = None  # rows of the shards' verify graphs (None: no verify graphs)
+
+    @model_validator(mode="after")
+    def _check(self) -> RunPlan:
+        if any((s.verify is None) != (self.verify_len is None) for s in self.shards):
+            raise ValueError("verify graphs: every shard has one and verify_len is set, or none")
+        return self
 
 
 class TargetSpec(_Model):
@@ -259,7 +274,7 @@ class TargetSpec(_Model):
         names = [g.name for g in self.graphs]
         if len(set(names)) != len(names):
             raise ValueError(f"target {self.name}: duplicate graph names")
-        refs = [self.plan.head] + [x for s in self.plan.shards for x in (s.prefill, s.decode)]
+        refs = [self.plan.head] + [x for s in self.plan.shards for x in s.names()]
         missing = [r for r in refs if r not in names]
         if missing:
             raise ValueError(f"target {self.name}: run plan names unknown graphs {missing}")

@@ -53,6 +53,7 @@ class _Request(BaseModel):
     stream: bool = False
     response_format: dict | None = None
     ignore_eos: bool = False  # as vLLM's extension: run to max_tokens (benchmarks, tests)
+    prompt_lookup: int | None = Field(default=None, ge=1)  # speculative decoding's draft tokens
 
     def generation_kwargs(self) -> dict:
         kw: dict[str, Any] = {"max_new_tokens": self.max_tokens, "temperature": self.temperature,
@@ -64,6 +65,8 @@ class _Request(BaseModel):
             kw["repetition_penalty"] = self.repetition_penalty
         if self.ignore_eos:
             kw["ignore_eos"] = True
+        if self.prompt_lookup is not None:
+            kw["prompt_lookup"] = self.prompt_lookup
         if self.response_format is not None:
             kw["response_format"] = self.response_format  # compiled in respond(), off the loop
         return kw
@@ -217,8 +220,11 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
 
     def usage(result) -> dict:
         n = len(result.token_ids)
-        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n,
-                "total_tokens": result.prompt_tokens + n}
+        out = {"prompt_tokens": result.prompt_tokens, "completion_tokens": n,
+               "total_tokens": result.prompt_tokens + n}
+        if result.speculation is not None:  # under prompt_lookup: drafted / accepted tokens
+            out["speculation"] = result.speculation
+        return out
 
     def finish(result) -> str:
         return "length" if result.finish_reason == "length" else "stop"

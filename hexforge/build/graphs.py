@@ -1,7 +1,9 @@
 """Float graphs for a shard plan: prefill AR-N + decode AR-1 per shard (one weight file) + head.
 
 Used by every target: the cpu target ships them; HTP targets calibrate on them, then quantize and
-compile them.
+compile them. The cpu target also ships an AR-k verify graph per shard (speculative decoding,
+runtime/speculative.py) on the same weight file: on cpu a k-row call costs little more than one
+row while the AR-N prefill graph costs N rows' compute (bench/speculative.py measures both).
 """
 
 from __future__ import annotations
@@ -60,10 +62,17 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
             if cpu and s == last:
                 decode = WithHead(decode, use_cpu_kernels(fam.head_module(hf, args)))
             dec = export(f"s{s}.decode", "decode", decode, (a, b))
-        graphs += [pre, dec]
-        plan.append(ShardPlan(layers=(a, b), prefill=pre.name, decode=dec.name))
+            ver = None
+            if cpu and opts.verify_len:
+                verify = step(hf, args, (a, b), opts.verify_len, opts.context)
+                if s == last:  # every row's logits: each checks the draft after it
+                    verify = WithHead(verify, use_cpu_kernels(fam.head_module(hf, args)))
+                ver = export(f"s{s}.verify", "verify", verify, (a, b))
+        graphs += [g for g in (pre, dec, ver) if g is not None]
+        plan.append(ShardPlan(layers=(a, b), prefill=pre.name, decode=dec.name,
+                              verify=ver and ver.name))
         if s < last or not cpu:
-            share_weights([folder / f"{n}.onnx" for n in (pre.name, dec.name)], f"s{s}.weights",
+            share_weights([folder / f"{n}.onnx" for n in plan[-1].names()], f"s{s}.weights",
                           fuse)
         release_mapped_pages(hf.name_or_path)  # the checkpoint pages this shard was read from
     with fam.float32(hf, head=True):
@@ -71,7 +80,8 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
         head = export("head", "head", use_cpu_kernels(head_module) if cpu else head_module)
     graphs.append(head)
     release_mapped_pages(hf.name_or_path)
-    run_plan = RunPlan(prefill_len=opts.prefill_len, shards=plan, head=head.name)
+    run_plan = RunPlan(prefill_len=opts.prefill_len, shards=plan, head=head.name,
+                       verify_len=opts.verify_len if cpu and opts.verify_len else None)
     group = weight_groups(run_plan, cpu)[-1]
     share_weights([folder / f"{n}.onnx" for n in group], weights_file(group), fuse)
     for g in graphs:
@@ -80,9 +90,9 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
 
 
 def weight_groups(plan: RunPlan, cpu: bool) -> list[list[str]]:
-    """The graphs that share one weight file: each shard's prefill + decode, and the head — on
-    its own for HTP targets, with the last shard on cpu (whose decode graph runs it)."""
-    groups = [[s.prefill, s.decode] for s in plan.shards]
+    """The graphs that share one weight file: each shard's prefill + decode (+ verify), and the
+    head — on its own for HTP targets, with the last shard on cpu (whose decode graph runs it)."""
+    groups = [s.names() for s in plan.shards]
     if cpu:
         groups[-1].append(plan.head)
     else:

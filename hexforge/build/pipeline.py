@@ -50,6 +50,7 @@ class BuildOptions:
     targets: str = "cpu"
     context: int = 2048
     prefill_len: int = 64
+    verify_len: int = 8  # k of the cpu target's AR-k verify graphs (speculative decoding); 0: none
     max_shard_bytes: int | dict[str, int] | None = None  # all targets, or per target name;
     # default: each target's per-context ceiling
     verify: bool = True
@@ -123,6 +124,8 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                          "HTP target (HTP graphs run 8/16-bit weights and read the same tables)")
     if opts.prefill_len < 1 or opts.context < 2:
         raise BuildError("--prefill-len must be >= 1 and --context >= 2")
+    if not 0 <= opts.verify_len < opts.context:
+        raise BuildError(f"--verify-len must be in [0, --context), got {opts.verify_len}")
     if opts.verify:
         _evaluation(opts)
     fam = load_family(ckpt.model_type).FAMILY

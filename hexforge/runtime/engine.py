@@ -28,6 +28,7 @@ from .backends import Backend
 from .host import HostInputs, load_host_tensors, shared_table
 from .multimodal import MediaRows
 from .sampling import Sampler
+from .speculative import PromptLookup, StepCosts, check_speculation, speculative_steps
 from .state import NP_DTYPES, State
 
 # observer(graph, feeds {input name: array}, outputs {bind: array}, valid positions): the oracle
@@ -62,7 +63,12 @@ class Engine:
                                [e.placeholder_id for e in manifest.encoders])
         self.prompt_offset = 0  # index in the prompt of the current step's first row
         self.state = State(manifest)
-        self.sessions = {g.name: backend.session(bundle, self.target, g) for g in self.target.graphs}
+        # verify graphs (speculative decoding) load on first use: a request without it pays
+        # neither their load time nor their copy of the weights
+        self.bundle, self.backend = bundle, backend
+        self.step_costs = StepCosts()  # decode vs verify step time: when a draft pays
+        self.sessions = {g.name: backend.session(bundle, self.target, g) for g in self.target.graphs
+                         if g.role != "verify"}
         self.hidden_dtype = NP_DTYPES[self.target.hidden_dtype]
         self.pos = 0
         self.observer: Observer | None = None
@@ -86,12 +92,18 @@ class Engine:
         plan = self.target.plan
         self.step_graphs = {"prefill": [self.target.graph(s.prefill) for s in plan.shards],
                             "decode": [self.target.graph(s.decode) for s in plan.shards]}
+        # a speculative verify step: the AR-k graphs, else the AR-N prefill ones (rows padded)
+        self.verify_len = plan.verify_len or self.prefill_len
+        self.step_graphs["verify"] = ([self.target.graph(s.verify) for s in plan.shards]
+                                      if plan.verify_len else self.step_graphs["prefill"])
         self.head = self.target.graph(plan.head)
         # an in-place prefill graph writes all N rows of a chunk, pad rows included (later steps
         # overwrite them before anything reads them): a chunk must then end inside the cache
         self.prefill_in_place = any(i.bind.startswith("kv_seqlens:")
                                     for g in self.step_graphs["prefill"] for i in g.inputs)
-        self.head_in_step = {"prefill": False, "decode": self.target.decode_runs_head}
+        # the last graph runs the head itself (cpu decode and verify graphs)
+        self.head_in_step = {role: any(o.bind == "logits" for o in graphs[-1].outputs)
+                             for role, graphs in self.step_graphs.items()}
         # the slot groups whose mask a step's graphs read (a cpu graph that updates the
         # cache in place reads cache lengths instead: its mask is not made)
         self.masks_of = {role: [(n, grp) for n, grp in self.state.groups.items()
@@ -103,10 +115,9 @@ class Engine:
         # per graph: (output index, input name) of the caches it updates in place, where its
         # session returns copies (plain session.run, HEXFORGE_CPU_IOBINDING=0) that the engine
         # must write back; an IO-bound session writes the cache itself (nothing to do per token)
-        self.aliases_of = {g.name: [(k, o.bind[6:]) for k, o in enumerate(g.outputs)
-                                    if o.bind.startswith("alias:")]
-                           for g in self.target.graphs
-                           if not getattr(self.sessions[g.name], "writes_in_place", False)}
+        self.aliases_of: dict[str, list[tuple[int, str]]] = {}
+        for name in list(self.sessions):
+            self._note_aliases(self.target.graph(name))
         # the state each step writes: {"new:<state>": state}, committed after every graph ran
         self.step_writes = {role: {step_key(o.bind): o.bind[6:] for g in graphs for o in g.outputs
                                    if o.bind.startswith("state:")}
@@ -119,6 +130,17 @@ class Engine:
                          *(f"rope_{f}:{name}" for name in self.ropes for f in ("cos", "sin"))]
         self._kept_rows: dict[str, np.ndarray] = {}
         self._ar1_inputs: dict[str, np.ndarray] | None = None  # see _decode_inputs
+
+    def _note_aliases(self, g: GraphSpec) -> None:
+        if not getattr(self.sessions[g.name], "writes_in_place", False):
+            self.aliases_of[g.name] = [(k, o.bind[6:]) for k, o in enumerate(g.outputs)
+                                       if o.bind.startswith("alias:")]
+
+    def _load_verify_sessions(self) -> None:
+        for g in self.step_graphs["verify"]:
+            if g.name not in self.sessions:
+                self.sessions[g.name] = self.backend.session(self.bundle, self.target, g)
+                self._note_aliases(g)
 
     @property
     def vocab_size(self) -> int:
@@ -313,6 +335,24 @@ class Engine:
         logits = self.forward(np.array([token], dtype=np.int64), 1, "decode")
         return logits.copy() if copy else logits
 
+    def verify(self, ids: list[int]) -> Verification:
+        """ids (1 .. verify_len: the last sampled token, then drafts) at self.pos .. through the
+        verify graphs (AR-k, else AR-N prefill), rows padded to the graph's; nothing committed
+        until ``Verification.accept``. Its rows must end inside the cache (pos + T <= context):
+        an in-place graph writes every row, pad rows included."""
+        T, n = self.verify_len, len(ids)
+        if not 1 <= n <= T or self.pos + T > self.context:
+            raise ValueError(f"a verify step takes 1..{T} ids ending inside the cache; got {n} "
+                             f"at {self.pos} of {self.context}")
+        self._load_verify_sessions()
+        padded = np.zeros(T, dtype=np.int64)
+        padded[:n] = ids
+        positions = np.arange(self.pos, self.pos + T, dtype=np.int64)
+        inputs = self._step_inputs(padded, positions, n, "verify")
+        for graph in self.step_graphs["verify"]:
+            self._run(graph, inputs, positions[:n])
+        return Verification(self, inputs, positions[:n])
+
     # ---- media encoders ------------------------------------------------------------------------
     def encode(self, spec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run encoder ``spec``'s graph on preprocessed inputs; -> {bind: array} ("soft", ...)."""
@@ -344,18 +384,54 @@ class Engine:
 
     def generate_step(self, prompt_ids: list[int], sampler: Sampler, max_new_tokens: int,
                       prefill_mode: str = "chunked", fresh: bool = True,
-                      media: MediaRows | None = None) -> Iterator[tuple[int, np.ndarray]]:
+                      media: MediaRows | None = None, drafter: PromptLookup | None = None
+                      ) -> Iterator[tuple[int, np.ndarray]]:
         """Yield (token, logits it was sampled from) up to max_new_tokens; stop by breaking out.
         The logits are valid until the next step (the graph writes the next ones into the same
         buffer): copy them to keep them.
         fresh=False continues from the current state (a chat session's next turn): the ids are
-        appended at self.pos. Every yielded token but the last is in the state afterwards."""
+        appended at self.pos. Every yielded token but the last is in the state afterwards.
+        drafter: speculative decoding with its drafts (runtime/speculative.py), same tokens."""
         self.check_request(prompt_ids, max_new_tokens, 0 if fresh else self.pos)
+        if drafter is not None:
+            check_speculation(self)
+            self._load_verify_sessions()
         if fresh:
             self.reset()
         logits = self.prefill(prompt_ids, prefill_mode, media, copy=False)
+        if drafter is not None:
+            yield from speculative_steps(self, sampler, logits, max_new_tokens, drafter)
+            return
         for i in range(max_new_tokens):
             token = sampler(logits)
             yield token, logits
             if i + 1 < max_new_tokens:
                 logits = self.decode(token, copy=False)
+
+
+class Verification:
+    """A verify step's rows, run but not committed: ``logits(i)`` after ids[:i + 1], then
+    ``accept(n)`` commits the first n rows (the state advances by n; the other rows are never
+    visible: see runtime/speculative.py). Valid until the engine's next step."""
+
+    def __init__(self, engine: Engine, inputs: dict[str, np.ndarray], positions: np.ndarray):
+        self.engine, self.inputs, self.positions = engine, inputs, positions
+
+    def logits(self, i: int) -> np.ndarray:
+        """Row i's logits [V] (the graph's buffer). Without logits in the step (HTP targets,
+        verifying through prefill graphs) the head runs on that row only: rows after the first
+        miss are never paid for."""
+        eng, inputs = self.engine, self.inputs
+        if eng.head_in_step["verify"]:
+            return inputs["logits"][0, i]
+        out = {"hidden": np.ascontiguousarray(inputs["hidden"][:, i:i + 1])}
+        eng._run(eng.head, out, self.positions[i:i + 1])
+        return out["logits"][0, -1]
+
+    def accept(self, n: int) -> None:
+        if n < 1:
+            return
+        eng, kept = self.engine, self.positions[:n]
+        eng.state.commit({name: self.inputs[key]
+                          for key, name in eng.step_writes["verify"].items()}, kept)
+        eng.pos += n

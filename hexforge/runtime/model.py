@@ -15,6 +15,7 @@ from .constrain import Grammars
 from .engine import Engine
 from .multimodal import prepare_media
 from .sampling import make_sampler
+from .speculative import PromptLookup
 from .text import ChatTemplate, TextTokenizer
 
 
@@ -30,6 +31,9 @@ class GenerationResult:
     timings: dict = field(default_factory=dict)
     # per generated token, when requested: {"token", "logprob", "top": [(token, logprob), ...]}
     logprobs: list[dict] | None = None
+    # under prompt_lookup: drafted / accepted tokens, acceptance, verify_calls, decode_calls,
+    # tokens_per_verify (runtime/speculative.py SpeculationStats)
+    speculation: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -155,19 +159,21 @@ class Model:
                  seed=None, ignore_eos=False, prefill_mode="chunked", min_p=0.0,
                  repetition_penalty=1.0, penalty_window=0, stop=None, stop_token_ids=None,
                  logprobs=None, should_stop=None, steps=None, response_format=None,
-                 constraint=None, images=None, audios=None
+                 constraint=None, images=None, audios=None, prompt_lookup=None
                  ) -> Iterator[tuple[str, int | None, GenerationResult | None]]:
-        # steps(ids, sampler, max_new) -> (token, logits) generator; default: a fresh run
         """Yields (text piece, token id, None) per token, then ("", None, result) once.
 
         stop: strings that end the output (cut before them); stop_token_ids: extra stop ids;
         logprobs: None, or how many top alternatives to report per token (0 = the chosen only);
         should_stop(): polled every token, True cancels (finish_reason "cancelled");
-        steps: (ids, sampler, max_new) -> a (token, logits) generator, instead of a fresh
-        generate_step (chat sessions continue their state through it);
+        steps: (ids, sampler, max_new, drafter) -> a (token, logits) generator, instead of a
+        fresh generate_step (chat sessions continue their state through it);
         response_format: OpenAI-style {"type": "json_schema" | "json_object" | "regex" | "lark", ..}
         or constraint: a ready processor with advance(token) and done (runtime/constrain.py);
-        images / audios: paths or bytes, spliced at the prompt's placeholders (or put first)."""
+        images / audios: paths or bytes, spliced at the prompt's placeholders (or put first);
+        prompt_lookup: k > 0 drafts up to k tokens a step from the context (prompt + output so
+        far) and verifies them in one call (runtime/speculative.py): same tokens, same
+        distribution under sampling, fewer weight reads where the output copies its input."""
         g = self.generation
         max_new = g.max_new_tokens if max_new_tokens is None else max_new_tokens
         if not isinstance(max_new, int) or isinstance(max_new, bool):
@@ -181,7 +187,8 @@ class Model:
                                    "model.generate / model.chat")
             ids, media = prepare_media(self.engine, self.manifest, ids, images, audios,
                                        self._preprocessors)
-        history = list(ids)  # the repetition penalty's window reads it live
+        history = list(ids)  # the repetition penalty's window and the drafter read it live
+        drafter = PromptLookup(prompt_lookup, history) if prompt_lookup else None
         if constraint is None and response_format is not None:
             constraint = self.grammars.constraint(response_format)
         sampler = make_sampler(g.temperature if temperature is None else temperature,
@@ -196,9 +203,9 @@ class Model:
         lps: list[dict] | None = [] if logprobs is not None else None
         finish, t_first = "length", None
         if steps is None:
-            steps = lambda ids, sampler, n: self.engine.generate_step(  # noqa: E731
-                ids, sampler, n, prefill_mode, media=media)
-        for token, logits in steps(ids, sampler, max_new):
+            steps = lambda ids, sampler, n, drafter: self.engine.generate_step(  # noqa: E731
+                ids, sampler, n, prefill_mode, media=media, drafter=drafter)
+        for token, logits in steps(ids, sampler, max_new, drafter):
             if t_first is None:
                 t_first = time.perf_counter()
             if token in eos:
@@ -232,6 +239,7 @@ class Model:
             ttft_ms=(t_first - t0) * 1e3,
             decode_tok_s=n_after / (t_end - t_first) if n_after and t_end > t_first else 0.0,
             total_ms=(t_end - t0) * 1e3, logprobs=lps,
+            speculation=drafter.stats.to_dict() if drafter is not None else None,
         )
         yield "", None, result
 
@@ -283,8 +291,9 @@ class ChatSession:
         self.last_reused = n if reuse else 0
         yielded: list[int] = []
 
-        def steps(_ids, sampler, max_new):
-            gen = eng.generate_step(ids[n:] if reuse else ids, sampler, max_new, fresh=not reuse)
+        def steps(_ids, sampler, max_new, drafter):
+            gen = eng.generate_step(ids[n:] if reuse else ids, sampler, max_new, fresh=not reuse,
+                                    drafter=drafter)
             for token, logits in gen:
                 yielded.append(token)
                 yield token, logits

@@ -1,0 +1,136 @@
+"""Speculative decoding with prompt lookup on a real model: decode tok/s with and without, per
+task, in one run (the two interleaved, their order alternating by round), greedy tokens checked
+identical; and the expected ratio on the HTP from the roofline.
+
+    python bench/speculative.py BUNDLE [--rounds 5] [--k 7] [--new 256] [--json out.json]
+
+Tasks: input-grounded ones (repeat a paragraph, lightly edit it, fix a bug in a given function,
+answer with quotes from a given text), where the output copies spans of the prompt, and one
+open-ended prompt, where drafts rarely hit.
+
+HTP roofline: decode there is bound by reading the weights, and a call of a few rows costs about
+one weight read (compute is far from binding at k <= 8). So the expected decode speedup is the
+weight reads saved: generated tokens / weight reads, where a plain decode step or an AR-k verify
+step is one read. The runtime verifies on HTP targets through the AR-N prefill graph and runs
+the head graph once per row it reads: that path's estimate counts a body read per verify call and
+a head read per row read (``htp_prefill_path``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+PARAGRAPH = (
+    "The lighthouse at Port Aven was built in 1874 from granite quarried two miles inland. Its "
+    "lamp, first fuelled by whale oil and later by kerosene, was electrified in 1931, and the "
+    "keeper's cottage was turned into a small museum after the last keeper retired in 1968. "
+    "Visitors can climb the 112 steps to the gallery on weekends between April and October."
+)
+
+BUGGY = '''def moving_average(values, window):
+    """Return the averages of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    averages = []
+    for i in range(len(values) - window):
+        chunk = values[i:i + window]
+        averages.append(sum(chunk) / window)
+    return averages'''
+
+STORY = (
+    "Mara Quill ran the only bakery in the village of Hollin. Every morning at four she lit the "
+    "wood oven her grandfather had built, and by six the smell of rye bread reached the harbour. "
+    "\"Bread is patience you can eat,\" she liked to say to the apprentices. When the flood of 1952 "
+    "closed the road for three weeks, she baked for the whole valley and refused to take payment. "
+    "The village still celebrates Quill Day on the first Sunday of March."
+)
+
+TASKS = {
+    "repeat": f"Repeat the following paragraph exactly, word for word:\n\n{PARAGRAPH}",
+    "edit": "Rewrite the following paragraph, changing only 'Port Aven' to 'Kerlouan' and "
+            f"'granite' to 'sandstone'. Keep everything else the same.\n\n{PARAGRAPH}",
+    "bugfix": "This function skips the last window. Fix the bug and return the whole corrected "
+              f"function in a Python code block.\n\n```python\n{BUGGY}\n```",
+    "quotes": f"Text: {STORY}\n\nWhat did Mara do during the flood? Answer by quoting the text.",
+    "open": "Write a short story about a robot who learns to paint.",
+}
+GROUNDED = ["repeat", "edit", "bugfix", "quotes"]
+
+
+def run(model, prompt: str, new: int, k: int | None):
+    return model.chat([{"role": "user", "content": prompt}], max_new_tokens=new, temperature=0.0,
+                      prompt_lookup=k)
+
+
+def htp_estimate(spec: dict, tokens: int, head_share: float) -> dict:
+    """Weight reads of the speculative run per generated token after the first, vs plain decode's
+    one; an AR-k call = one read. head_share: the head's fraction of a decode step's weights."""
+    calls = spec["verify_calls"] + spec["decode_calls"]
+    rows = spec["tokens_per_verify"] * spec["verify_calls"]
+    prefill_path = (spec["decode_calls"] + spec["verify_calls"] * (1 - head_share)
+                    + rows * head_share)
+    return {"ar_k": round(tokens / calls, 2) if calls else 1.0,
+            "htp_prefill_path": round(tokens / prefill_path, 2) if calls else 1.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bundle")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--k", type=int, default=7, help="draft tokens per verify step")
+    ap.add_argument("--new", type=int, default=256, help="max new tokens")
+    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+
+    import hexforge
+    from hexforge.inspect import decode_bytes_per_token
+
+    model = hexforge.load(a.bundle)
+    m, t = model.manifest, model.manifest.targets[model.target]
+    head_share = m.vocab_size * m.hidden_size * 4 / decode_bytes_per_token(Path(a.bundle), t)
+    run(model, "Hi", 4, a.k)  # load the verify sessions and warm both paths
+    out = {"bundle": a.bundle, "date": time.strftime("%Y-%m-%d %H:%M"), "k": a.k,
+           "command": " ".join(sys.argv),
+           "verify_len": model.engine.verify_len, "rounds": a.rounds,
+           "head_share": round(head_share, 3), "tasks": {}}
+    for name in a.tasks.split(","):
+        plain_tps, spec_tps, spec = [], [], None
+        for r in range(a.rounds):
+            for k in ((None, a.k) if r % 2 == 0 else (a.k, None)):
+                res = run(model, TASKS[name], a.new, k)
+                if k is None:
+                    plain_tps.append(res.decode_tok_s)
+                    plain = res.token_ids
+                else:
+                    spec_tps.append(res.decode_tok_s)
+                    spec, spec_ids = res.speculation, res.token_ids
+        same = plain == spec_ids
+        med_p, med_s = statistics.median(plain_tps), statistics.median(spec_tps)
+        row = {"tokens": len(plain), "identical": same,
+               "acceptance": round(spec["acceptance"], 3),
+               "tokens_per_verify": round(spec["tokens_per_verify"], 2),
+               "verify_calls": spec["verify_calls"], "decode_calls": spec["decode_calls"],
+               "plain_tok_s": round(med_p, 2), "spec_tok_s": round(med_s, 2),
+               "ratio": round(med_s / med_p, 3),
+               "ratio_range": [round(min(spec_tps) / max(plain_tps), 3),
+                               round(max(spec_tps) / min(plain_tps), 3)],
+               "htp_estimate": htp_estimate(spec, len(plain) - 1, head_share)}
+        out["tasks"][name] = row
+        print(name, json.dumps(row), file=sys.stderr, flush=True)
+    out["verify_over_decode_s"] = round(model.engine.step_costs.ratio, 3)
+    grounded = [out["tasks"][n]["ratio"] for n in GROUNDED if n in out["tasks"]]
+    if grounded:
+        out["grounded_median_ratio"] = statistics.median(grounded)
+    print(json.dumps(out, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
