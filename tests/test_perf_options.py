@@ -14,7 +14,7 @@ import pytest
 def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
     import onnx
 
-    from hexforge.build.quantize import CPU_WEIGHTS
+    from hexforge.build.quantize import CPU_WEIGHTS, cpu_head_format
 
     b = bundle("qwen3", cpu_weights=weights)
     report = json.loads((b / "report.json").read_text())["cpu"]
@@ -36,14 +36,17 @@ def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
         inits = {t.name: {e.key: e.value for e in t.external_data} for t in m.graph.initializer}
         where[name] = [inits[n.input[1]] for n in m.graph.node if n.op_type == "MatMulNBits"]
         for n in m.graph.node:  # the recipe's bits and block (K=64 and 128 here: one block
-            if n.op_type == "MatMulNBits":  # of 128 spans a whole column)
+            if n.op_type == "MatMulNBits":  # of 128 spans a whole column); the head's: its own
                 attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
-                assert (attrs["bits"], attrs["block_size"]) == CPU_WEIGHTS[weights], n.name
+                fmt = cpu_head_format(*CPU_WEIGHTS[weights]) \
+                    if attrs["N"] == manifest["vocab_size"] else CPU_WEIGHTS[weights]
+                assert (attrs["bits"], attrs["block_size"]) == fmt, n.name
     assert sorted(p.name for p in (b / "cpu").glob("*.weights")) == ["s0.weights"]
     assert where["head"][0] in where["s0.decode"] and where["head"][0]["location"] == "s0.weights"
-    # the embedding is quantized too (the gates above held with it): in the weights' bits and
-    # blocks where they divide its width (64 here: not the b128 ones' 128, which take int8 in
-    # blocks of 32; the int8-b128 head's blocks differ from those, so nothing is shared)
+    # the embedding is quantized too (the gates above held with it): in the head's bits and
+    # blocks where they divide its width (64 here: not int8-b128's 128, which takes int8 in
+    # blocks of 32; that head's blocks differ, so nothing is shared). int4 weights keep an int8
+    # head in blocks of 32 (cpu_head_format), and so an int8 embedding, shared with it
     from hexforge.inspect import inspect_bundle
     from hexforge.runtime.host import (
         Int4Table,
@@ -54,11 +57,11 @@ def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
 
     header = check_safetensors_header(b / "host.safetensors")
     embedding = inspect_bundle(b)["embedding"]
-    if weights.endswith("-b128"):
+    if weights == "int8-b128":
         assert header["embed_tokens"]["dtype"] == "U8" and "embed_tokens.int8_scales" in header
         assert embedding == "int8" and manifest["host"]["embed"]["shared"] is None
         return
-    bits = {"int4": 4, "int8": 8}[weights]
+    bits = 8
     assert embedding == f"int{bits}, blocks of 32: the tied head's rows in cpu/s0.weights"
     # tied: the quantized table is the head's MatMulNBits weight (the same bytes by the same
     # quantizer), so host.safetensors does not hold it and the runtime reads the head's ranges
