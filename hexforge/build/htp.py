@@ -269,7 +269,8 @@ def weight_only(plan: RunPlan, folder: Path, recipe: QuantRecipe, vocab_size: in
         for name in group:
             dst = folder / f"{name}{COMPILED_SUFFIX['weight-only']}"
             onnx.save(onnx.load(str(folder / f"{name}.onnx"), load_external_data=False), str(dst))
-            quantize_cpu_graph(dst, recipe.weight_bits, recipe.block_size, vocab_size)
+            quantize_cpu_graph(dst, recipe.weight_bits, recipe.block_size, vocab_size,
+                               whole_blocks=True)
         share_weights([folder / f"{n}{COMPILED_SUFFIX['weight-only']}" for n in group],
                       weights_file(group).replace(".weights", ".wo.weights"), None)
 

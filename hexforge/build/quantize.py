@@ -559,6 +559,18 @@ def structural_matmuls(model) -> list[str]:
     return out
 
 
+def partial_block_matmuls(model, block_size: int) -> list[str]:
+    """MatMuls whose constant weight [K, N] has K not a multiple of ``block_size``: node names."""
+    inits = {t.name: t for t in model.graph.initializer}
+    out = []
+    for i, n in enumerate(model.graph.node):
+        t = inits.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) == 2 else None
+        if t is not None and len(t.dims) == 2 and t.dims[0] % block_size:
+            n.name = n.name or f"partial_block_matmul_{i}"
+            out.append(n.name)
+    return out
+
+
 def head_matmuls(model, vocab_size: int) -> list[str]:
     """MatMuls whose constant weight [K, vocab] makes the logits: the lm_head (in the head graph
     and in a decode graph that runs it). -> node names (named where the export left them blank)."""
@@ -573,15 +585,18 @@ def head_matmuls(model, vocab_size: int) -> list[str]:
 
 
 def quantize_cpu_graph(path: Path, bits: int, block_size: int, vocab_size: int | None = None,
-                       accuracy_level: int = CPU_ACCURACY_LEVEL) -> int:
+                       accuracy_level: int = CPU_ACCURACY_LEVEL, whole_blocks: bool = False) -> int:
     """Every MatMul with an initializer weight (not ``structural_matmuls``) -> com.microsoft
     MatMulNBits (symmetric, blocks of ``block_size`` along K), in place; the head's (the MatMuls
-    to ``vocab_size`` columns) in ``cpu_head_format``. The result is saved with its weights inline
-    (the caller moves them out again with ``share_weights``). -> MatMuls quantized."""
+    to ``vocab_size`` columns) in ``cpu_head_format``. ``whole_blocks``: weights whose K is not
+    a multiple of the block stay float (the HTP refuses a padded MatMulNBits: tiny Gemma-4's
+    per-layer projection, K = 8). The result is saved with its weights inline (the caller moves
+    them out again with ``share_weights``). -> MatMuls quantized."""
     import onnx
 
     model = onnx.load(str(path))  # with its external weights: one graph at a time in memory
-    structural = structural_matmuls(model)
+    structural = structural_matmuls(model) + (partial_block_matmuls(model, block_size)
+                                              if whole_blocks else [])
     head = head_matmuls(model, vocab_size) if vocab_size else []
     model = _matmul_nbits(model, bits, block_size, accuracy_level, exclude=structural + head)
     if head:
