@@ -558,24 +558,25 @@ def test_int4_per_layer_tables_put_gemma4s_per_layer_table_in_int4(tmp_path):
 
 
 def test_b128_weights_share_an_embedding_their_block_divides(tmp_path):
-    """A hidden size 128 divides (the tiny family's 64 does not): int8-b128 and int4-b128 keep
-    the embedding in the head's blocks of 128 and store it once, and the bundle still matches
-    its float rows within the gate."""
+    """A hidden size 128 divides (the tiny family's 64 does not): int8-b128 keeps the embedding
+    in the head's blocks of 128 and stores it once (int4-b128's head is int8 in blocks of 32,
+    and so is its shared embedding), and the bundle still matches its float rows within the
+    gate."""
     from hexforge.build.pipeline import BuildOptions, build
     from hexforge.inspect import inspect_bundle
     from hexforge.runtime.host import check_safetensors_header
     from hexforge.tiny import make_tiny_checkpoint
 
     ck = make_tiny_checkpoint("qwen3", tmp_path / "ck", hidden_size=128)
-    for weights, bits in (("int8-b128", 8), ("int4-b128", 4)):
+    for weights, bits, block in (("int8-b128", 8, 128), ("int4-b128", 8, 32)):
         b = build(ck, tmp_path / weights, BuildOptions(context=48, prefill_len=8,
                                                        cpu_weights=weights), log=lambda m: None)
         report = json.loads((b / "report.json").read_text())["cpu"]
         assert report["passed"], report["failures"]
         shared = json.loads((b / "manifest.json").read_text())["host"]["embed"]["shared"]
-        assert (shared["bits"], shared["block"], shared["shape"][1]) == (bits, 128, 128)
+        assert (shared["bits"], shared["block"], shared["shape"][1]) == (bits, block, 128)
         assert "embed_tokens" not in check_safetensors_header(b / "host.safetensors")
-        assert inspect_bundle(b)["embedding"].startswith(f"int{bits}, blocks of 128: the tied")
+        assert inspect_bundle(b)["embedding"].startswith(f"int{bits}, blocks of {block}: the tied")
 
 
 def test_regression_faster_int8_prefill_kernel_spreads_one_outlier_channel_over_the_chunk(

@@ -212,7 +212,7 @@ def test_inverse_hessian_factor_in_float32_matches_float64_and_refuses_a_broken_
 
 
 def test_w8_block_recipe_writes_int8_blocks_and_beats_per_channel_scales(tmp_path):
-    """--quant w8a16-b128: int8 weights with one scale per 128 input rows (DequantizeLinear
+    """--quant w8a16-qdq-b128: int8 weights with one scale per 128 input rows (DequantizeLinear
     axis 0, block_size), from the same QDQ pass; a weight whose rows differ in scale (as real
     ones do) loses less than with one scale per output channel."""
     from onnx import TensorProto, helper, numpy_helper
@@ -236,7 +236,7 @@ def test_w8_block_recipe_writes_int8_blocks_and_beats_per_channel_scales(tmp_pat
     ranges = stats.save_ranges(tmp_path / "ranges.json")
     stats.close()
     errs = {}
-    for quant in ("w8a16", "w8a16-b128"):
+    for quant in ("w8a16-qdq", "w8a16-qdq-b128"):
         out = tmp_path / f"{quant}.onnx"
         quantize_graph(float_path, out, ranges, {}, {}, RECIPES[quant], "prefill")
         m = onnx.load(str(out))
@@ -246,14 +246,14 @@ def test_w8_block_recipe_writes_int8_blocks_and_beats_per_channel_scales(tmp_pat
         attrs = {a.name: a.i for a in dq.attribute}
         q, scale = inits[dq.input[0]], inits[dq.input[1]]
         assert q.dtype == np.int8
-        if quant == "w8a16":
+        if quant == "w8a16-qdq":
             assert attrs == {"axis": 1} and scale.shape == (N,)
             deq = q * scale[None]
         else:
             assert attrs == {"axis": 0, "block_size": 128} and scale.shape == (K // 128, N)
             deq = q * np.repeat(scale, 128, axis=0)
         errs[quant] = np.linalg.norm(x @ (deq - w)) / np.linalg.norm(x @ w)
-    assert errs["w8a16-b128"] < 0.8 * errs["w8a16"]  # measured 0.0057 vs 0.0081
+    assert errs["w8a16-qdq-b128"] < 0.8 * errs["w8a16-qdq"]  # measured 0.0057 vs 0.0081
 
 
 def test_gptq_is_kept_only_where_it_beats_round_to_nearest_on_held_out_rows():
@@ -330,11 +330,11 @@ def test_gptq_damping_grows_as_calibration_rows_fall_below_the_inputs():
 
 
 def test_w4a16_rtn_rounds_every_weight_where_w4a16_keeps_gptq(tmp_path):
-    """--quant w4a16-rtn: the w4a16 format with every weight rounded to nearest, for where the
+    """--quant w4a16-qdq-rtn: the w4a16-qdq format with every weight rounded to nearest, for where the
     per-weight GPTQ check passes a weight that costs accuracy end to end (the Qwen3.5 cut's
     GatedDeltaNet in_proj_qkv: 0.8365 validated vs 0.8566 with that weight rounded). Same
     calibration Hessians (low-rank rows, where w4a16 keeps GPTQ): w4a16 writes GPTQ's int4
-    blocks, w4a16-rtn exactly round to nearest's."""
+    blocks, w4a16-qdq-rtn exactly round to nearest's."""
     from onnx import TensorProto, helper, numpy_helper
 
     from hexforge.build.calibstats import GraphStats, HessianStore
@@ -360,7 +360,7 @@ def test_w4a16_rtn_rounds_every_weight_where_w4a16_keeps_gptq(tmp_path):
     stats.close()
     _, rq = int4_blocks(w, 64)
     got = {}
-    for quant in ("w4a16", "w4a16-rtn"):
+    for quant in ("w4a16-qdq", "w4a16-qdq-rtn"):
         out = tmp_path / f"{quant}.qdq.onnx"
         quantize_graph(float_path, out, ranges, {}, {}, RECIPES[quant], "prefill", store)
         m = onnx.load(str(out))
@@ -369,5 +369,5 @@ def test_w4a16_rtn_rounds_every_weight_where_w4a16_keeps_gptq(tmp_path):
                   and inits.get(n.input[0]) is not None and inits[n.input[0]].shape == (K, N))
         got[quant] = inits[dq.input[0]].astype(np.int8)
     assert store.gptq_kept == [0, 1]  # w4a16 solved GPTQ once and kept it
-    assert (got["w4a16-rtn"] == rq.astype(np.int8)).all()
-    assert (got["w4a16"] != rq.astype(np.int8)).mean() > 0.05
+    assert (got["w4a16-qdq-rtn"] == rq.astype(np.int8)).all()
+    assert (got["w4a16-qdq"] != rq.astype(np.int8)).mean() > 0.05
