@@ -13,7 +13,7 @@ import pytest
 MODELS = ["smollm2", "gemma3"]
 # a held-out text longer than Gemma-3's 512-row sliding window: its fp32 bundle is judged past
 # the point where the ring wraps
-LONG_CONTEXT, LONG_EVAL = 1024, 704
+LONG_CONTEXT, LONG_EVAL = 768, 600
 
 
 def _long_eval_file(tmp_path_factory):
@@ -26,7 +26,7 @@ def _long_eval_file(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def fp32_bundle(real_bundle, tmp_path_factory):
-    """fp32 cpu bundles; Gemma-3's at a context twice its window, scored over 704 tokens."""
+    """fp32 cpu bundles; Gemma-3's at a context past its 512-row window, scored over 600 tokens."""
     def get(name):
         if name == "gemma3":
             return real_bundle(name, context=LONG_CONTEXT, eval_tokens=LONG_EVAL,
@@ -55,8 +55,7 @@ def test_int8_cpu_kl_at_most_0_01(real_bundle, name):
     assert r["text"]["kl_mean"] <= 0.01 and r["text"]["top1"] >= 0.9, r["text"]
 
 
-@pytest.mark.parametrize("name,weights", [("smollm2", "int4"), ("smollm2", "int4-b128"),
-                                          ("gemma3", "int4")])
+@pytest.mark.parametrize("name,weights", [("smollm2", "int4"), ("gemma3", "int4")])
 def test_int4_cpu_at_or_below_hfs_round_to_nearest_floor(real_bundle, real_hf, name, weights):
     """KL <= 1.2x the KL HF itself reaches with its decoder's Linear weights rounded to nearest
     at the same block (the embedding and head left in fp32)."""
