@@ -21,17 +21,21 @@ MAX_CALIB_BYTES = 1 << 20
 
 
 def calibration_text(path: str | None) -> str:
-    if not path:
-        return CALIB_TEXT
+    return read_text_option("--calib", path) if path else CALIB_TEXT
+
+
+def read_text_option(flag: str, path: str, max_bytes: int = MAX_CALIB_BYTES) -> str:
+    """The UTF-8 text of a file a build option names (``--calib``, ``--eval-text``), or a
+    one-line BuildError naming the option: missing, too large, not UTF-8, empty."""
     p = Path(path)
     if not p.is_file():
-        raise BuildError(f"--calib {path}: no such file")
-    if p.stat().st_size > MAX_CALIB_BYTES:
-        raise BuildError(f"--calib {path} is larger than {MAX_CALIB_BYTES} bytes")
+        raise BuildError(f"{flag} {path}: no such file")
+    if p.stat().st_size > max_bytes:
+        raise BuildError(f"{flag} {path} is larger than {max_bytes} bytes")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise BuildError(f"--calib {path} is not UTF-8 text") from None
+        raise BuildError(f"{flag} {path} is not UTF-8 text") from None
     if not text.strip():
-        raise BuildError(f"--calib {path} is empty")
+        raise BuildError(f"{flag} {path} is empty")
     return text

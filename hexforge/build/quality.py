@@ -16,8 +16,6 @@ judged on it. ``--eval-text FILE`` replaces it.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from ..errors import BuildError
@@ -53,20 +51,9 @@ MAX_EVAL_BYTES = 1 << 20
 
 def eval_text(path: str | None) -> str:
     """The built-in held-out text, or the UTF-8 text of ``--eval-text FILE``."""
-    if not path:
-        return EVAL_TEXT
-    p = Path(path)
-    if not p.is_file():
-        raise BuildError(f"--eval-text {path}: no such file")
-    if p.stat().st_size > MAX_EVAL_BYTES:
-        raise BuildError(f"--eval-text {path} is larger than {MAX_EVAL_BYTES} bytes")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise BuildError(f"--eval-text {path} is not UTF-8 text") from None
-    if not text.strip():
-        raise BuildError(f"--eval-text {path} is empty")
-    return text
+    from .calib import read_text_option
+
+    return read_text_option("--eval-text", path, MAX_EVAL_BYTES) if path else EVAL_TEXT
 
 
 def eval_ids(tok, text: str, max_tokens: int) -> list[int]:
