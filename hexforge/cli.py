@@ -222,7 +222,8 @@ def cmd_demo(a) -> int:
 
 def parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .build.quantize import CPU_WEIGHTS, RECIPES  # numpy only: no torch, no onnx
+    from .build.nbits import CPU_WEIGHTS  # numpy only: no torch, no onnx
+    from .build.quantize import RECIPES
 
     p = argparse.ArgumentParser(prog="hexforge", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"hexforge {__version__}")

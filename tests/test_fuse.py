@@ -68,7 +68,7 @@ def test_skip_norm_fusion_leaves_a_broadcasting_add_alone():
 
 def _quantized_siblings(tmp_path, n_out=(48, 16, 16)):
     """Three MatMuls on one input (q/k/v), quantized to int4 MatMulNBits the way the build does."""
-    from hexforge.build.quantize import quantize_cpu_graph
+    from hexforge.build.nbits import quantize_cpu_graph
 
     rng = np.random.default_rng(1)
     K = 64

@@ -14,7 +14,7 @@ import pytest
 def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
     import onnx
 
-    from hexforge.build.quantize import CPU_WEIGHTS, cpu_head_format
+    from hexforge.build.nbits import CPU_WEIGHTS, cpu_head_format
 
     b = bundle("qwen3", cpu_weights=weights)
     report = json.loads((b / "report.json").read_text())["cpu"]
@@ -477,7 +477,7 @@ def test_host_tables_take_the_heads_format_where_every_target_can():
     (8/16-bit weights) read it too; other tables int8."""
     import numpy as np
 
-    from hexforge.build.quantize import host_table_formats
+    from hexforge.build.nbits import host_table_formats
 
     tensors = {"e": np.zeros((10, 256), np.float32), "odd": np.zeros((10, 64), np.float32)}
     assert host_table_formats("fp32", "e", ["x"], tensors) == {}

@@ -59,8 +59,8 @@ def test_int8_cpu_kl_at_most_0_01(real_bundle, name):
 def test_int4_cpu_at_or_below_hfs_round_to_nearest_floor(real_bundle, real_hf, name, weights):
     """KL <= 1.2x the KL HF itself reaches with its decoder's Linear weights rounded to nearest
     at the same block (the embedding and head left in fp32)."""
+    from hexforge.build.nbits import CPU_WEIGHTS
     from hexforge.build.quality import EVAL_TEXT, eval_ids, fake_quant_floor, hf_logits
-    from hexforge.build.quantize import CPU_WEIGHTS
     from hexforge.runtime.text import TextTokenizer
 
     _, report = real_bundle(name, cpu_weights=weights)

@@ -20,7 +20,7 @@ from ..manifest import EncoderSpec, GraphSpec
 from .export import export_module, share_weights
 
 # encoder gates, cosine of the valid soft-token rows vs HF, per where the tower runs: fp32 on the
-# cpu, int8 weights on the cpu (quantize.CPU_ENCODER_WEIGHTS), fp16 on the HTP
+# cpu, int8 weights on the cpu (nbits.CPU_ENCODER_WEIGHTS), fp16 on the HTP
 ENCODER_GATES = {"cpu": 0.99999, "cpu-int8": 0.999, "htp": 0.999}
 ROLE = {"image": "vision", "audio": "audio"}
 
@@ -88,7 +88,7 @@ def compile_encoders(float_graphs: list[GraphSpec], root: Path, target, soc_mode
 def quantize_cpu_encoders(graphs: list[GraphSpec], root: Path, cpu_weights: str, log) -> None:
     """The cpu target's tower graphs with weight-only MatMulNBits per ``CPU_ENCODER_WEIGHTS``, in
     place (after the HTP targets compiled their fp16 towers from the float graphs)."""
-    from .quantize import CPU_ENCODER_WEIGHTS, check_cpu_weights, quantize_cpu_graph
+    from .nbits import CPU_ENCODER_WEIGHTS, check_cpu_weights, quantize_cpu_graph
 
     weights = CPU_ENCODER_WEIGHTS[cpu_weights]
     nbits = check_cpu_weights(weights)
@@ -107,7 +107,7 @@ def quantize_cpu_encoders(graphs: list[GraphSpec], root: Path, cpu_weights: str,
 
 def encoder_gate(htp: bool, cpu_weights: str | None) -> float:
     """The soft-token cosine a tower must reach on a target (cpu_weights: the cpu target's)."""
-    from .quantize import CPU_ENCODER_WEIGHTS
+    from .nbits import CPU_ENCODER_WEIGHTS
 
     if htp:
         return ENCODER_GATES["htp"]

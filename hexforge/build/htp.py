@@ -255,7 +255,7 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
 
 def weight_only(plan: RunPlan, folder: Path, recipe: QuantRecipe, vocab_size: int) -> None:
     """Every float graph ``X.onnx`` in ``folder`` -> ``X.wo.onnx``: each weight MatMul as
-    MatMulNBits (int8 / int4 blocks, the head int8 under int4: ``quantize.cpu_head_format``),
+    MatMulNBits (int8 / int4 blocks, the head int8 under int4: ``nbits.cpu_head_format``),
     each weight group's into one ``<group>.wo.weights`` file (the float graphs stay, for the
     oracle and the probe). The QNN EP runs MatMulNBits on the HTP with fp16 activations; its
     activation input must be rank 3, as every projection's [1, T, K] is."""
@@ -263,7 +263,7 @@ def weight_only(plan: RunPlan, folder: Path, recipe: QuantRecipe, vocab_size: in
 
     from .export import share_weights
     from .graphs import weight_groups, weights_file
-    from .quantize import quantize_cpu_graph
+    from .nbits import quantize_cpu_graph
 
     for group in weight_groups(plan, cpu=False):
         for name in group:

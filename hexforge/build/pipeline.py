@@ -40,7 +40,8 @@ from .export import share_weights
 from .fuse import fuse_cpu_graph
 from .graphs import export_float, plan_target, weight_groups, weights_file
 from .hosttables import share_tied_embedding
-from .quantize import check_cpu_weights, cpu_head_format, get_recipe, host_table_formats, quantize_cpu_graph
+from .nbits import check_cpu_weights, cpu_head_format, host_table_formats, quantize_cpu_graph
+from .quantize import get_recipe
 
 Log = Callable[[str], None]
 
