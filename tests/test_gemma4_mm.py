@@ -69,6 +69,12 @@ def _hf_audio_inputs(wav):
     return Gemma4AudioFeatureExtractor()([wav], sampling_rate=16000, return_tensors="pt")
 
 
+def _media_ids(model, prompt: str, begin: int, token: int, n: int, end: int) -> list[int]:
+    """HF's prompt ids for one media item put first: BOS, begin, n placeholders, end, the text."""
+    text = model.tokenizer.encode(prompt)
+    return text[:1] + [begin] + [token] * n + [end] + text[1:]
+
+
 def test_build_gates_the_encoders_against_hf(mm):
     _, b = mm
     manifest = json.loads((b / "manifest.json").read_text())
@@ -88,8 +94,7 @@ def test_image_prompt_greedy_equals_hf(mm, hf, media):
     res = model.generate(prompt, images=[media["image"]], max_new_tokens=NEW, ignore_eos=True)
     inputs, n = _hf_image_inputs(ckpt_dir, media["img"])
     cfg = hf.config
-    text = model.tokenizer.encode(prompt)
-    ids = text[:1] + [cfg.boi_token_id] + [cfg.image_token_id] * n + [cfg.eoi_token_id] + text[1:]
+    ids = _media_ids(model, prompt, cfg.boi_token_id, cfg.image_token_id, n, cfg.eoi_token_id)
     assert res.prompt_tokens == len(ids)
     want = _hf_generate(hf, ids, pixel_values=inputs["pixel_values"],
                         image_position_ids=inputs["image_position_ids"])
@@ -108,8 +113,7 @@ def test_audio_prompt_greedy_equals_hf(mm, hf, media):
         n = int(hf.model.get_audio_features(feats["input_features"],
                                             feats["input_features_mask"]).attention_mask.sum())
     cfg = hf.config
-    text = model.tokenizer.encode(prompt)
-    ids = text[:1] + [cfg.boa_token_id] + [cfg.audio_token_id] * n + [cfg.eoa_token_index] + text[1:]
+    ids = _media_ids(model, prompt, cfg.boa_token_id, cfg.audio_token_id, n, cfg.eoa_token_index)
     assert res.prompt_tokens == len(ids)
     want = _hf_generate(hf, ids, input_features=feats["input_features"],
                         input_features_mask=feats["input_features_mask"])
@@ -150,8 +154,7 @@ def test_regression_resampled_audio_gave_other_tokens_than_hf(mm, hf, tmp_path, 
     assert n_ours == n
     assert np.abs(soft - out.pooler_output[0, :n].numpy()).max() <= 1e-5
     cfg = hf.config
-    text = model.tokenizer.encode(prompt)
-    ids = text[:1] + [cfg.boa_token_id] + [cfg.audio_token_id] * n + [cfg.eoa_token_index] + text[1:]
+    ids = _media_ids(model, prompt, cfg.boa_token_id, cfg.audio_token_id, n, cfg.eoa_token_index)
     assert res.prompt_tokens == len(ids)
     want = _hf_generate(hf, ids, input_features=feats["input_features"],
                         input_features_mask=feats["input_features_mask"])
