@@ -222,8 +222,11 @@ def test_gated_deltanet_output_norm_gets_its_prescale(ckpt):
 
     from hexforge.families import load_family
 
+    import torch
+
     hf = load_family("qwen3_5_text").FAMILY.load_hf(ckpt("qwen3_5"))
-    got = blocks.calibrate_norm_scales(hf, list(range(3, 60)))
+    ids = torch.tensor([list(range(3, 60))])
+    got = blocks.record_norm_prescales(hf, lambda: hf(ids, attention_mask=torch.ones_like(ids)))
     config = json.loads((ckpt("qwen3_5") / "config.json").read_text())
     linear = [i for i, t in enumerate(config["layer_types"]) if t == "linear_attention"]
     for i in linear:
