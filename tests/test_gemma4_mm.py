@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 NEW = 32
+CHAT_NEW = 16  # a chat's last turn: fewer tokens keep HF's generate with audio cheap
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +40,14 @@ def media(tmp_path_factory):
     return {"image": d / "photo.png", "audio": d / "speech.wav", "img": img, "wav": wav}
 
 
-def _hf_generate(hf, ids: list[int], **inputs) -> list[int]:
+def _hf_generate(hf, ids: list[int], new: int = NEW, **inputs) -> list[int]:
     import torch
 
     gen = hf.generation_config
     saved, gen.eos_token_id = gen.eos_token_id, None
     try:
         with torch.no_grad():
-            out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=NEW, do_sample=False,
+            out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=new, do_sample=False,
                               pad_token_id=0, **inputs)
     finally:
         gen.eos_token_id = saved
@@ -73,6 +74,26 @@ def _media_ids(model, prompt: str, begin: int, token: int, n: int, end: int) -> 
     """HF's prompt ids for one media item put first: BOS, begin, n placeholders, end, the text."""
     text = model.tokenizer.encode(prompt)
     return text[:1] + [begin] + [token] * n + [end] + text[1:]
+
+
+def _hf_audio_tokens(hf, feats) -> int:
+    with __import__("torch").no_grad():
+        return int(hf.model.get_audio_features(feats["input_features"],
+                                               feats["input_features_mask"]).attention_mask.sum())
+
+
+def _hf_chat_ids(ckpt_dir, conversation: list[dict], begin: int, token: int, n: int,
+                 end: int) -> list[int]:
+    """HF's prompt ids of a chat with one media item: the conversation rendered by the
+    tokenizer's chat template (generation prompt added), the item's placeholder expanded to
+    begin, n placeholders, end (Gemma4Processor.replace_image_token / replace_audio_token)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ckpt_dir))
+    text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False).input_ids
+    at = ids.index(token)
+    return ids[:at] + [begin] + [token] * n + [end] + ids[at + 1:]
 
 
 def test_build_gates_the_encoders_against_hf(mm):
@@ -109,9 +130,7 @@ def test_audio_prompt_greedy_equals_hf(mm, hf, media):
     prompt = "Transcribe this audio."
     res = model.generate(prompt, audios=[media["audio"]], max_new_tokens=NEW, ignore_eos=True)
     feats = _hf_audio_inputs(media["wav"])
-    with __import__("torch").no_grad():
-        n = int(hf.model.get_audio_features(feats["input_features"],
-                                            feats["input_features_mask"]).attention_mask.sum())
+    n = _hf_audio_tokens(hf, feats)
     cfg = hf.config
     ids = _media_ids(model, prompt, cfg.boa_token_id, cfg.audio_token_id, n, cfg.eoa_token_index)
     assert res.prompt_tokens == len(ids)
@@ -161,6 +180,45 @@ def test_regression_resampled_audio_gave_other_tokens_than_hf(mm, hf, tmp_path, 
     assert res.token_ids == want
 
 
+@pytest.mark.parametrize("modality", ["image", "audio"])
+def test_chat_with_media_in_the_second_turn_greedy_equals_hf(mm, hf, media, modality):
+    """Turn 1 text, turn 2 an image (no place marked: it goes before the text) or an audio clip
+    (marked): the session prefills only what follows turn 1's prompt, with the item's soft tokens
+    in that span, and gives HF's greedy tokens on the whole conversation — HF's chat template on
+    both user turns and turn 1's answer, the placeholder expanded as HF's processor does."""
+    import hexforge
+
+    ckpt_dir, b = mm
+    model = hexforge.load(b)
+    s = model.session()
+    first = s.send("Hi there!", max_new_tokens=1)  # one token: turn 1's prompt is in the state
+    reusable = len(s.cached)
+    mark = model.manifest.encoder(modality).placeholder_text
+    text = "What is this?" if modality == "image" else f"{mark}Transcribe this."
+    res = s.send(text, max_new_tokens=CHAT_NEW, ignore_eos=True,
+                 **{f"{modality}s": [media[modality]]})
+    assert s.last_reused == reusable > 0
+    assert s.messages[2][f"{modality}s"] == [media[modality]]  # kept for a re-prefill
+    conversation = [{"role": "user", "content": "Hi there!"},
+                    {"role": "assistant", "content": first.text},
+                    {"role": "user", "content": text if modality == "audio" else mark + text}]
+    cfg = hf.config
+    if modality == "image":
+        inputs, n = _hf_image_inputs(ckpt_dir, media["img"])
+        ids = _hf_chat_ids(ckpt_dir, conversation, cfg.boi_token_id, cfg.image_token_id, n,
+                           cfg.eoi_token_id)
+        kw = dict(pixel_values=inputs["pixel_values"],
+                  image_position_ids=inputs["image_position_ids"])
+    else:
+        feats = _hf_audio_inputs(media["wav"])
+        ids = _hf_chat_ids(ckpt_dir, conversation, cfg.boa_token_id, cfg.audio_token_id,
+                           _hf_audio_tokens(hf, feats), cfg.eoa_token_index)
+        kw = dict(input_features=feats["input_features"],
+                  input_features_mask=feats["input_features_mask"])
+    assert res.prompt_tokens == len(ids)
+    assert res.token_ids == _hf_generate(hf, ids, CHAT_NEW, **kw)
+
+
 def test_text_only_prompt_on_the_multimodal_bundle_equals_hf(mm, hf):
     import hexforge
 
@@ -178,6 +236,10 @@ def test_placeholder_count_must_match_the_media(mm, media):
     model = hexforge.load(b)
     with pytest.raises(RequestError, match="2 image"):
         model.generate("<|image|> and <|image|>", images=[media["image"]], max_new_tokens=2)
+    with pytest.raises(RequestError, match="conversation marks 3 image"):  # every turn's
+        s = model.session()
+        s.send("<|image|> first", images=[media["image"]], max_new_tokens=1)
+        s.send("<|image|> and <|image|>", images=[media["image"]], max_new_tokens=1)
 
 
 def test_cli_transcribes_a_wav_and_describes_an_image_end_to_end(mm, media, tmp_path):

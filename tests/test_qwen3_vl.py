@@ -310,6 +310,61 @@ def test_python_api_image_prompt_greedy_equals_hf(built, hf_model, tmp_path):
     assert_api_image_prompt_equals_hf(built, hf_model(FAMILY), tmp_path)
 
 
+IMAGE_TURN = "<|vision_start|><|image_pad|><|vision_end|>What is this?"
+
+
+def chat_equals_hf(b, ckpt_dir, hf, image, turns, lose_state: bool = False) -> int:
+    """A session over turns [(text, images)]: the earlier turns one token each (their prompts
+    are then prefixes of the next), the last 16 greedy tokens = HF generate on the whole
+    conversation (HF's tokenizer chat template, turn answers included; the image expanded to
+    its soft tokens, its pixels and grid). lose_state: another request runs on the model before
+    the last turn. -> the last turn's reused prompt tokens."""
+    from transformers import AutoTokenizer
+
+    model = hexforge.load(b)
+    spec = model.manifest.encoders[0]
+    s = model.session()
+    conversation = []
+    for k, (text, images) in enumerate(turns):
+        last = k + 1 == len(turns)
+        if last and lose_state:
+            model.generate("Something else.", max_new_tokens=2)
+        res = s.send(text, images=images, max_new_tokens=16 if last else 1, ignore_eos=last)
+        conversation.append({"role": "user", "content": text})
+        if not last:
+            conversation.append({"role": "assistant", "content": res.text})
+    tok = AutoTokenizer.from_pretrained(str(ckpt_dir))
+    ids = tok(tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True),
+              add_special_tokens=False).input_ids
+    at = ids.index(spec.placeholder_id)
+    ids = ids[:at] + [spec.placeholder_id] * spec.max_soft_tokens + ids[at + 1:]
+    assert res.prompt_tokens == len(ids)
+    inputs = Qwen2VLImagePrep(spec.params)(Image.open(image).convert("RGB"))[0]
+    assert res.token_ids == hf_image_run(hf, ids, inputs, 16)
+    return s.last_reused
+
+
+def test_chat_with_an_image_in_the_second_turn_greedy_equals_hf(built, ckpt, hf_model, tmp_path):
+    """Turn 1 text, turn 2 an image: only what follows turn 1's prompt is prefilled, the image's
+    soft tokens, deepstack rows and M-RoPE positions (after turn 1's text) in that span."""
+    photo(70, 150, seed=4).save(tmp_path / "p.png")
+    turns = [("Hi there!", None), (IMAGE_TURN, [tmp_path / "p.png"])]
+    assert chat_equals_hf(built, ckpt(FAMILY), hf_model(FAMILY), tmp_path / "p.png", turns) > 0
+
+
+@pytest.mark.parametrize("state", ["kept", "lost"])
+def test_chat_text_turn_after_an_image_turn_greedy_equals_hf(built, ckpt, hf_model, tmp_path,
+                                                            state):
+    """Turn 1 an image, turn 2 text. kept: turn 2 continues the state, its positions past the
+    image's M-RoPE grid (rope_delta); lost: another request used the engine in between, so turn 2
+    prefills the whole conversation again, turn 1's image included (the session kept its rows)."""
+    photo(70, 150, seed=4).save(tmp_path / "p.png")
+    turns = [(IMAGE_TURN, [tmp_path / "p.png"]), ("And then?", None)]
+    reused = chat_equals_hf(built, ckpt(FAMILY), hf_model(FAMILY), tmp_path / "p.png", turns,
+                            lose_state=state == "lost")
+    assert (reused > 0) == (state == "kept")
+
+
 def test_regression_cli_image_size_was_ignored(ckpt, hf_model, tmp_path):
     """``hexforge build --image-size HxW`` builds the vision graph at that size (the CLI dropped
     the flag: the bundle came out at the default resolution without a word); the build log and

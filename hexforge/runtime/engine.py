@@ -71,6 +71,7 @@ class Engine:
                          if g.role != "verify"}
         self.hidden_dtype = NP_DTYPES[self.target.hidden_dtype]
         self.pos = 0
+        self.resets = 0  # a chat session's state is its own only while no reset came between
         self.observer: Observer | None = None
         # recurrent-state graphs (conv fifo) keep the last k valid inputs: one-hot "tail:<k>"
         binds = {i.bind for g in self.target.graphs for i in g.inputs}
@@ -149,6 +150,7 @@ class Engine:
     def reset(self) -> None:
         self.state.reset()
         self.pos = 0
+        self.resets += 1
         self.media, self.rope_delta = None, 0
 
     # ---- one step ----------------------------------------------------------------------------

@@ -183,9 +183,9 @@ class Model:
         ids = self.encode(prompt)
         media = None
         if images or audios:
-            if steps is not None:
-                raise RequestError("images / audio in a chat session are not supported yet: use "
-                                   "model.generate / model.chat")
+            if steps is not None:  # its caller prefills: the media rows go to it
+                raise RequestError("steps= takes no images / audio: a chat session's turn takes "
+                                   "them (session.send(text, images=[...]))")
             ids, media = prepare_media(self.engine, self.manifest, ids, images, audios,
                                        self._preprocessors)
         history = list(ids)  # the repetition penalty's window and the drafter read it live

@@ -63,17 +63,32 @@ class MediaRows:
             rope_pos = self.rope_positions[:, np.minimum(pos, P - 1)]
         return embeds, extra, rope_pos
 
+    def after(self, n: int) -> MediaRows:
+        """The rows of prompt indices n.. for a prompt that starts at index n: a chat turn whose
+        first n ids (and their media) are in the engine state already. The M-RoPE positions stay
+        those of the whole conversation: an image earlier in it moves every later position."""
+        keep = self.index >= n
+        return MediaRows(index=self.index[keep] - n, embeds=self.embeds[keep],
+                         extra={b: v[keep] for b, v in self.extra.items()},
+                         rope_positions=(None if self.rope_positions is None
+                                         else self.rope_positions[:, n:]),
+                         rope_delta=self.rope_delta)
+
 
 def _items(ids: list[int], spec, n_items: int, bos: int | None) -> list[int]:
     """ids with one placeholder per item: as written in the prompt, or put first (after BOS)."""
-    marked = ids.count(spec.placeholder_id)
-    if marked == 0:
+    if spec.placeholder_id not in ids:
         at = 1 if ids and bos is not None and ids[0] == bos else 0
         return ids[:at] + [spec.placeholder_id] * n_items + ids[at:]
-    if marked != n_items:
-        raise RequestError(f"the prompt marks {marked} {spec.modality} place(s) with "
-                           f"{spec.placeholder_text!r} but {n_items} {spec.modality}(s) were given")
+    check_marks(ids, spec, n_items, "prompt")
     return ids
+
+
+def check_marks(ids: list[int], spec, n_items: int, where: str) -> None:
+    marked = ids.count(spec.placeholder_id)
+    if marked != n_items:
+        raise RequestError(f"the {where} marks {marked} {spec.modality} place(s) with "
+                           f"{spec.placeholder_text!r} but {n_items} {spec.modality}(s) were given")
 
 
 Encoded = dict[int, list[tuple[np.ndarray, dict[str, np.ndarray]]]]  # placeholder id -> items
@@ -122,14 +137,28 @@ def prepare_media(engine, manifest, ids: list[int], images: list | None, audios:
     [begin] placeholder * n [end], MediaRows of the soft tokens at those indices).
 
     Bad media fail here, before any decoder work."""
-    encoded: Encoded = {}
-    for spec, prep, decoded in decode_media(manifest, images, audios, preps).values():
-        ids = _items(ids, spec, len(decoded), manifest.generation.bos_token_id)
-        feeds, counts = zip(*(prep(media) for media in decoded), strict=True)
-        encoded[spec.placeholder_id] = encode_items(engine, spec, list(feeds), list(counts))
+    decoded = decode_media(manifest, images, audios, preps)
+    for spec, _, items in decoded.values():
+        ids = _items(ids, spec, len(items), manifest.generation.bos_token_id)
+    encoded = encode_decoded(engine, decoded)
     if not encoded:
         return ids, None
     return splice(manifest, ids, encoded)
+
+
+def encode_media(engine, manifest, images: list | None, audios: list | None, preps: dict
+                 ) -> Encoded:
+    """Decode + preprocess + encode: {placeholder id: [(soft [n, H], {bind: [n, D]}) per item]}.
+    Every item is decoded before any encoder runs, so bad media cost no encoder work."""
+    return encode_decoded(engine, decode_media(manifest, images, audios, preps))
+
+
+def encode_decoded(engine, decoded: dict) -> Encoded:
+    encoded: Encoded = {}
+    for spec, prep, items in decoded.values():
+        feeds, counts = zip(*(prep(media) for media in items), strict=True)
+        encoded[spec.placeholder_id] = encode_items(engine, spec, list(feeds), list(counts))
+    return encoded
 
 
 def splice(manifest, ids: list[int], encoded: Encoded) -> tuple[list[int], MediaRows]:

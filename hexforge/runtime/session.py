@@ -1,53 +1,80 @@
-"""A multi-turn chat that keeps the engine state between turns: ``Model.session()``."""
+"""A multi-turn chat that keeps the engine state between turns: ``Model.session()``.
+
+A turn may bring images / audio. Its media are encoded once and kept with the session (keyed by
+the message that holds them, which keeps their references); every turn splices the soft tokens of
+the whole conversation into its rendered ids, so the ids compare to the state's and positions
+(M-RoPE's included) are those of the whole conversation. Only what follows the state's ids is then
+prefilled, with its share of the soft rows; a turn that cannot reuse the state prefills everything
+with every item of the conversation.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from ..errors import RequestError
+from .multimodal import Encoded, MediaRows, check_marks, encode_media, splice
+
 if TYPE_CHECKING:
     from .model import GenerationResult, Model
+
+MEDIA_KEYS = {"image": "images", "audio": "audios"}  # modality -> the message's key for its items
 
 
 class ChatSession:
     """Messages + the token ids the engine state holds. A turn renders the whole conversation
     with the chat template; if the state's ids are a prefix of it, only the rest is prefilled
-    (KV rows, ring buffers and recurrent states all continue); otherwise it starts over."""
+    (KV rows, ring buffers, recurrent states and media all continue); otherwise it starts over.
+    A user message with media holds them under "images" / "audios" (as given: paths, bytes, ...)
+    and marks their places in its content with the bundle's placeholder text."""
 
     def __init__(self, model: Model, system: str | None = None):
         self.model = model
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
         self.cached: list[int] = []  # ids whose effect is in the engine state
         self.last_reused = 0  # prompt tokens the last turn did not prefill again
+        self.resets = -1  # the engine's reset count when the state held ``cached``
+        # id(message) -> (the message, its media's soft tokens): encoded once, not every turn
+        self._encoded: dict[int, tuple[dict, Encoded]] = {}
 
     def reset(self) -> None:
         self.messages = [m for m in self.messages if m["role"] == "system"]
-        self.cached = []
+        self.cached, self._encoded = [], {}
         self.model.engine.reset()
 
-    def stream(self, content: str, **kw) -> Iterator[str]:
-        for piece, _, result in self._turn(content, **kw):
+    def stream(self, content: str, images: list | None = None, audios: list | None = None,
+               **kw) -> Iterator[str]:
+        for piece, _, result in self._turn(content, images, audios, **kw):
             if result is None:
                 yield piece
 
-    def send(self, content: str, **kw) -> GenerationResult:
-        for _, _, result in self._turn(content, **kw):
+    def send(self, content: str, images: list | None = None, audios: list | None = None,
+             **kw) -> GenerationResult:
+        """One user turn -> the reply. images / audios: this turn's media (paths, bytes, data
+        URLs), at the content's placeholders (``<|image|>``, ...) or put before its text."""
+        for _, _, result in self._turn(content, images, audios, **kw):
             if result is not None:
                 return result
         raise AssertionError("unreachable")
 
-    def _turn(self, content: str, **kw):
+    def _turn(self, content: str, images: list | None, audios: list | None, **kw):
         m, eng = self.model, self.model.engine
-        msgs = [*self.messages, {"role": "user", "content": content}]
+        user = self._user_message(content, images, audios)  # bad media fail here, state intact
+        msgs = [*self.messages, user]
         ids = m.tokenizer.encode(m.apply_chat_template(msgs), add_special_tokens=False)
+        ids, media = self._splice(ids, msgs)
         n = len(self.cached)
-        reuse = 0 < n < len(ids) and ids[:n] == self.cached and eng.pos == n
+        reuse = (0 < n < len(ids) and ids[:n] == self.cached and eng.pos == n
+                 and eng.resets == self.resets)
         self.last_reused = n if reuse else 0
+        if reuse and media is not None:
+            media = media.after(n)
         yielded: list[int] = []
 
         def steps(_ids, sampler, max_new, drafter):
             gen = eng.generate_step(ids[n:] if reuse else ids, sampler, max_new, fresh=not reuse,
-                                    drafter=drafter)
+                                    media=media, drafter=drafter)
             for token, logits in gen:
                 yielded.append(token)
                 yield token, logits
@@ -55,5 +82,51 @@ class ChatSession:
         for item in m._iterate(ids, steps=steps, **kw):
             if item[2] is not None:  # before handing out the result: callers stop reading there
                 self.cached = ids + yielded[:-1]  # every yielded token but the last went in
+                self.resets = eng.resets
                 self.messages = [*msgs, {"role": "assistant", "content": item[2].text}]
+                self._encoded = {k: v for k, v in self._encoded.items()
+                                 if any(v[0] is x for x in self.messages)}
             yield item
+
+    def _user_message(self, content: str, images: list | None, audios: list | None) -> dict:
+        """The user message of a turn; its media encoded (and kept) before any decoder work."""
+        msg = {"role": "user", "content": content}
+        if not images and not audios:
+            return msg
+        if not isinstance(content, str):
+            raise RequestError("a turn with images / audio takes its text as a string")
+        m = self.model
+        encoded = encode_media(m.engine, m.manifest, images, audios, m._preprocessors)
+        marks, given = "", {"image": images, "audio": audios}
+        for modality, key in MEDIA_KEYS.items():
+            if not given[modality]:
+                continue
+            items = msg[key] = list(given[modality])
+            text = m.manifest.encoder(modality).placeholder_text
+            if text not in content:  # no place marked: the items go before the text
+                marks += text * len(items)
+        msg["content"] = marks + content
+        self._encoded[id(msg)] = (msg, encoded)
+        return msg
+
+    def _splice(self, ids: list[int], msgs: list[dict]) -> tuple[list[int], MediaRows | None]:
+        """ids with every item of the conversation expanded to its soft tokens, and their rows
+        (None: no media). A message whose items are not encoded yet (messages set from outside)
+        is encoded from its references."""
+        m = self.model
+        media: Encoded = {}
+        for msg in msgs:
+            if not any(msg.get(key) for key in MEDIA_KEYS.values()):
+                continue
+            kept = self._encoded.get(id(msg))
+            if kept is None or kept[0] is not msg:
+                kept = self._encoded[id(msg)] = (msg, encode_media(
+                    m.engine, m.manifest, msg.get("images"), msg.get("audios"), m._preprocessors))
+            for placeholder, items in kept[1].items():
+                media.setdefault(placeholder, []).extend(items)
+        if not media:
+            return ids, None
+        for spec in m.manifest.encoders:
+            if spec.placeholder_id in media:
+                check_marks(ids, spec, len(media[spec.placeholder_id]), "conversation")
+        return splice(m.manifest, ids, media)
