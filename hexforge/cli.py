@@ -111,14 +111,18 @@ def _sampling(a) -> dict:
 
 
 def cmd_chat(a) -> int:
-    """Interactive terminal chat: streams replies, keeps the state between turns; /reset, /quit."""
+    """Interactive terminal chat: streams replies, keeps the state between turns; /reset, /quit,
+    and /image PATH, /audio PATH (bundles with those encoders) for the next message."""
     from . import load
 
     model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target)
     session = model.session(system=a.system)
     kw = _sampling(a)
-    print("hexforge chat: /reset clears the conversation, /quit (or Ctrl-D) leaves",
-          file=sys.stderr)
+    attach = [f"/{e.modality} PATH" for e in model.manifest.encoders]
+    print("hexforge chat: " + (f"{' / '.join(attach)} goes with your next message, "
+                               if attach else "") +
+          "/reset clears the conversation, /quit (or Ctrl-D) leaves", file=sys.stderr)
+    media: dict[str, list[str]] = {}  # "images" / "audios" for the next message
     while True:
         try:
             line = input("> ")
@@ -129,12 +133,23 @@ def cmd_chat(a) -> int:
             return 0
         if line.strip() == "/reset":
             session.reset()
+            media = {}
             print("(conversation cleared)", file=sys.stderr)
+            continue
+        command, _, path = line.strip().partition(" ")
+        if command in ("/image", "/audio"):
+            path = path.strip().strip("'\"")  # a path dropped into a terminal comes quoted
+            if not path or not Path(path).is_file():
+                why = f"{path} is not a file" if path else "give the file's path"
+                print(f"hexforge: error: {command} PATH: {why}", file=sys.stderr)
+                continue
+            media.setdefault(command[1:] + "s", []).append(path)
+            print(f"({Path(path).name} goes with your next message)", file=sys.stderr)
             continue
         if not line.strip():
             continue
         try:
-            for piece in session.stream(line, **kw):
+            for piece in session.stream(line, **media, **kw):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         except KeyboardInterrupt:
@@ -142,6 +157,7 @@ def cmd_chat(a) -> int:
             session.reset()
         except HexforgeError as e:
             print(f"hexforge: error: {e}", file=sys.stderr)
+        media = {}  # sent, or refused with its message: either way not carried to the next one
         sys.stdout.write("\n")
 
 
@@ -294,7 +310,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print one JSON object with the result")
     r.set_defaults(fn=cmd_run)
 
-    c = sub.add_parser("chat", help="interactive chat in the terminal (streaming, /reset)")
+    c = sub.add_parser("chat", help="interactive chat in the terminal (streaming, /reset; "
+                       "/image PATH, /audio PATH attach media to the next message)")
     c.add_argument("bundle")
     c.add_argument("--system", default=None, help="a system message")
     c.add_argument("-n", "--max-new-tokens", dest="n", type=int, default=None)

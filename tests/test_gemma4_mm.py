@@ -219,6 +219,26 @@ def test_chat_with_media_in_the_second_turn_greedy_equals_hf(mm, hf, media, moda
     assert res.token_ids == _hf_generate(hf, ids, CHAT_NEW, **kw)
 
 
+def test_cli_chat_attaches_an_image_to_the_next_message(mm, media, monkeypatch, capsys):
+    """``hexforge chat``: /image PATH goes with the next message (a missing file is refused
+    there and then); the replies are the Python session's."""
+    import hexforge
+    from hexforge.cli import main
+
+    _, b = mm
+    lines = iter(["Hi there!", "/image no-such.png", f"/image {media['image']}", "What is this?",
+                  "/quit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", str(b), "-n", "4", "--ignore-eos"]) == 0
+    out = capsys.readouterr()
+    s = hexforge.load(b).session()
+    want = [s.send("Hi there!", max_new_tokens=4, ignore_eos=True).text,
+            s.send("What is this?", images=[media["image"]], max_new_tokens=4,
+                   ignore_eos=True).text]
+    assert out.out == "".join(f"{t}\n" for t in want)
+    assert "no-such.png" in out.err and "photo.png" in out.err
+
+
 def test_text_only_prompt_on_the_multimodal_bundle_equals_hf(mm, hf):
     import hexforge
 
