@@ -346,6 +346,34 @@ def test_server_takes_images_and_audio_as_data_urls(mm, media):
         assert r.status_code == 400 and r.json()["error"]["message"], r.text
 
 
+def test_server_takes_an_image_in_a_later_message(mm, media):
+    """An OpenAI chat whose image comes in its third message, after a user turn and the
+    assistant's answer: the same reply and prompt as the Python session's second turn."""
+    import base64
+
+    from fastapi.testclient import TestClient
+
+    import hexforge
+    from hexforge.serve import create_app
+
+    _, b = mm
+    model = hexforge.load(b)
+    s = model.session()
+    first = s.send("Hi there!", max_new_tokens=1)
+    want = s.send("What is this?", images=[media["image"]], max_new_tokens=6, ignore_eos=True)
+    png = base64.b64encode(media["image"].read_bytes()).decode()
+    messages = [{"role": "user", "content": "Hi there!"},
+                {"role": "assistant", "content": first.text},
+                {"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
+                    {"type": "text", "text": "What is this?"}]}]
+    r = TestClient(create_app(model, "mm")).post("/v1/chat/completions", json={
+        "messages": messages, "max_tokens": 6, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want.text
+    assert r.json()["usage"]["prompt_tokens"] == want.prompt_tokens
+
+
 def test_encoder_build_options_are_checked_before_export(mm, tmp_path):
     from hexforge.build.pipeline import BuildOptions, build
     from hexforge.errors import BuildError, CheckpointError
