@@ -220,9 +220,9 @@ def test_gated_deltanet_output_norm_gets_its_prescale(ckpt):
     10 % (the largest gap in the decode graph). Every RMSNorm-like module is calibrated now."""
     import json
 
-    from hexforge.families import load_family
-
     import torch
+
+    from hexforge.families import load_family
 
     hf = load_family("qwen3_5_text").FAMILY.load_hf(ckpt("qwen3_5"))
     ids = torch.tensor([list(range(3, 60))])
