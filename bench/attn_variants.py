@@ -58,9 +58,9 @@ def main() -> None:
 
     import onnxruntime as ort
 
-    from hexforge.build.checkpoint import read_checkpoint
-    from hexforge.build.export import export_module
     from hexforge.families import blocks, load_family
+    from hexforge.forge.checkpoint import read_checkpoint
+    from hexforge.forge.export import export_module
     from hexforge.runtime.backends import cpu_threads
 
     ckpt = read_checkpoint(a.checkpoint)

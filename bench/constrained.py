@@ -255,7 +255,7 @@ def heavy_imports(module: str) -> list[str]:
 def tiny_bundle(path: str | None) -> Path:
     if path:
         return Path(path)
-    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.forge.pipeline import BuildOptions, build
     from hexforge.tiny import make_tiny_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="hexforge-constrained-"))

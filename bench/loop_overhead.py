@@ -32,7 +32,7 @@ def main() -> None:
     if a.bundle:
         bundle = Path(a.bundle)
     else:
-        from hexforge.build.pipeline import BuildOptions, build
+        from hexforge.forge.pipeline import BuildOptions, build
         from hexforge.tiny import make_tiny_checkpoint
 
         root = Path(tempfile.mkdtemp(prefix="hexforge-overhead-"))

@@ -38,7 +38,7 @@ def main() -> None:
     import numpy as np
 
     import hexforge
-    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.forge.pipeline import BuildOptions, build
     from hexforge.tiny import make_tiny_checkpoint
 
     root = Path(tempfile.mkdtemp(prefix="hexforge-ttft-"))

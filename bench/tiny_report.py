@@ -37,8 +37,8 @@ def main() -> None:
     a = ap.parse_args()
 
     import hexforge
-    from hexforge.build.pipeline import BuildOptions, build
     from hexforge.families import load_family
+    from hexforge.forge.pipeline import BuildOptions, build
     from hexforge.inspect import inspect_bundle
     from hexforge.tiny import make_tiny_checkpoint
 

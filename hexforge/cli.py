@@ -47,7 +47,7 @@ def _image_size(s: str) -> tuple[int, int]:
 
 
 def cmd_build(a) -> int:
-    from .build.pipeline import BuildOptions, build
+    from .forge.pipeline import BuildOptions, build
 
     opts = BuildOptions(targets=a.target, context=a.context, prefill_len=a.prefill_len,
                         verify_len=a.verify_len,
@@ -161,11 +161,11 @@ def cmd_inspect(a) -> int:
 
 
 def cmd_verify(a) -> int:
-    from .build.checkpoint import read_checkpoint
-    from .build.pipeline import BuildOptions, _evaluation
-    from .build.quality import oracle_line
-    from .build.verify import verify_bundle
     from .families import load_family
+    from .forge.checkpoint import read_checkpoint
+    from .forge.pipeline import BuildOptions, _evaluation
+    from .forge.quality import oracle_line
+    from .forge.verify import verify_bundle
     from .manifest import load_manifest
 
     manifest = load_manifest(a.bundle)
@@ -222,8 +222,8 @@ def cmd_demo(a) -> int:
 
 def parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .build.nbits import CPU_WEIGHTS  # numpy only: no torch, no onnx
-    from .build.quantize import RECIPES
+    from .forge.htp.recipes import RECIPES
+    from .forge.nbits import CPU_WEIGHTS  # numpy only: no torch, no onnx
 
     p = argparse.ArgumentParser(prog="hexforge", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"hexforge {__version__}")

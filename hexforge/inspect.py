@@ -135,7 +135,7 @@ def print_inspection(info: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from .build.quality import oracle_line
+    from .forge.quality import oracle_line
 
     c = Console()
     c.print(f"[bold]{info['bundle']}[/]  {info['model_type']} (families/{info['family']}.py)  "

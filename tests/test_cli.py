@@ -78,7 +78,7 @@ def test_cli_passes_every_build_option(monkeypatch, tmp_path):
     import dataclasses
 
     from hexforge import cli
-    from hexforge.build import pipeline
+    from hexforge.forge import pipeline
 
     seen = []
     monkeypatch.setattr(pipeline, "build", lambda ckpt, out, opts, log: seen.append(opts))

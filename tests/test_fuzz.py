@@ -283,8 +283,8 @@ def test_regression_deeply_nested_manifest_json_escaped_as_recursionerror(work):
 
 
 def test_regression_deeply_nested_checkpoint_config_escaped_as_recursionerror(tmp_path):
-    from hexforge.build.checkpoint import read_checkpoint
     from hexforge.errors import CheckpointError
+    from hexforge.forge.checkpoint import read_checkpoint
 
     (tmp_path / "config.json").write_text('{"a":' + "[" * 100_000)
     with pytest.raises(CheckpointError, match="too deeply"):

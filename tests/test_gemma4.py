@@ -203,12 +203,12 @@ def test_htp_build_meets_the_gate_and_runs_on_the_simulator(htp_bundle, quant):
 def test_htp_activation_matmul_input1_keeps_16_bits(tmp_path):
     """The HTP held input 1 of a uint16 x uint16 activation MatMul (QK^T keys, probs.V values) at 8
     bits: HTP vs the same QDQ graph on the CPU EP cos 0.99997, which took tiny Gemma-4 w8a16 on
-    v81 from 0.989 (CPU-QDQ) to 0.878. quantize.int16_matmul_rhs makes input 1 int16: exact."""
+    v81 from 0.989 (CPU-QDQ) to 0.878. qdq.int16_matmul_rhs makes input 1 int16: exact."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from hexforge.build.quantize import int16_matmul_rhs
+    from hexforge.forge.htp.qdq import int16_matmul_rhs
     from hexforge.runtime import qnn
     rng = np.random.default_rng(0)
     a = rng.normal(size=(1, 1, 8, 64)).astype(np.float32)

@@ -86,7 +86,7 @@ def test_float32_forward_is_bit_identical_to_the_fp32_model(bf16_ckpt, family, b
         with fam.float32_forward(hf):
             got = hf(ids).logits
         assert got.dtype == torch.float32 and torch.equal(got, want)
-    from hexforge.build.verify import hf_greedy_tokens
+    from hexforge.forge.verify import hf_greedy_tokens
 
     with fam.float32_forward(hf):
         assert hf_greedy_tokens(hf, prompt_ids(N + 1), 16) == hf_greedy_tokens(
@@ -101,9 +101,9 @@ def test_bf16_checkpoint_builds_greedy_exact_with_bf16_resident_weights(bf16_ckp
                                                                         monkeypatch):
     """Three shards; at every export only that shard's decoder layers are fp32 (the old fp32 load
     had all of them fp32 all the time), and the bundle matches HF fp32 greedy exactly."""
-    from hexforge.build import graphs
-    from hexforge.build.pipeline import BuildOptions, build
-    from hexforge.build.verify import hf_greedy_tokens
+    from hexforge.forge import graphs
+    from hexforge.forge.pipeline import BuildOptions, build
+    from hexforge.forge.verify import hf_greedy_tokens
 
     path = bf16_ckpt("gemma4")
     fam = _family(path)
@@ -259,7 +259,7 @@ def test_quantized_host_tables_are_matmulnbits_rows(tmp_path, bits):
     dequantizes to what a MatMulNBits over the table (rows as N) computes for a one-hot input,
     exactly, and within one step of the float row (absmax / 8 or / 128: onnxruntime maps a
     block's largest magnitude to -8 / -128, so a value near it of the other sign clips at +7 /
-    +127). That is what lets a tied head's weight serve as the table (build/hosttables.py)."""
+    +127). That is what lets a tied head's weight serve as the table (forge/hosttables.py)."""
     import numpy as np
     import onnx
     import onnxruntime as ort
@@ -322,9 +322,9 @@ def test_shared_int4_rows_outside_their_file_are_a_bundle_error(tmp_path):
     past them."""
     import numpy as np
 
-    from hexforge.build.hosttables import drop_host_tensors
     from hexforge.errors import BundleError
     from hexforge.families.base import write_host_tensors
+    from hexforge.forge.hosttables import drop_host_tensors
     from hexforge.manifest import SharedRows
     from hexforge.runtime.host import load_host_tensors, shared_table
 
@@ -373,7 +373,7 @@ def test_regression_build_kept_every_checkpoint_page_it_had_read_resident(bf16_c
     reads the same values after, and a mapping with copy-on-write pages keeps them."""
     import numpy as np
 
-    from hexforge.build.checkpoint import release_mapped_pages
+    from hexforge.forge.checkpoint import release_mapped_pages
 
     path = bf16_ckpt("gemma4")
     hf = _family(path).load_hf(path)

@@ -14,7 +14,7 @@ import pytest
 def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
     import onnx
 
-    from hexforge.build.nbits import CPU_WEIGHTS, cpu_head_format
+    from hexforge.forge.nbits import CPU_WEIGHTS, cpu_head_format
 
     b = bundle("qwen3", cpu_weights=weights)
     report = json.loads((b / "report.json").read_text())["cpu"]
@@ -85,8 +85,8 @@ def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
 
 
 def test_unknown_cpu_weights_fail_before_any_work(ckpt, tmp_path):
-    from hexforge.build.pipeline import BuildOptions, build
     from hexforge.errors import BuildError
+    from hexforge.forge.pipeline import BuildOptions, build
 
     with pytest.raises(BuildError, match="--cpu-weights"):
         build(ckpt("qwen3"), tmp_path / "b", BuildOptions(cpu_weights="int3"), log=lambda m: None)
@@ -394,7 +394,7 @@ def test_rope_inside_group_query_attention_keeps_mrope_and_partial_rotary_exact(
 
     import onnx
 
-    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.forge.pipeline import BuildOptions, build
     from hexforge.tiny import TINY_CONFIGS, make_tiny_checkpoint
 
     if positions == "1d":
@@ -477,7 +477,7 @@ def test_host_tables_take_the_heads_format_where_every_target_can():
     (8/16-bit weights) read it too; other tables int8."""
     import numpy as np
 
-    from hexforge.build.nbits import host_table_formats
+    from hexforge.forge.nbits import host_table_formats
 
     tensors = {"e": np.zeros((10, 256), np.float32), "odd": np.zeros((10, 64), np.float32)}
     assert host_table_formats("fp32", "e", ["x"], tensors) == {}
@@ -529,8 +529,8 @@ def test_int4_per_layer_tables_put_gemma4s_per_layer_table_in_int4(tmp_path):
     in the weights' blocks (a per-layer width of 16 x 10 layers: blocks of 32 divide it), the
     bundle passes its int4 gate and the runtime reads an Int4Table; the flag is refused where it
     cannot apply (int8 weights, an HTP target, a checkpoint without per-layer tables)."""
-    from hexforge.build.pipeline import BuildOptions, build
     from hexforge.errors import BuildError
+    from hexforge.forge.pipeline import BuildOptions, build
     from hexforge.runtime.host import Int4Table, check_safetensors_header
     from hexforge.tiny import make_tiny_checkpoint
 
@@ -562,7 +562,7 @@ def test_b128_weights_share_an_embedding_their_block_divides(tmp_path):
     in the head's blocks of 128 and stores it once (int4-b128's head is int8 in blocks of 32,
     and so is its shared embedding), and the bundle still matches its float rows within the
     gate."""
-    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.forge.pipeline import BuildOptions, build
     from hexforge.inspect import inspect_bundle
     from hexforge.runtime.host import check_safetensors_header
     from hexforge.tiny import make_tiny_checkpoint

@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 
 import hexforge
-from hexforge.build.verify import cosine_rows
 from hexforge.families.base import encoder_families
+from hexforge.forge.verify import cosine_rows
 from hexforge.manifest import load_manifest
 from hexforge.runtime.backends import Backend
 from hexforge.runtime.engine import Engine
@@ -53,7 +53,7 @@ def non_square(ckpt, hf_model, encoder, tmp_path_factory):
     """(spec, ORT CPU session) of the vision graph exported at 96 x 128."""
     import onnxruntime as ort
 
-    from hexforge.build.export import export_module
+    from hexforge.forge.export import export_module
 
     hf = hf_model(FAMILY)
     spec = encoder.spec(hf, json.loads((ckpt(FAMILY) / "config.json").read_text()),

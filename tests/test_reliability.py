@@ -309,7 +309,7 @@ _EVIL_PICKLE = pickle.dumps(_Evil())
 @pytest.mark.parametrize("weights", ["pytorch_model.bin", "model.pt", "consolidated.pth"])
 def test_check_07_pickle_checkpoint_refused(ckpt, tmp_path, weights):
     """Also: test_build.test_pickle_only_checkpoint_is_refused, test_cli.test_pickle_checkpoint_via_cli."""
-    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.forge.pipeline import BuildOptions, build
 
     dst = tmp_path / "ckpt"
     shutil.copytree(ckpt("llama"), dst)
@@ -322,8 +322,8 @@ def test_check_07_pickle_checkpoint_refused(ckpt, tmp_path, weights):
 
 def test_check_07_nothing_from_a_checkpoint_is_executed(ckpt, tmp_path, monkeypatch):
     """A pickle next to the safetensors and remote code named in config.json are never run."""
-    from hexforge.build.checkpoint import read_checkpoint
     from hexforge.families import load_family
+    from hexforge.forge.checkpoint import read_checkpoint
 
     dst = tmp_path / "ckpt"
     shutil.copytree(ckpt("llama"), dst)
@@ -804,8 +804,8 @@ def test_check_14_graph_that_would_split_onto_cpu_is_refused_naming_the_split(ht
 
 # ---- 15 ------------------------------------------------------------------------------------------
 def test_check_15_interrupted_build_leaves_no_bundle_and_a_rerun_works(ckpt, tmp_path, monkeypatch):
-    from hexforge.build import pipeline
-    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.forge import pipeline
+    from hexforge.forge.pipeline import BuildOptions, build
 
     opts = BuildOptions(context=64, prefill_len=8, verify=False)
     out = tmp_path / "b"
@@ -838,7 +838,7 @@ def test_check_15_interrupted_build_leaves_no_bundle_and_a_rerun_works(ckpt, tmp
 
 
 def test_check_15_kill_9_mid_build_leaves_no_loadable_bundle(ckpt, tmp_path):
-    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.forge.pipeline import BuildOptions, build
 
     out = tmp_path / "b"
     proc = subprocess.Popen([sys.executable, "-m", "hexforge", "build", str(ckpt("llama")), "-o",

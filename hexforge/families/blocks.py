@@ -40,7 +40,7 @@ NORM_PRESCALE: dict[int, float] = {}
 def calibrate_norm_scales(hf, input_ids: list[int], layers=()) -> float:
     """Run the HF decoder on calibration ids; record every RMSNorm's prescale (``record_norm_
     prescales``). The media towers' norms are not reached by a text forward: the build records
-    theirs on the encoders' own inputs (build/encoders.py ``calibrate_encoder_norms``).
+    theirs on the encoders' own inputs (forge/encoders.py ``calibrate_encoder_norms``).
     -> the residual stream's peak |x| (the outputs of ``layers``, HF's decoder layers)."""
     peak = [0.0]
 
@@ -101,7 +101,7 @@ def use_cpu_kernels(module: nn.Module) -> nn.Module:
     rope; the per-node cost (~2-4 us) is what separated the int4 decode from genai's.
 
     The graph-level fusions (residual Add + norm, int8/int4 q/k/v packed into one MatMulNBits)
-    are made on the exported ONNX: ``build/fuse.py``."""
+    are made on the exported ONNX: ``forge/fuse.py``."""
     for m in module.modules():
         if hasattr(m, "cpu_kernel"):  # RMSNorm, StaticAttention, qwen3_5.GatedDeltaNet
             m.cpu_kernel = True

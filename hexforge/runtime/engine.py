@@ -325,7 +325,7 @@ class Engine:
 
     def head_logits(self, hidden: np.ndarray) -> np.ndarray:
         """The head graph on one hidden row [1, 1, H] -> logits [V] (a copy): the oracle runs
-        every row of a prefill chunk through it (build/quality.py)."""
+        every row of a prefill chunk through it (forge/quality.py)."""
         out = {"hidden": np.ascontiguousarray(hidden, dtype=self.hidden_dtype)}
         self._run(self.head, out, np.array([self.pos - 1]))
         return out["logits"][0, -1].copy()

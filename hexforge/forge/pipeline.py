@@ -40,8 +40,8 @@ from .export import share_weights
 from .fuse import fuse_cpu_graph
 from .graphs import export_float, plan_target, weight_groups, weights_file
 from .hosttables import share_tied_embedding
+from .htp.recipes import get_recipe
 from .nbits import check_cpu_weights, cpu_head_format, host_table_formats, quantize_cpu_graph
-from .quantize import get_recipe
 
 Log = Callable[[str], None]
 
@@ -63,7 +63,7 @@ class BuildOptions:
     # embedding tables int4 as well (int8 by default)
     exporter: str = "torchscript"  # measured: same tiny-model speed, 2.5x faster export
     verify_tokens: int = 64
-    eval_text: str | None = None  # the oracle's held-out text file (default: build/quality.py's)
+    eval_text: str | None = None  # the oracle's held-out text file (default: forge/quality.py's)
     eval_tokens: int = 256  # at most this many of its tokens
     audio_seconds: float | None = None  # the audio encoder's fixed window (default: the model's)
     image_size: tuple[int, int] | None = None  # fixed-resolution vision graphs (Qwen-VL): H, W
@@ -213,7 +213,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         htp_targets = [tg for tg in targets if tg.is_htp]
         qdq: dict[str, dict[str, str]] = {}  # the oracle's CPU twins of failed HTP targets
         if htp_targets:
-            from .htp import build_htp_targets
+            from .htp.stage import build_htp_targets
 
             with fam.float32_forward(hf):  # calibration runs the towers on media prompts
                 specs, qdq = build_htp_targets(fam, hf, args, htp_targets, opts, tmp, manifest,

@@ -4,7 +4,7 @@
       └─ float graphs in _work/ (same export modules as cpu)
            └─ calibration: the float graphs run on the CPU EP over CALIB_TEXT (prefill chunks +
               greedy decode steps) with the target's bounded mask; every graph's feeds recorded
-                └─ QDQ per graph (quantize.py), arch-independent: made once, shared by v79/v81/..
+                └─ QDQ per graph (qdq.py), arch-independent: made once, shared by v79/v81/..
                      └─ compile per arch -> <target>/<graph>.ctx.onnx + .ctx_qnn.bin
 
 The calibration text is not the oracle's text, so the oracle's numbers are calibration-independent.
@@ -20,18 +20,19 @@ from pathlib import Path
 
 import numpy as np
 
-from ..manifest import GraphSpec, Manifest, RunPlan, TargetSpec, confine
-from ..runtime import qnn
-from ..runtime.backends import Backend
-from ..runtime.engine import Engine
-from ..runtime.text import TextTokenizer
-from ..targets import Target
-from .calib import calibration_text
+from ...manifest import GraphSpec, Manifest, RunPlan, TargetSpec, confine
+from ...runtime import qnn
+from ...runtime.backends import Backend
+from ...runtime.engine import Engine
+from ...runtime.text import TextTokenizer
+from ...targets import Target
+from ..calib import calibration_text
+from ..checkpoint import release_mapped_pages
+from ..graphs import export_float, plan_target
 from .calibstats import GraphStats, HessianStore
-from .checkpoint import release_mapped_pages
 from .compile import compile_graph, compile_shared
-from .graphs import export_float, plan_target
-from .quantize import QuantRecipe, get_recipe, quantize_graph
+from .qdq import quantize_graph
+from .recipes import QuantRecipe, get_recipe
 
 CALIB_DECODE_STEPS = 64  # decode samples (teacher-forced text tokens through the AR-1 graph)
 KEEP_FEED_BYTES = 1 << 20  # a graph's calls this small are kept from an earlier graph's replay
@@ -153,7 +154,7 @@ def _calibration_backend() -> Backend:
     """The oracle's cpu backend (each weight file mapped once, shared by prefill + decode, no
     prepacked copies) where this build has it; the runtime's otherwise."""
     try:
-        from .verify import OracleCpuBackend
+        from ..verify import OracleCpuBackend
     except ImportError:
         return Backend("cpu")
     return OracleCpuBackend()
@@ -162,9 +163,9 @@ def _calibration_backend() -> Backend:
 def _media_prompts(engine: Engine, manifest: Manifest, ids: list[int], hf):
     """One prompt per encoder: its example item (the family's synthetic image / clip) first,
     then calibration text; -> [(expanded ids, MediaRows)]."""
-    from ..families.base import encoder_families
-    from ..runtime.multimodal import encode_items, splice
-    from .encoders import example_feeds
+    from ...families.base import encoder_families
+    from ...runtime.multimodal import encode_items, splice
+    from ..encoders import example_feeds
 
     out = []
     for enc, spec in zip(encoder_families(manifest.hf_config), manifest.encoders, strict=True):
@@ -261,9 +262,9 @@ def weight_only(plan: RunPlan, folder: Path, recipe: QuantRecipe, vocab_size: in
     activation input must be rank 3, as every projection's [1, T, K] is."""
     import onnx
 
-    from .export import share_weights
-    from .graphs import weight_groups, weights_file
-    from .nbits import quantize_cpu_graph
+    from ..export import share_weights
+    from ..graphs import weight_groups, weights_file
+    from ..nbits import quantize_cpu_graph
 
     for group in weight_groups(plan, cpu=False):
         for name in group:
@@ -287,7 +288,7 @@ def compiled_suffix(recipe: QuantRecipe) -> str:
 def fp16_scale(fam, residual_peak: float, log) -> float:
     """The residual scale s of fp16 graphs (``blocks.residual_scale``), 1 where the family cannot
     carry its residual scaled (``residual_scaling``) or the stream fits fp16 as it is."""
-    from ..families.blocks import residual_scale
+    from ...families.blocks import residual_scale
 
     s = residual_scale(residual_peak)
     if s != 1.0 and not getattr(fam, "residual_scaling", False):

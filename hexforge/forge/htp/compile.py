@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..errors import BuildError
-from ..runtime import qnn
-from ..runtime.backends import explain_qnn_error
+from ...errors import BuildError
+from ...runtime import qnn
+from ...runtime.backends import explain_qnn_error
 
 
 def compile_graph(src: Path, ctx: Path, htp_arch: int, soc_model: int, fp16: bool) -> dict:

@@ -17,8 +17,8 @@ from ..targets import Target
 from .checkpoint import release_mapped_pages
 from .export import export_module, share_weights
 from .fuse import fuse_cpu_graph
+from .htp.recipes import get_recipe
 from .plan import plan_shards
-from .quantize import get_recipe
 
 
 def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,

@@ -10,7 +10,7 @@ Why KL and not the cosine of raw logits: a softmax ignores a constant added to e
 cosine does not (an int4 cpu bundle of SmolLM2 scored logits cos 0.006 with top-1 0.91).
 
 The text is English prose written for this purpose, and neither the calibration text
-(build/calib.py) nor the oracle's prompt (build/verify.py): a build never sees it before it is
+(forge/calib.py) nor the oracle's prompt (forge/verify.py): a build never sees it before it is
 judged on it. ``--eval-text FILE`` replaces it.
 """
 

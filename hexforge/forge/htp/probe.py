@@ -15,7 +15,7 @@ Every activation the QDQ graph re-quantizes (QuantizeLinear -> DequantizeLinear 
 is exposed as an extra output of all three graphs, so each row is one op's output: its relative
 error ``|x - float| / |float|`` on the CPU EP and on the HTP, in graph order. A ratio HTP / CPU far
 above 1 marks an op the HTP computes worse than its QDQ arithmetic (it found the act x act
-MatMul's 16-bit inputs this way: ``quantize._act_matmul_inputs``).
+MatMul's 16-bit inputs this way: ``qdq._act_matmul_inputs``).
 
 Targets with fp16 activations (fp16, and the weight-only recipes, whose CPU column is the
 MatMulNBits graph on the CPU EP): every output of the ops that make values (``FLOAT_PROBED``),
@@ -29,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..manifest import Manifest, confine, load_manifest
-from ..runtime import qnn
-from ..runtime.backends import Backend
-from ..runtime.engine import Engine
-from ..runtime.text import TextTokenizer
+from ...manifest import Manifest, confine, load_manifest
+from ...runtime import qnn
+from ...runtime.backends import Backend
+from ...runtime.engine import Engine
+from ...runtime.text import TextTokenizer
 
 
 @dataclass
@@ -53,8 +53,8 @@ class TensorError:
 def qdq_graph_files(bundle: Path, manifest: Manifest, target: str) -> dict[str, Path]:
     """Graph name -> the ONNX it was compiled from (QDQ, weight-only or the float graph itself),
     under the bundle's ``_work/``."""
-    from .htp import compiled_suffix
-    from .quantize import get_recipe
+    from .recipes import get_recipe
+    from .stage import compiled_suffix
 
     spec = manifest.targets[target]
     suffix = compiled_suffix(get_recipe(spec.quant))
@@ -85,7 +85,7 @@ def capture_feeds(bundle: Path, manifest: Manifest, target: str, files: dict[str
                   graph: str, step: int) -> dict[str, np.ndarray]:
     """The inputs of call ``step`` of ``graph`` while the QDQ twin feeds the oracle prompt token
     by token (decode graphs) or in AR-N chunks (prefill graphs)."""
-    from .verify import oracle_prompt
+    from ..verify import oracle_prompt
 
     m, name = qdq_twin(manifest, target, {g: str(f.relative_to(bundle)) for g, f in files.items()})
     engine = Engine(bundle, m, name, Backend("cpu"))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import BuildError
+from ...errors import BuildError
 
 
 def weight_key(t) -> str:
@@ -207,7 +207,7 @@ def _minmax_calibrator(float_path: Path, augmented: Path, maps: dict):
         inferred.unlink()
         return model
 
-    from .quantize import _qnn_config  # the same QNN QDQ config the quantize pass then uses
+    from .qdq import _qnn_config  # the same QNN QDQ config the quantize pass then uses
 
     cfg = _qnn_config(float_path, None, {})
     saved = ort_calibrate.load_model_with_shape_infer

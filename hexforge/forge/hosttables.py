@@ -12,7 +12,7 @@ A tied head's weight is the embedding table transposed, and both go through onnx
 4- or 8-bit quantizer with rows as its N, so the two hold the same bytes (runtime/host.py
 ``Int4Table``, ``Int8Table``). Where they do, byte for byte, the table leaves host.safetensors and
 the manifest points at the head's ranges (``SharedRows``): Qwen3-0.6B stores 82 MB less at
-int4-b128, 175 MB at int8. Bundles with HTP targets keep their own table (build/pipeline.py):
+int4-b128, 175 MB at int8. Bundles with HTP targets keep their own table (forge/pipeline.py):
 an HTP deployment must not need the cpu target's weight file to embed its tokens.
 """
 

@@ -72,7 +72,7 @@ def export_encoders(encoders: list, specs: list[EncoderSpec], hf, root: Path, re
 def compile_encoders(float_graphs: list[GraphSpec], root: Path, target, soc_model: int,
                      log) -> list[GraphSpec]:
     """The float encoder graphs compiled for one HTP target with fp16 precision."""
-    from .compile import compile_graph
+    from .htp.compile import compile_graph
 
     out = []
     for g in float_graphs:

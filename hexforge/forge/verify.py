@@ -32,7 +32,7 @@ VERIFY_TEXT = ("The capital of France is Paris, and the river that runs through 
 class Gate:
     graph_cos: float | None  # every decoder graph's hidden state, every row (logits are judged
     # by KL); None: reported, not gated
-    kl: float  # mean KL(HF ‖ bundle), teacher-forced prompt and held-out text (build/quality.py)
+    kl: float  # mean KL(HF ‖ bundle), teacher-forced prompt and held-out text (forge/quality.py)
     top1: float  # top-1 agreement with HF, teacher-forced prompt and held-out text
     greedy_exact: bool
 
@@ -139,7 +139,7 @@ def hf_reference(family, hf, prompt: list[int], new_tokens: int,
 
 @dataclass(frozen=True)
 class EvalText:
-    """The held-out text the oracle scores every target on (build/quality.py)."""
+    """The held-out text the oracle scores every target on (forge/quality.py)."""
 
     text: str
     name: str = "built-in"
@@ -359,7 +359,7 @@ def _qdq_on_cpu(bundle: Path, manifest: Manifest, family, hf, tok: TextTokenizer
     Measured (real-width 4-layer Qwen3.5 cut, v81 w8a16): HTP teacher-forced cos 0.9974, its QDQ
     graphs on the CPU 0.9981, the float graphs with only the int8 weights 0.9981: the gate missed
     on the weights' rounding, which a compiler fix would not change."""
-    from .probe import qdq_twin
+    from .htp.probe import qdq_twin
 
     m, twin = qdq_twin(manifest, name, files)
     engine = Engine(bundle, m, twin, Backend("cpu"))

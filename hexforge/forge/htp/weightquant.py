@@ -5,7 +5,7 @@
     int4, a scale per block of B input rows int4_blocks(w, B)      gptq_int4(w, H, B)
 
 All take w [K, N] (x @ w, K = input features) and return (scales, q int8 [K, N]); the caller
-(quantize.requantize_weights) writes them as DequantizeLinear(axis=1) or (axis=0, block_size=B).
+(qdq.requantize_weights) writes them as DequantizeLinear(axis=1) or (axis=0, block_size=B).
 H [K, K] is the calibration inputs' Hessian (calibstats), present only for GPTQ recipes.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import BuildError
+from ...errors import BuildError
 
 
 def rtn_int8(w: np.ndarray, block: int | None = None,

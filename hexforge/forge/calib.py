@@ -1,6 +1,6 @@
 """The calibration text: activation ranges (QDQ), norm prescales, GPTQ Hessians all come from it.
 
-Deliberately not the oracle's text (build/verify.py), so the oracle's numbers are
+Deliberately not the oracle's text (forge/verify.py), so the oracle's numbers are
 calibration-independent. ``--calib FILE`` replaces it.
 """
 

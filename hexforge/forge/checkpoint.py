@@ -42,7 +42,7 @@ def _read_json(path: Path) -> dict:
 
 def read_checkpoint(path: str | Path, log=None) -> Checkpoint:
     """A HF checkpoint dir, or a GGUF file (or a dir holding one): converted once into a cached
-    checkpoint dir (``build/gguf.py``), whose dequantized fp32 model is then the oracle."""
+    checkpoint dir (``forge/gguf.py``), whose dequantized fp32 model is then the oracle."""
     from .gguf import find_gguf, gguf_checkpoint
 
     gguf = find_gguf(path)
