@@ -54,7 +54,8 @@ def roofline(target: str, bytes_per_token: int) -> dict:
 def embedding_format(bundle: Path, m) -> str:
     """How the host embedding is stored: the checkpoint's float type, int8 rows, int4 rows, or
     int4 / int8 rows read from the tied head's weight (``host.embed.shared``)."""
-    from .runtime.host import INT4_SCALES, check_safetensors_header
+    from .runtime.hostfile import check_safetensors_header
+    from .runtime.qtables import INT4_SCALES
 
     e = m.host.embed
     if e.shared is not None:

@@ -256,8 +256,8 @@ def test_regression_fused_norm_with_a_leading_dim_zeroed_rows_on_the_htp(tmp_pat
     import onnxruntime as ort
     import torch
 
-    from hexforge.families.base import GraphIO
     from hexforge.families.blocks import RMSNorm
+    from hexforge.families.graphio import GraphIO
     from hexforge.forge.export import export_module
     from hexforge.forge.htp.compile import compile_graph
 

@@ -48,12 +48,8 @@ def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
     # blocks of 32; that head's blocks differ, so nothing is shared). int4 weights keep an int8
     # head in blocks of 32 (cpu_head_format), and so an int8 embedding, shared with it
     from hexforge.inspect import inspect_bundle
-    from hexforge.runtime.host import (
-        Int4Table,
-        Int8Table,
-        check_safetensors_header,
-        load_host_tensors,
-    )
+    from hexforge.runtime.hostfile import check_safetensors_header, load_host_tensors
+    from hexforge.runtime.qtables import Int4Table, Int8Table
 
     header = check_safetensors_header(b / "host.safetensors")
     embedding = inspect_bundle(b)["embedding"]
@@ -531,7 +527,8 @@ def test_int4_per_layer_tables_put_gemma4s_per_layer_table_in_int4(tmp_path):
     cannot apply (int8 weights, an HTP target, a checkpoint without per-layer tables)."""
     from hexforge.errors import BuildError
     from hexforge.forge.pipeline import BuildOptions, build
-    from hexforge.runtime.host import Int4Table, check_safetensors_header
+    from hexforge.runtime.hostfile import check_safetensors_header
+    from hexforge.runtime.qtables import Int4Table
     from hexforge.tiny import make_tiny_checkpoint
 
     ck = make_tiny_checkpoint("gemma4", tmp_path / "ck", hidden_size_per_layer_input=16)
@@ -564,7 +561,7 @@ def test_b128_weights_share_an_embedding_their_block_divides(tmp_path):
     gate."""
     from hexforge.forge.pipeline import BuildOptions, build
     from hexforge.inspect import inspect_bundle
-    from hexforge.runtime.host import check_safetensors_header
+    from hexforge.runtime.hostfile import check_safetensors_header
     from hexforge.tiny import make_tiny_checkpoint
 
     ck = make_tiny_checkpoint("qwen3", tmp_path / "ck", hidden_size=128)

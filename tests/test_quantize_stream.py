@@ -10,7 +10,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from hexforge.forge.htp.calibstats import Gram, GraphStats, HessianStore, _Reader, weight_key
-from hexforge.forge.htp.qdq import _qnn_config, _quantize
+from hexforge.forge.htp.qdq import _quantize
+from hexforge.forge.htp.qnnconfig import qnn_qdq_config
 
 
 def _graph(tmp_path):
@@ -50,7 +51,7 @@ def test_streamed_ranges_equal_ort_one_shot_calibration(tmp_path):
     from onnxruntime.quantization import quantize
 
     path, feeds, *_ = _graph(tmp_path)
-    cfg = _qnn_config(path, _Reader(feeds), {})
+    cfg = qnn_qdq_config(path, _Reader(feeds), {})
     quantize(str(path), str(tmp_path / "ort.qdq.onnx"), cfg)  # ORT pulling every feed at once
 
     stats = GraphStats(path, tmp_path / "work", hessians=False)

@@ -170,8 +170,7 @@ def test_media_tower_norms_are_prescaled_out_of_the_fp16_subnormals(ckpt, monkey
     power-of-two prescales on the encoders' example inputs: every norm squares O(1) values."""
     import json
 
-    from hexforge.families import gemma4_audio, load_family
-    from hexforge.families.base import encoder_families
+    from hexforge.families import encoder_families, gemma4_audio, load_family
     from hexforge.forge.encoders import calibrate_encoder_norms
 
     hf = load_family("gemma4").FAMILY.load_hf(ckpt("gemma4_mm"))

@@ -363,7 +363,7 @@ def test_check_08_corrupted_safetensors_refused_before_any_allocation(tmp_path, 
                                                                       blob):
     import safetensors.numpy
 
-    from hexforge.runtime.host import load_host_tensors
+    from hexforge.runtime.hostfile import load_host_tensors
 
     reached = []
     monkeypatch.setattr(safetensors.numpy, "load_file", lambda *a, **k: reached.append(a))

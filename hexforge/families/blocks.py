@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import GraphIO
+from .graphio import GraphIO
 from .ortops import (
     CacheLengths,
     apply_rope,

@@ -37,7 +37,8 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from ..manifest import EmbedSpec, ExtraEmbedSpec, HostRecipe, MaskGroup, RopeSpec, StateSpec
 from . import blocks, ortops
-from .base import Accepts, DecoderFamily, GraphIO
+from .base import Accepts, DecoderFamily
+from .graphio import GraphIO
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GROUP = {SLIDING: "sliding", FULL: "full"}

@@ -38,8 +38,9 @@ from torch import nn
 
 from ..errors import CheckpointError, UnsupportedModelError
 from ..manifest import EncoderSpec
-from .base import EncoderFamily, GraphIO, from_config
+from .base import EncoderFamily, from_config
 from .blocks import NORM_PRESCALE
+from .graphio import GraphIO
 
 FP16_MAX = 65504.0
 MASK_GAP = 30.0  # masked attention logits sit this far below the softcapped range

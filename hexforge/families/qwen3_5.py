@@ -32,7 +32,8 @@ from torch import nn
 
 from ..manifest import EmbedSpec, HostRecipe, RopeSpec, StateSpec
 from . import blocks
-from .base import DecoderFamily, GraphIO
+from .base import DecoderFamily
+from .graphio import GraphIO
 from .ortops import (
     linear_attention,
     linear_attention_gate,

@@ -1,8 +1,9 @@
-"""Media encoder graphs (vision, audio): float export for cpu, fp16 compile per HTP target, oracle.
+"""Media encoder graphs (vision, audio): float export for cpu, fp16 compile per HTP target, gates.
 
     encoder_families(config) ─spec─▶ EncoderSpec (manifest) ─encoder_module─▶ <target>/<name>.onnx
         cpu: the float graph ships        HTP: the float graph compiled with fp16 precision
-    oracle: the family's example inputs through each target's graph vs HF's own soft tokens
+    oracle (verify.verify_encoders): the family's example inputs through each target's graph vs
+    HF's own soft tokens, judged against ``encoder_gate``
 
 Encoders stay in fp16 on the HTP: they run once per image / clip, so their cost is small next to
 the decoder, and 16-bit activation quantization of attention-heavy towers costs accuracy
@@ -113,25 +114,3 @@ def encoder_gate(htp: bool, cpu_weights: str | None) -> float:
         return ENCODER_GATES["htp"]
     return ENCODER_GATES["cpu" if CPU_ENCODER_WEIGHTS[cpu_weights or "fp32"] == "fp32"
                          else "cpu-int8"]
-
-
-def verify_encoders(engine, manifest, hf, htp: bool, cpu_weights: str | None = None) -> dict:
-    """Each encoder's example inputs through the target's graph vs HF: cosine of valid rows."""
-    from ..families.base import encoder_families
-    from .verify import cosine_rows
-
-    gate = encoder_gate(htp, cpu_weights)
-    report = {}
-    for enc, spec in zip(encoder_families(manifest.hf_config), manifest.encoders, strict=True):
-        feeds = example_feeds(enc, spec)
-        ref = enc.reference(hf, feeds)
-        got = engine.encode(spec, feeds)
-        rows = {}
-        for bind, want in ref.items():
-            have = got[bind][0, :want.shape[0]]
-            cos = cosine_rows(have, want)
-            rows[bind] = {"cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
-                          "max_abs": float(np.abs(have - want).max()), "rows": int(want.shape[0])}
-        worst = min(r["cos_min"] for r in rows.values())
-        report[spec.name] = {"outputs": rows, "gate": gate, "passed": worst >= gate}
-    return report

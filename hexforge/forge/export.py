@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import BuildError
-from ..families.base import GraphIO
+from ..families.graphio import GraphIO
 from ..manifest import TensorSpec
 
 EXPORTERS = ("torchscript", "dynamo")

@@ -55,7 +55,7 @@ def host_table_formats(weights: str, embed: str, extras: list[str], tensors: dic
     peer runs them at 4 bits to compare against; ``int4_extras`` (--int4-per-layer-tables, int4
     weights) puts them in the weights' int4 blocks where those divide their width. Qwen3.5-0.8B's
     embedding: 508 MB bf16, 286 MB int8."""
-    from ..runtime.host import INT8_BLOCK
+    from ..runtime.qtables import INT8_BLOCK
 
     fmt = check_cpu_weights(weights)
     if fmt is None:

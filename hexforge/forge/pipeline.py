@@ -21,8 +21,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import BuildError, ParityGateError
-from ..families import family_name, load_family
-from ..families.base import encoder_families, write_host_tensors
+from ..families import encoder_families, family_name, load_family
 from ..inspect import encoder_input
 from ..manifest import (
     MANIFEST_NAME,
@@ -40,6 +39,7 @@ from .export import share_weights
 from .fuse import fuse_cpu_graph
 from .graphs import export_float, plan_target, weight_groups, weights_file
 from .hosttables import share_tied_embedding
+from .hostwrite import write_host_tensors
 from .htp.recipes import get_recipe
 from .nbits import check_cpu_weights, cpu_head_format, host_table_formats, quantize_cpu_graph
 

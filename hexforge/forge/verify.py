@@ -336,8 +336,6 @@ def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[st
                                          new_tokens=min(new_tokens, manifest.context - 2),
                                          ref=(references or {}).get(name), evaluation=evaluation)
         if manifest.encoders:
-            from .encoders import verify_encoders
-
             with family.float32_forward(hf):
                 r["encoders"] = verify_encoders(engine, manifest, hf,
                                                 htp=spec.htp_arch is not None,
@@ -359,8 +357,6 @@ def _qdq_on_cpu(bundle: Path, manifest: Manifest, family, hf, tok: TextTokenizer
     Measured (real-width 4-layer Qwen3.5 cut, v81 w8a16): HTP teacher-forced cos 0.9974, its QDQ
     graphs on the CPU 0.9981, the float graphs with only the int8 weights 0.9981: the gate missed
     on the weights' rounding, which a compiler fix would not change."""
-    from .htp.probe import qdq_twin
-
     m, twin = qdq_twin(manifest, name, files)
     engine = Engine(bundle, m, twin, Backend("cpu"))
     r = verify_target(family, hf, engine, tok, m, twin, manifest.targets[name].quant,
@@ -385,3 +381,38 @@ def qdq_verdict(target_report: dict) -> str:
     return (f" (its QDQ graphs on the CPU fail too, cos {cos:.6f}: the quantization lost the "
             f"accuracy, not the HTP{hint})")
 
+
+def qdq_twin(manifest: Manifest, target: str, files: dict[str, str]) -> tuple[Manifest, str]:
+    """A manifest whose one target runs ``target``'s QDQ graphs (``files``: graph name -> path in
+    the bundle) on the CPU EP, media encoders from the cpu target; -> (manifest, its name)."""
+    spec = manifest.targets[target]
+    graphs = [g.model_copy(update={"file": files[g.name], "verify_file": None})
+              for g in spec.graphs if g.name in files]
+    graphs += [g for g in manifest.targets["cpu"].graphs if g.role in ("vision", "audio")]
+    twin = spec.model_copy(update={"name": f"{target}-qdq-cpu", "graphs": graphs, "htp_arch": None,
+                                   "soc_model": None, "qnn_sdk": None, "weight_shared": False})
+    m = manifest.model_copy(deep=True)
+    m.targets = {twin.name: twin}
+    return m, twin.name
+
+
+def verify_encoders(engine, manifest, hf, htp: bool, cpu_weights: str | None = None) -> dict:
+    """Each encoder's example inputs through the target's graph vs HF: cosine of valid rows."""
+    from ..families import encoder_families
+    from .encoders import encoder_gate, example_feeds
+
+    gate = encoder_gate(htp, cpu_weights)
+    report = {}
+    for enc, spec in zip(encoder_families(manifest.hf_config), manifest.encoders, strict=True):
+        feeds = example_feeds(enc, spec)
+        ref = enc.reference(hf, feeds)
+        got = engine.encode(spec, feeds)
+        rows = {}
+        for bind, want in ref.items():
+            have = got[bind][0, :want.shape[0]]
+            cos = cosine_rows(have, want)
+            rows[bind] = {"cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
+                          "max_abs": float(np.abs(have - want).max()), "rows": int(want.shape[0])}
+        worst = min(r["cos_min"] for r in rows.values())
+        report[spec.name] = {"outputs": rows, "gate": gate, "passed": worst >= gate}
+    return report

@@ -25,7 +25,8 @@ import numpy as np
 from ..errors import ContextOverflowError, RequestError
 from ..manifest import GraphSpec, Manifest, confine
 from .backends import Backend
-from .host import HostInputs, load_host_tensors, shared_table
+from .host import HostInputs
+from .hostfile import load_host_tensors, shared_table
 from .multimodal import MediaRows
 from .sampling import Sampler
 from .speculative import PromptLookup, StepCosts, check_speculation, speculative_steps

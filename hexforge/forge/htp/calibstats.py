@@ -207,9 +207,9 @@ def _minmax_calibrator(float_path: Path, augmented: Path, maps: dict):
         inferred.unlink()
         return model
 
-    from .qdq import _qnn_config  # the same QNN QDQ config the quantize pass then uses
+    from .qnnconfig import qnn_qdq_config  # the same tensors the QDQ pass then quantizes
 
-    cfg = _qnn_config(float_path, None, {})
+    cfg = qnn_qdq_config(float_path, None, {})
     saved = ort_calibrate.load_model_with_shape_infer
     ort_calibrate.load_model_with_shape_infer = load_with_shapes
     try:

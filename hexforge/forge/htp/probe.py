@@ -67,25 +67,11 @@ def qdq_graph_files(bundle: Path, manifest: Manifest, target: str) -> dict[str, 
                             "build it with --keep-work")
 
 
-def qdq_twin(manifest: Manifest, target: str, files: dict[str, str]) -> tuple[Manifest, str]:
-    """A manifest whose one target runs ``target``'s QDQ graphs (``files``: graph name -> path in
-    the bundle) on the CPU EP, media encoders from the cpu target; -> (manifest, its name)."""
-    spec = manifest.targets[target]
-    graphs = [g.model_copy(update={"file": files[g.name], "verify_file": None})
-              for g in spec.graphs if g.name in files]
-    graphs += [g for g in manifest.targets["cpu"].graphs if g.role in ("vision", "audio")]
-    twin = spec.model_copy(update={"name": f"{target}-qdq-cpu", "graphs": graphs, "htp_arch": None,
-                                   "soc_model": None, "qnn_sdk": None, "weight_shared": False})
-    m = manifest.model_copy(deep=True)
-    m.targets = {twin.name: twin}
-    return m, twin.name
-
-
 def capture_feeds(bundle: Path, manifest: Manifest, target: str, files: dict[str, Path],
                   graph: str, step: int) -> dict[str, np.ndarray]:
     """The inputs of call ``step`` of ``graph`` while the QDQ twin feeds the oracle prompt token
     by token (decode graphs) or in AR-N chunks (prefill graphs)."""
-    from ..verify import oracle_prompt
+    from ..verify import oracle_prompt, qdq_twin
 
     m, name = qdq_twin(manifest, target, {g: str(f.relative_to(bundle)) for g, f in files.items()})
     engine = Engine(bundle, m, name, Backend("cpu"))

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .calibstats import HessianStore, weight_key
+from .qnnconfig import qnn_qdq_config
 from .recipes import QuantRecipe
 from .weightquant import (
     gptq_damp,
@@ -79,24 +80,11 @@ def quantize_graph(float_path: Path, out_path: Path, ranges: Path, past_absmax: 
                        hessians if recipe.gptq else None, rhs_int16=recipe.rhs_int16)
 
 
-def _qnn_config(float_path: Path, reader, overrides: dict):
-    from onnxruntime.quantization import CalibrationMethod, QuantType
-    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
-
-    cfg = get_qnn_qdq_config(
-        str(float_path), reader, calibrate_method=CalibrationMethod.MinMax,
-        activation_type=QuantType.QUInt16, weight_type=QuantType.QUInt8, per_channel=False,
-        init_overrides=overrides,
-    )
-    cfg.use_external_data_format = _graph_bytes(float_path) > 1 << 30  # protobuf's 2 GB limit
-    return cfg
-
-
 def _quantize(float_path: Path, out_path: Path, ranges: Path, overrides: dict) -> None:
     """ORT's QNN QDQ tool with the ranges from the calibration cache (no data reader)."""
     from onnxruntime.quantization import quantize_static
 
-    cfg = _qnn_config(float_path, None, overrides)
+    cfg = qnn_qdq_config(float_path, None, overrides)
     quantize_static(
         str(float_path), str(out_path), None, calibrate_method=cfg.calibrate_method,
         quant_format=cfg.quant_format, activation_type=cfg.activation_type,
@@ -106,17 +94,6 @@ def _quantize(float_path: Path, out_path: Path, ranges: Path, overrides: dict) -
         use_external_data_format=cfg.use_external_data_format,
         calibration_providers=cfg.calibration_providers, extra_options=cfg.extra_options,
         calibration_cache_path=str(ranges))
-
-
-def _graph_bytes(path: Path) -> int:
-    """The graph file plus the external weight files it references."""
-    import onnx
-    from onnx.external_data_helper import ExternalDataInfo
-
-    model = onnx.load(str(path), load_external_data=False)
-    files = {ExternalDataInfo(t).location for t in model.graph.initializer
-             if t.data_location == onnx.TensorProto.EXTERNAL}
-    return path.stat().st_size + sum((path.parent / f).stat().st_size for f in files)
 
 
 def _block(k: int, want: int) -> int | None:

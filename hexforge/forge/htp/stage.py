@@ -163,7 +163,7 @@ def _calibration_backend() -> Backend:
 def _media_prompts(engine: Engine, manifest: Manifest, ids: list[int], hf):
     """One prompt per encoder: its example item (the family's synthetic image / clip) first,
     then calibration text; -> [(expanded ids, MediaRows)]."""
-    from ...families.base import encoder_families
+    from ...families import encoder_families
     from ...runtime.multimodal import encode_items, splice
     from ..encoders import example_feeds
 
