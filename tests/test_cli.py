@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +44,42 @@ def test_unknown_model_type_is_a_clear_error(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     r = hexforge("build", tmp_path, "-o", tmp_path / "out")
     assert r.returncode == 2 and "'nonesuch' is not supported" in r.stderr
+
+
+@pytest.mark.parametrize("model_type", ["base", "blocks", "ortops", "gemma4_vision"])
+def test_a_module_that_is_not_a_decoder_family_is_refused_like_an_unknown_model_type(
+        ckpt, tmp_path, model_type):
+    """families/ holds shared modules (base, blocks, ortops) and encoder families beside the
+    decoder families: a config naming one used to import it and end in an AttributeError
+    traceback. Only the registered decoder families load; the rest get the one-line error."""
+    import shutil
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(ckpt("llama"), src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    out = tmp_path / "out"
+    r = hexforge("build", src, "-o", out)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line and f"model_type {model_type!r} is not supported" in line
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_family_registry_names_every_family_module_and_only_those():
+    import pkgutil
+
+    import hexforge.families as families
+    from hexforge.families import DECODERS, ENCODERS, load_encoder, load_family
+
+    for name in DECODERS:
+        assert load_family(name).FAMILY is not None
+    for name in ENCODERS:
+        assert load_encoder(name) is not None
+    for mod in pkgutil.iter_modules(families.__path__):
+        src = (Path(families.__path__[0]) / f"{mod.name}.py").read_text()
+        defines = "\nFAMILY = " in src or "\nENCODER = " in src
+        assert defines == (mod.name in DECODERS + ENCODERS), mod.name
 
 
 def test_inspect_and_targets(bundle):
