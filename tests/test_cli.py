@@ -184,3 +184,25 @@ def test_encoder_flags_on_a_checkpoint_without_that_encoder_are_refused(ckpt, tm
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
         assert f"{flag} was given but this checkpoint has no {modality} encoder" in r.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_configuration_doc_names_every_option_and_environment_variable():
+    """docs/configuration.md is the one list of settings: every option of every subcommand and
+    every HEXFORGE_* / HF_* variable the package reads."""
+    import argparse
+    import re
+
+    from hexforge.cli import parser
+
+    root = Path(__file__).parents[1]
+    doc = (root / "docs" / "configuration.md").read_text()
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sp in sub.choices.items():
+        section = doc.split(f"### `hexforge {name}`", 1)[1].split("\n### ", 1)[0]
+        for action in sp._actions:
+            for opt in action.option_strings:
+                if opt not in ("-h", "--help"):
+                    assert f"`{opt}`" in section, (name, opt)
+    code = "\n".join(p.read_text() for p in (root / "hexforge").rglob("*.py"))
+    for var in set(re.findall(r"environ(?:\.get)?\(?\[?\"((?:HEXFORGE|HF)_[A-Z_]+)", code)):
+        assert f"`{var}`" in doc, var

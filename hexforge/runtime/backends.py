@@ -21,6 +21,7 @@ from pathlib import Path
 from ..errors import BackendError, BundleError
 from ..manifest import GraphSpec, TargetSpec, confine
 from . import qnn
+from .bound import BoundSession
 
 BACKENDS = ("cpu", "qnn", "qnn-sim", "auto")
 
@@ -110,11 +111,7 @@ def prepack_prefill(weights: str, weight_bytes: int) -> bool:
     - fp32: when the second copy is small next to the machine's RAM (at most 1/6 of it: Qwen3-0.6B's
       2.4 GB on a 16 GB laptop, not Gemma-4-E2B's 9 GB, ~2 x 7 GB packed on a 24 GB machine).
       Measured at Qwen3-0.6B (2 cores, in-place prefill, 512-token prompt): TTFT 4.0 vs 4.9 s,
-      anonymous memory 4.8 vs 2.6 GB (bench/runtime_memory.py).
-    HEXFORGE_CPU_PREPACK_PREFILL=1 or 0 overrides."""
-    env = os.environ.get("HEXFORGE_CPU_PREPACK_PREFILL", "")
-    if env in ("0", "1"):
-        return env == "1"
+      anonymous memory 4.8 vs 2.6 GB (bench/runtime_memory.py)."""
     if weights != "fp32":
         return True
     memory = physical_memory_bytes()
@@ -206,11 +203,7 @@ class Backend:
                 sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
             except Exception as e:  # ORT raises its own Fail/InvalidGraph types
                 raise BundleError(f"graph {graph.file} cannot be loaded by onnxruntime: {e}") from None
-            if os.environ.get("HEXFORGE_CPU_IOBINDING", "1") == "0":
-                return sess
-            from .bound import BoundSession  # IO binding: no per-call binding of the state
-
-            return BoundSession(sess, graph)
+            return BoundSession(sess, graph)  # IO binding: no per-call binding of the state
         return self._htp_session(bundle, target, graph, path)
 
     def _htp_session(self, bundle: Path, target: TargetSpec, graph: GraphSpec, path: Path):

@@ -20,7 +20,6 @@ Measured (bench/loop_overhead.py --runs 31 --tokens 32, tiny qwen3, interleaved)
 per decode token with the engine's AR-1 paths, which keep the per-step arrays (mask row, embed and
 rope rows) the same objects so that nothing is rebound (before them: 307.5 vs 311.2). Real-size
 steps are bound by weight traffic, where it changes nothing measurable.
-``HEXFORGE_CPU_IOBINDING=0`` turns it off (plain ``InferenceSession.run``) for A/B runs.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ContextOverflowError, RequestError
+from ..errors import BundleError, ContextOverflowError, RequestError
 from ..manifest import GraphSpec, Manifest, confine
 from .backends import Backend
 from .host import HostInputs
@@ -113,12 +113,8 @@ class Engine:
         self.feeds_of = {g.name: [(i.name, *self._source(i.bind)) for i in g.inputs]
                          for g in self.target.graphs}
         self.outputs_of = {g.name: [step_key(o.bind) for o in g.outputs] for g in self.target.graphs}
-        # per graph: (output index, input name) of the caches it updates in place, where its
-        # session returns copies (plain session.run, HEXFORGE_CPU_IOBINDING=0) that the engine
-        # must write back; an IO-bound session writes the cache itself (nothing to do per token)
-        self.aliases_of: dict[str, list[tuple[int, str]]] = {}
         for name in list(self.sessions):
-            self._note_aliases(self.target.graph(name))
+            self._check_in_place(self.target.graph(name))
         # the state each step writes: {"new:<state>": state}, committed after every graph ran
         self.step_writes = {role: {step_key(o.bind): o.bind[6:] for g in graphs for o in g.outputs
                                    if o.bind.startswith("state:")}
@@ -132,16 +128,20 @@ class Engine:
         self._kept_rows: dict[str, np.ndarray] = {}
         self._ar1_inputs: dict[str, np.ndarray] | None = None  # see _decode_inputs
 
-    def _note_aliases(self, g: GraphSpec) -> None:
-        if not getattr(self.sessions[g.name], "writes_in_place", False):
-            self.aliases_of[g.name] = [(k, o.bind[6:]) for k, o in enumerate(g.outputs)
-                                       if o.bind.startswith("alias:")]
+    def _check_in_place(self, g: GraphSpec) -> None:
+        """A graph that updates a cache in place (``alias:<input>`` outputs) needs a session that
+        writes its outputs into that input's memory (the cpu backend's ``BoundSession``)."""
+        if (any(o.bind.startswith("alias:") for o in g.outputs)
+                and not getattr(self.sessions[g.name], "writes_in_place", False)):
+            raise BundleError(f"graph {g.name} updates its cache in place (alias: outputs), which "
+                              f"only the cpu backend runs; target {self.target.name} cannot run "
+                              f"on backend {self.backend.name}")
 
     def _load_verify_sessions(self) -> None:
         for g in self.step_graphs["verify"]:
             if g.name not in self.sessions:
                 self.sessions[g.name] = self.backend.session(self.bundle, self.target, g)
-                self._note_aliases(g)
+                self._check_in_place(g)
 
     @property
     def vocab_size(self) -> int:
@@ -168,8 +168,6 @@ class Engine:
         values = self.sessions[graph.name].run(None, feeds)
         for key, value in zip(self.outputs_of[graph.name], values, strict=True):
             inputs[key] = value
-        for k, name in self.aliases_of.get(graph.name, ()):  # a plain session.run's copies
-            feeds[name][...] = values[k]
         if self.observer:
             outputs = {s.bind: v for s, v in zip(graph.outputs, values, strict=True)}
             self.observer(graph, feeds, outputs, positions)
