@@ -1,5 +1,5 @@
 """The runtime: needs numpy, onnxruntime, tokenizers, safetensors — never torch or transformers."""
 
-from .model import GenerationResult, Model, load
+from .model import ChatSession, GenerationOptions, GenerationResult, Model, load
 
-__all__ = ["GenerationResult", "Model", "load"]
+__all__ = ["ChatSession", "GenerationOptions", "GenerationResult", "Model", "load"]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
+from typing import Annotated, Any, get_type_hints
 
 from ..errors import BackendError, RequestError
 from ..manifest import Manifest, confine, load_manifest
@@ -37,6 +40,73 @@ class GenerationResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationOptions:
+    """How one request generates: each field is a keyword argument of ``Model.generate`` /
+    ``stream`` / ``chat`` / ``stream_chat`` and ``ChatSession.send`` / ``stream``. None means
+    the bundle's generation defaults (the checkpoint's generation config) where it has one."""
+
+    max_new_tokens: Annotated[int | None, "tokens to generate at most (None: the bundle's "
+                              "default, 64 unless the checkpoint's generation config says so)"] = None
+    temperature: Annotated[float | None, "0: greedy; None: the generation config's (greedy "
+                           "without one)"] = None
+    top_k: Annotated[int | None, "sample among the k likeliest tokens (0: all)"] = None
+    top_p: Annotated[float | None, "sample among the likeliest tokens holding this probability "
+                     "mass"] = None
+    min_p: Annotated[float, "drop tokens below this fraction of the likeliest token's "
+                     "probability"] = 0.0
+    repetition_penalty: Annotated[float, "divide the logits of tokens already in the context by "
+                                  "this (HF's rule); 1: off"] = 1.0
+    penalty_window: Annotated[int, "the repetition penalty looks at the context's last this many "
+                              "ids only (0: all of them)"] = 0
+    seed: Annotated[int | None, "the sampler's seed (the same seed, the same output)"] = None
+    stop: Annotated[str | list[str] | None, "strings that end the output (it is cut before "
+                    "them)"] = None
+    stop_token_ids: Annotated[list[int] | None, "token ids that end the output, beside EOS"] = None
+    ignore_eos: Annotated[bool, "generate past EOS tokens"] = False
+    logprobs: Annotated[int | None, "report each token's logprob and this many top alternatives "
+                        "(0: the chosen token only)"] = None
+    response_format: Annotated[dict | None, "constrain the output, OpenAI-style: {'type': "
+                               "'json_schema' | 'json_object' | 'regex' | 'lark', ...}"] = None
+    constraint: Annotated[Any, "or a ready grammar processor with advance(token) and done "
+                          "(runtime/constrain.py)"] = None
+    images: Annotated[list | None, "images (paths, bytes, data: URLs) spliced at the prompt's "
+                      "placeholders (or put first)"] = None
+    audios: Annotated[list | None, "audio clips (paths, bytes, data: URLs), as images"] = None
+    prompt_lookup: Annotated[int | None, "speculative decoding: draft up to k tokens a step from "
+                             "the context and verify them in one call (the same tokens)"] = None
+    prefill_mode: Annotated[str, "'chunked': AR-N prefill graphs; 'decode': the AR-1 graph over "
+                            "the prompt"] = "chunked"
+    should_stop: Annotated[Callable[[], bool] | None, "polled every token; True cancels "
+                           "(finish_reason 'cancelled')"] = None
+
+
+def _options_doc() -> str:
+    hints = get_type_hints(GenerationOptions, include_extras=True)
+    return "\n".join(f"    {f.name}: {hints[f.name].__metadata__[0]}" for f in fields(GenerationOptions))
+
+
+def takes_generation_options(fn):
+    """``fn(self, first, options: GenerationOptions)`` -> a method called as ``fn(self, first,
+    **options)``, whose signature (``help()``, ``inspect.signature``) lists every field of
+    GenerationOptions as a typed keyword-only parameter; an unknown keyword is a TypeError."""
+    hints = get_type_hints(GenerationOptions)
+    params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                annotation=hints[f.name]) for f in fields(GenerationOptions)]
+    sig, own = inspect.signature(fn), get_type_hints(fn)
+    head = [p.replace(annotation=own.get(p.name, p.annotation)) for p in sig.parameters.values()
+            if p.name != "options"]
+
+    @functools.wraps(fn)
+    def method(self, first, **options):
+        return fn(self, first, GenerationOptions(**options))
+
+    method.__signature__ = sig.replace(parameters=[*head, *params],
+                                       return_annotation=own.get("return", sig.return_annotation))
+    method.__doc__ = f"{fn.__doc__ or ''}\n\nKeyword arguments (GenerationOptions):\n{_options_doc()}"
+    return method
 
 
 def pick_target(manifest: Manifest, backend: Backend, target: str | None = None) -> str:
@@ -133,14 +203,19 @@ class Model:
                                "use a plain completion prompt")
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
 
-    def chat(self, messages: list[dict], **kw) -> GenerationResult:
+    @takes_generation_options
+    def chat(self, messages: list[dict], options: GenerationOptions) -> GenerationResult:
         """Render ``messages`` with the checkpoint's chat template and generate the reply."""
-        text = self.apply_chat_template(messages)
-        return self.generate(self.tokenizer.encode(text, add_special_tokens=False), **kw)
+        return self._result(self._iterate(self._chat_ids(messages), options))
 
-    def stream_chat(self, messages: list[dict], **kw) -> Iterator[str]:
+    @takes_generation_options
+    def stream_chat(self, messages: list[dict], options: GenerationOptions) -> Iterator[str]:
+        """``chat``, streamed: the reply's text pieces as they are generated."""
+        return self._pieces(self._iterate(self._chat_ids(messages), options))
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
         text = self.apply_chat_template(messages)
-        return self.stream(self.tokenizer.encode(text, add_special_tokens=False), **kw)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def session(self, system: str | None = None) -> ChatSession:
         """A multi-turn chat that keeps the model state between turns (prefills only new text)."""
@@ -155,56 +230,44 @@ class Model:
             return list(prompt)
         raise RequestError("prompt must be a string or a list of token ids")
 
-    def _iterate(self, prompt, max_new_tokens=None, temperature=None, top_k=None, top_p=None,
-                 seed=None, ignore_eos=False, prefill_mode="chunked", min_p=0.0,
-                 repetition_penalty=1.0, penalty_window=0, stop=None, stop_token_ids=None,
-                 logprobs=None, should_stop=None, steps=None, response_format=None,
-                 constraint=None, images=None, audios=None, prompt_lookup=None
+    def _iterate(self, prompt, o: GenerationOptions, steps=None
                  ) -> Iterator[tuple[str, int | None, GenerationResult | None]]:
         """Yields (text piece, token id, None) per token, then ("", None, result) once.
 
-        stop: strings that end the output (cut before them); stop_token_ids: extra stop ids;
-        logprobs: None, or how many top alternatives to report per token (0 = the chosen only);
-        should_stop(): polled every token, True cancels (finish_reason "cancelled");
         steps: (ids, sampler, max_new, drafter) -> a (token, logits) generator, instead of a
-        fresh generate_step (chat sessions continue their state through it);
-        response_format: OpenAI-style {"type": "json_schema" | "json_object" | "regex" | "lark", ..}
-        or constraint: a ready processor with advance(token) and done (runtime/constrain.py);
-        images / audios: paths or bytes, spliced at the prompt's placeholders (or put first);
-        prompt_lookup: k > 0 drafts up to k tokens a step from the context (prompt + output so
-        far) and verifies them in one call (runtime/speculative.py): same tokens, same
-        distribution under sampling, fewer weight reads where the output copies its input."""
+        fresh generate_step (chat sessions continue their state through it)."""
         g = self.generation
-        max_new = g.max_new_tokens if max_new_tokens is None else max_new_tokens
+        max_new = g.max_new_tokens if o.max_new_tokens is None else o.max_new_tokens
         if not isinstance(max_new, int) or isinstance(max_new, bool):
             raise RequestError(f"max_new_tokens must be an integer, got {max_new!r}")
         t0 = time.perf_counter()
         ids = self.encode(prompt)
         media = None
-        if images or audios:
+        if o.images or o.audios:
             if steps is not None:
                 raise RequestError("images / audio in a chat session are not supported yet: use "
                                    "model.generate / model.chat")
-            ids, media = prepare_media(self.engine, self.manifest, ids, images, audios,
+            ids, media = prepare_media(self.engine, self.manifest, ids, o.images, o.audios,
                                        self._preprocessors)
         history = list(ids)  # the repetition penalty's window and the drafter read it live
-        drafter = PromptLookup(prompt_lookup, history) if prompt_lookup else None
-        if constraint is None and response_format is not None:
-            constraint = self.grammars.constraint(response_format)
-        sampler = make_sampler(g.temperature if temperature is None else temperature,
-                               g.top_k if top_k is None else top_k,
-                               g.top_p if top_p is None else top_p, seed, min_p,
-                               repetition_penalty, history, penalty_window, constraint)
-        stops = StopStrings(list([stop] if isinstance(stop, str) else stop or []))
-        eos = set() if ignore_eos else set(g.eos_token_ids)
-        eos |= set(stop_token_ids or [])
+        drafter = PromptLookup(o.prompt_lookup, history) if o.prompt_lookup else None
+        constraint = o.constraint
+        if constraint is None and o.response_format is not None:
+            constraint = self.grammars.constraint(o.response_format)
+        sampler = make_sampler(g.temperature if o.temperature is None else o.temperature,
+                               g.top_k if o.top_k is None else o.top_k,
+                               g.top_p if o.top_p is None else o.top_p, o.seed, o.min_p,
+                               o.repetition_penalty, history, o.penalty_window, constraint)
+        stops = StopStrings(list([o.stop] if isinstance(o.stop, str) else o.stop or []))
+        eos = set() if o.ignore_eos else set(g.eos_token_ids)
+        eos |= set(o.stop_token_ids or [])
         detok = self.tokenizer.detokenizer()
         tokens: list[int] = []
-        lps: list[dict] | None = [] if logprobs is not None else None
+        lps: list[dict] | None = [] if o.logprobs is not None else None
         finish, t_first = "length", None
         if steps is None:
             steps = lambda ids, sampler, n, drafter: self.engine.generate_step(  # noqa: E731
-                ids, sampler, n, prefill_mode, media=media, drafter=drafter)
+                ids, sampler, n, o.prefill_mode, media=media, drafter=drafter)
         for token, logits in steps(ids, sampler, max_new, drafter):
             if t_first is None:
                 t_first = time.perf_counter()
@@ -216,14 +279,14 @@ class Model:
             if constraint is not None:
                 constraint.advance(token)
             if lps is not None:
-                lps.append(token_logprobs(logits, token, logprobs))
+                lps.append(token_logprobs(logits, token, o.logprobs))
             piece = stops.add(detok.add(token))
             if piece:
                 yield piece, token, None
             if stops.hit or (constraint is not None and constraint.done):  # done: only EOS is left
                 finish = "stop"
                 break
-            if should_stop is not None and should_stop():
+            if o.should_stop is not None and o.should_stop():
                 finish = "cancelled"
                 break
         if not stops.hit:
@@ -243,14 +306,26 @@ class Model:
         )
         yield "", None, result
 
-    def generate(self, prompt: str | list[int], **kw) -> GenerationResult:
-        for _, _, result in self._iterate(prompt, **kw):
+    @takes_generation_options
+    def generate(self, prompt: str | list[int], options: GenerationOptions) -> GenerationResult:
+        """Generate from ``prompt`` (text, or token ids as they are) -> GenerationResult."""
+        return self._result(self._iterate(prompt, options))
+
+    @takes_generation_options
+    def stream(self, prompt: str | list[int], options: GenerationOptions) -> Iterator[str]:
+        """``generate``, streamed: the output's text pieces as they are generated."""
+        return self._pieces(self._iterate(prompt, options))
+
+    @staticmethod
+    def _result(items) -> GenerationResult:
+        for _, _, result in items:
             if result is not None:
                 return result
         raise AssertionError("unreachable")
 
-    def stream(self, prompt: str | list[int], **kw) -> Iterator[str]:
-        for piece, _, result in self._iterate(prompt, **kw):
+    @staticmethod
+    def _pieces(items) -> Iterator[str]:
+        for piece, _, result in items:
             if result is None:
                 yield piece
 
@@ -271,18 +346,17 @@ class ChatSession:
         self.cached = []
         self.model.engine.reset()
 
-    def stream(self, content: str, **kw) -> Iterator[str]:
-        for piece, _, result in self._turn(content, **kw):
-            if result is None:
-                yield piece
+    @takes_generation_options
+    def stream(self, content: str, options: GenerationOptions) -> Iterator[str]:
+        """``send``, streamed: the reply's text pieces as they are generated."""
+        return Model._pieces(self._turn(content, options))
 
-    def send(self, content: str, **kw) -> GenerationResult:
-        for _, _, result in self._turn(content, **kw):
-            if result is not None:
-                return result
-        raise AssertionError("unreachable")
+    @takes_generation_options
+    def send(self, content: str, options: GenerationOptions) -> GenerationResult:
+        """One user turn: the reply, the state kept for the next turn."""
+        return Model._result(self._turn(content, options))
 
-    def _turn(self, content: str, **kw):
+    def _turn(self, content: str, options: GenerationOptions):
         m, eng = self.model, self.model.engine
         msgs = [*self.messages, {"role": "user", "content": content}]
         ids = m.tokenizer.encode(m.apply_chat_template(msgs), add_special_tokens=False)
@@ -298,7 +372,7 @@ class ChatSession:
                 yielded.append(token)
                 yield token, logits
 
-        for item in m._iterate(ids, steps=steps, **kw):
+        for item in m._iterate(ids, options, steps=steps):
             if item[2] is not None:  # before handing out the result: callers stop reading there
                 self.cached = ids + yielded[:-1]  # every yielded token but the last went in
                 self.messages = [*msgs, {"role": "assistant", "content": item[2].text}]
