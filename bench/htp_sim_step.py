@@ -1,5 +1,5 @@
 """Seconds per graph call of a bundle's HTP target on the x86 simulator (qnn-sim): how much an
-oracle run costs at this model size before committing to one (issue 10).
+oracle run costs at this model size before committing to one.
 
     python bench/htp_sim_step.py BUNDLE [--target v81] [--decode-steps 2] [--prefill-chunks 1]
 

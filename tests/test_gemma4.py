@@ -56,7 +56,7 @@ def test_three_shards_across_the_kv_sharing_boundary_equal_one(bundle, hf_greedy
 
 
 def test_gemma4_cpu_step_reads_only_the_cache_rows_held(bundle):
-    """Regression (issue 10): the cpu step attended over every cache row and masked the unwritten
+    """Regression: the cpu step attended over every cache row and masked the unwritten
     ones, so its cost followed --context (10-layer E2B cut: 35 vs 41-49 tok/s at 4096 vs 256).
     Now the rings are cut to the rows held and the full caches are read by GroupQueryAttention up
     to the rows held: NaN past them must not reach any output (a full cache's present is the
@@ -101,7 +101,7 @@ def test_gemma4_cpu_step_reads_only_the_cache_rows_held(bundle):
 
 
 def test_both_ops_writing_one_full_cache_write_it_in_place(bundle):
-    """Regression (session 24): a full cache that two ops of one graph write (the layer that owns
+    """Regression: a full cache that two ops of one graph write (the layer that owns
     it and a layer sharing it) is two outputs bound alias:<cache>. Binding only one of them left
     the other to onnxruntime: its op then copies the whole cache (all --context rows) into a
     present of its own every step, and the cache is written by the copy, not in place."""

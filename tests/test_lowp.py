@@ -1,4 +1,4 @@
-"""bf16 checkpoints (real ones are): loaded as stored, fp32 only where exported / run (issue 10).
+"""bf16 checkpoints (real ones are): loaded as stored, fp32 only where exported / run.
 
 The HF model stays bf16 resident; the oracle's forward computes exactly as an fp32 model holding
 the same bf16 values (the old fp32 load), and a bf16 tiny Gemma-4 builds greedy-exact on cpu.

@@ -277,7 +277,7 @@ def test_bench_cli_reports_every_number(bundle, capsys):
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_cpu_graphs_update_the_cache_in_place(bundle, family):
-    """Issue 10: the cpu decode and prefill graphs attend with onnxruntime's GroupQueryAttention
+    """The cpu decode and prefill graphs attend with onnxruntime's GroupQueryAttention
     over the rows held (a prefill chunk: causally), writing the state buffers themselves (their
     present outputs are bound to them, not copies), with fused norms, the rope inside the op
     where it can take it (from constant tables under 1-D positions), and no mask input."""
@@ -342,12 +342,11 @@ def test_cpu_graphs_update_the_cache_in_place(bundle, family):
 @pytest.mark.parametrize("ram", [10_000, 1 << 40])
 def test_fp32_prefill_and_head_sessions_read_the_weight_file_unpacked_on_a_small_machine(
         bundle, weights, ram, monkeypatch):
-    """Issue 10: an fp32 prefill session prepacks its weights only when that second packed copy
-    (the decode session of the shard holds one) is at most 1/6 of the machine's RAM: measured at
-    Qwen3-0.6B, +2.3 GB for TTFT(512) 3.9 vs 4.8 s. A MatMulNBits prefill always does (unpacked
-    it loses its int8 kernels: 3x the TTFT). The head, which only prefill runs once the last
-    decode graph carries its own, follows the prefill rule (regression: an unpacked int4 head
-    took 0.66 s a call, TTFT(512) 3.1 -> 8.4 s)."""
+    """An fp32 prefill session prepacks its weights only when that second packed copy (the
+    decode session of the shard holds one) is at most 1/6 of the machine's RAM; a MatMulNBits
+    prefill always does (unpacked it loses its int8 kernels). The head, which only prefill runs
+    once the last decode graph carries its own, follows the prefill rule (regression: an
+    unpacked int4 head nearly tripled the TTFT)."""
     import hexforge
     from hexforge.runtime import backends
 
@@ -368,7 +367,7 @@ def test_fp32_prefill_and_head_sessions_read_the_weight_file_unpacked_on_a_small
 
 
 def test_prefill_runs_the_head_on_its_last_chunk_only(bundle):
-    """Issue 10: the logits of a prefill chunk before the last are never read, so its head run is
+    """The logits of a prefill chunk before the last are never read, so its head run is
     skipped (it was one head GEMV per 64 prompt tokens); an observer still sees every chunk's."""
     import hexforge
 

@@ -1,5 +1,5 @@
-"""Streaming calibration (issue 10: real-size decode feeds each hold the whole KV cache, so the
-build never stores them): GraphStats fed one call at a time gives ORT's one-shot MinMax ranges
+"""Streaming calibration (real-size decode feeds each hold the whole KV cache, so the build
+never stores them): GraphStats fed one call at a time gives ORT's one-shot MinMax ranges
 and the exact GPTQ Hessians; HessianStore pools them on disk."""
 
 from __future__ import annotations

@@ -85,8 +85,8 @@ def test_in_place_prefill_chunk_that_would_pass_the_cache_end_goes_through_ar1(b
     """An in-place cpu prefill graph writes all N rows of a chunk, pad rows included. A chat turn
     starting 6 rows before the end of the cache made GroupQueryAttention refuse the chunk
     ("total_sequence_length ... no greater than past_sequence_length"): such a tail of a prompt
-    (< N tokens, once a prompt) now goes through the AR-1 graph. gemma4: its full caches are in
-    place since session 24, beside rings the engine writes."""
+    (< N tokens, once a prompt) now goes through the AR-1 graph. gemma4: its full caches are
+    written in place, beside rings the engine writes."""
     import hexforge
     from hexforge.runtime.sampling import greedy
     from tests.conftest import CONTEXT, N, prompt_ids

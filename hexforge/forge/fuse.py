@@ -1,7 +1,7 @@
 """Node fusions for the cpu target's onnxruntime graphs, applied to the exported ONNX.
 
 onnxruntime's own optimizer leaves both patterns alone in our graphs, and at AR-1 a node costs
-about as much as the arithmetic in it (~5-10 us on 2 cores whatever its size), so nodes count:
+about as much as the arithmetic in it (a few us on 2 cores whatever its size), so nodes count:
 
     Add(x, d) ─┬▶ SimplifiedLayerNormalization(γ)     SkipSimplifiedLayerNormalization(x, d, γ)
                └▶ other users of x + d           ⟶      ├▶ normed
@@ -14,7 +14,7 @@ about as much as the arithmetic in it (~5-10 us on 2 cores whatever its size), s
 
 The residual fusion (any graph) is the same arithmetic in one kernel; the packed MatMulNBits
 (int8/int4 graphs) reads the same weights in one call. fp32 MatMuls are not packed: one larger
-fp32 MatMul measured slower than three (issue 10, Qwen3-0.6B decode, 56.8-57.8 vs 47.2-53.4 ms).
+fp32 MatMul ran slower than three (docs/measurements.md).
 Both are pure rewiring, the values stay bit-identical (packing concatenates the quantized blocks
 along N; each output column still sees its own blocks).
 """
@@ -82,13 +82,9 @@ def pack_sibling_matmuls(model, min_group: int = 3) -> int:
     """MatMulNBits nodes reading the same activation with the same K / bits / block / accuracy
     (q, k and v of an attention; Qwen3.5's four in-projections) -> one MatMulNBits over the
     concatenated weights + a Split. Groups smaller than ``min_group`` stay as they are: gate/up
-    pairs, which genai leaves apart too. Packed, they measured 1.03-1.12x on a chain of 28
-    Qwen3-0.6B MLPs alone (int4-b128, M=1, 2 threads) but nothing past the noise in the whole
-    decode graph: 0.991x (ratio of medians, both orders of a 25-round in-process A/B; +-3.5 %
-    between the orders), and 1.004x one model a process (`bench/alternate.py`, 36 rounds; per
-    round 0.939-1.125x). At M = 1 in cache the packed 1024 x 6144 runs 182 GOPS against 125 for
-    each 1024 x 3072 half, but a whole decode token streams its weights from memory, where the
-    two come out even. -> nodes removed."""
+    pairs, which genai leaves apart too: packed, they gained on an MLP chain alone but nothing past
+    the noise in a decode token, which streams its weights from memory (docs/measurements.md).
+    -> nodes removed."""
     from onnx import helper, numpy_helper
 
     g = model.graph

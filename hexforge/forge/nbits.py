@@ -21,16 +21,13 @@ from ..errors import BuildError
 # the float fallback (level 0/1) dequantizes every weight block each call and is slower.
 # int4-b128: one fp32 scale per 128 weights instead of per 32 (the common int4 group of GPTQ/AWQ
 # checkpoints): 4.25 bits a weight instead of 5, so a decode token reads 15 % fewer bytes, and
-# MLAS's int8 kernel does a quarter of the per-block scale work. Measured on 2 Zen 5 cores,
-# K=1024 N=6144: 1.41x the GOPS of block 32 at M=256 (prefill), 1.47x at M=1 with B in cache.
-# int8-b128 likewise: 8.25 bits a weight instead of 9; a chain of 1024 <-> 3072 MatMulNBits on 2
-# cores ran 1.20x block 32 at M=1 and 1.32x at M=64 (the same chain at int4-b128: 1.28x / 1.43x).
+# MLAS's int8 kernel does a quarter of the per-block scale work; int8-b128 likewise, 8.25 bits a
+# weight instead of 9. Both run faster than block 32 (docs/measurements.md).
 CPU_WEIGHTS: dict[str, tuple[int, int] | None] = {
     "fp32": None, "int8": (8, 32), "int8-b128": (8, 128), "int4": (4, 32), "int4-b128": (4, 128)}
 CPU_ACCURACY_LEVEL = 4
-# the media towers' weights under each --cpu-weights: int8 under int4 too. Measured on the
-# real-shape Qwen3.5-0.8B tower (random weights, one 1024-patch image, 2 cores): fp32 399 MB /
-# 0.70 s; int8 115 MB / 0.64 s, soft tokens cos >= 0.99976 vs fp32; int4 66 MB / 0.68 s, cos 0.972
+# the media towers' weights under each --cpu-weights: int8 under int4 too, as an int4 tower's soft
+# tokens moved far from fp32's for no speed (docs/measurements.md)
 CPU_ENCODER_WEIGHTS: dict[str, str] = {"fp32": "fp32", "int8": "int8", "int8-b128": "int8",
                                        "int4": "int8", "int4-b128": "int8"}
 
@@ -144,9 +141,8 @@ def quantize_cpu_graph(path: Path, bits: int, block_size: int, vocab_size: int |
 def cpu_head_format(bits: int, block_size: int) -> tuple[int, int]:
     """The lm_head's (bits, block) under weights of (bits, block): int4 weights keep an int8 head
     in blocks of 32 (and so an int8 embedding where it is tied), as llama.cpp keeps its output
-    matrix at 6 bits in Q4_K_M. Measured on SmolLM2-135M-Instruct (HF, the head alone rounded,
-    255 tokens of held-out text): int4 blocks of 32 cost KL 0.142 and top-1 0.76, blocks of 128
-    KL 0.218; int8 blocks of 32 KL < 1e-4 (docs/quality.md)."""
+    matrix at 6 bits in Q4_K_M: an int4 head alone costs most of an int4 model's KL to HF
+    (docs/measurements.md)."""
     return (8, 32) if bits == 4 else (bits, block_size)
 
 

@@ -354,9 +354,8 @@ def _qdq_on_cpu(bundle: Path, manifest: Manifest, family, hf, tok: TextTokenizer
                 files: dict[str, str], new_tokens: int, ref: dict | None,
                 evaluation: EvalText | None = None) -> dict:
     """Target ``name``'s QDQ graphs — what was compiled — run on the CPU EP and judged like it.
-    Measured (real-width 4-layer Qwen3.5 cut, v81 w8a16): HTP teacher-forced cos 0.9974, its QDQ
-    graphs on the CPU 0.9981, the float graphs with only the int8 weights 0.9981: the gate missed
-    on the weights' rounding, which a compiler fix would not change."""
+    A gate the QDQ graphs miss on the CPU too was lost to the quantization, which a compiler fix
+    would not change (docs/measurements.md has such a case)."""
     m, twin = qdq_twin(manifest, name, files)
     engine = Engine(bundle, m, twin, Backend("cpu"))
     r = verify_target(family, hf, engine, tok, m, twin, manifest.targets[name].quant,

@@ -87,7 +87,7 @@ class Engine:
                           ("prefill", "decode") for i in g.inputs if i.bind.startswith("deepstack:")}
         self.media: MediaRows | None = None  # the current prompt's soft tokens (prefill only)
         self.rope_delta = 0  # M-RoPE: rope position = slot position + delta after the prompt
-        # resolved once, not per call (issue 10: the per-token Python cost on a tiny model):
+        # resolved once, not per call (the per-token Python cost shows on small models):
         # the graphs of a step, and per graph where each input comes from — a state buffer (it
         # lives as long as the engine) or a key of the step's inputs — and where each output goes
         plan = self.target.plan
@@ -222,9 +222,8 @@ class Engine:
         """A decode step's inputs (T = 1, no media rows) written into the arrays the last one
         bound — the dict of the first AR-1 step, kept: the embed and rope rows in place, the cache
         lengths and mask rows as ``_step_inputs`` makes them. The same values by the same float ops
-        in fewer Python steps: on a tiny model the step's host inputs took 7.5 us of a 100 us
-        token (bench/loop_overhead.py). None where the general path must run: no AR-1 step yet,
-        media rows in the step, a rope position past the tables."""
+        in fewer Python steps, which show on small models. None where the general path must run:
+        no AR-1 step yet, media rows in the step, a rope position past the tables."""
         inputs, host, p = self._ar1_inputs, self.host, self.pos
         rope_pos = p + self.rope_delta
         if inputs is None or self.media is not None or not 0 <= rope_pos < host.max_positions:

@@ -76,9 +76,7 @@ _ST_NUMPY = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16":
 def map_for_gathers(path: Path) -> mmap.mmap:
     """``path`` as a read-only memory map, advised MADV_RANDOM where the OS has it: a gather reads
     scattered rows, and under the default advice each page fault also reads the kernel's
-    read-around window (8 MB on this VM's disk). A cold row of Gemma-4-E2B's per-layer table took
-    2.3-5.3 ms that way and 0.27-0.29 ms advised (page cache dropped; a 512-token prompt gathers
-    512 rows, a decode token one)."""
+    read-around window: a cold row costs ten times as much (docs/measurements.md)."""
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if hasattr(m, "madvise") and hasattr(mmap, "MADV_RANDOM"):  # not on Windows
@@ -88,7 +86,7 @@ def map_for_gathers(path: Path) -> mmap.mmap:
 
 def view(m: mmap.mmap, dtype, offset: int, shape: tuple[int, ...]) -> np.ndarray:
     """``shape`` x ``dtype`` at byte ``offset`` of the map, as a plain read-only ndarray (it keeps
-    the map alive; indexing a np.memmap costs 2.9 us a row gather, a plain view 1.3 us)."""
+    the map alive; a row gather from it costs half what indexing a np.memmap does)."""
     return np.frombuffer(m, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
 
 

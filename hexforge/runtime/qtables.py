@@ -70,8 +70,8 @@ class Int8Table:
 
     def __getitem__(self, ids) -> np.ndarray:
         q, s = self.q[ids], self.scales[ids]
-        if q.dtype == np.uint8:  # q - 128 as int8, exactly: the top bit flipped (a 2560-wide row
-            q = q.view(np.int8) ^ np.int8(-128)  # 8.6 us, by a 256-entry float table 10.0)
+        if q.dtype == np.uint8:  # q - 128 as int8, exactly: the top bit flipped (faster than a
+            q = q.view(np.int8) ^ np.int8(-128)  # 256-entry float table: docs/measurements.md)
         return (q.reshape(*q.shape[:-1], -1, self.block) * s[..., None]).reshape(q.shape)
 
 
@@ -110,9 +110,8 @@ class Int4Table:
         self.shape, self.ndim, self.dtype = (q.shape[0], 2 * q.shape[1]), 2, np.dtype(np.float32)
         self.nbytes = q.nbytes + scales.nbytes
 
-    # byte -> its two columns' (nibble - 8), low nibble first: one np.take unpacks a row (a
-    # 1024-wide row dequantized in 7.4 us; by shifts and masks 14.5, by fancy indexing 13.6; from
-    # a bundle's mapped table 9.2 us, its int8 table 6.2)
+    # byte -> its two columns' (nibble - 8), low nibble first: one np.take unpacks a row, half
+    # the time of shifts and masks or fancy indexing (docs/measurements.md)
     _PAIRS = np.stack([np.arange(256) & 0x0F, np.arange(256) >> 4], axis=-1).astype(np.float32) - 8
 
     def __getitem__(self, ids) -> np.ndarray:

@@ -279,11 +279,8 @@ def _act_x_act_matmuls(qm) -> list[tuple]:
 def _act_matmul_inputs(qm) -> set[str]:
     """Outputs of the QuantizeLinear nodes whose tensors both inputs of an activation x activation
     MatMul dequantize: they keep their calibrated range. The HTP's act x act MatMul keeps only
-    the high bits of its 16-bit inputs. Measured on the state read k·(S·decay) of the real-width
-    Qwen3.5 cut, cut out with its own Q/DQ and real values: relative error vs float 0.048 with the
-    x3 ranges, 0.008 (= the CPU EP's) with ranges 4x tighter. The whole decode step with
-    unwidened act x act inputs: layer-0 state 0.0176 -> 0.0080, hidden_out 0.032 -> 0.025
-    (CPU EP 0.043)."""
+    the high bits of its 16-bit inputs, so a widened range costs those inputs most of their
+    resolution (docs/measurements.md)."""
     producer = {o: n for n in qm.graph.node for o in n.output}
     keep: set[str] = set()
     for _, *dqs in _act_x_act_matmuls(qm):
@@ -360,9 +357,8 @@ def int16_matmul_rhs(qm) -> int:
     """Input 1 of every MatMul of two dynamic uint16 tensors -> symmetric int16; -> MatMuls changed.
 
     Why: the QNN EP (onnxruntime-qnn 2.7 / QNN 2.51, v81) runs such a MatMul with input 1 held at 8
-    bits — measured: HTP vs the same QDQ graph on the CPU EP cos 0.99997 (error ~0.9% of the output
-    range) and exact once input 1 lies on an 8-bit grid; with input 1 int16 symmetric (uint16 x
-    int16) the HTP matched the CPU EP exactly (cos 1.0000000). Here that is QK^T (keys) and
+    bits; with input 1 int16 symmetric (uint16 x int16) the HTP matches the CPU EP exactly
+    (docs/measurements.md). Here that is QK^T (keys) and
     probs.V (values) of every attention layer. The uint16 tensor keeps its range: a fresh
     DequantizeLinear of it feeds an int16 Q/DQ pair (DQ -> Q becomes one QNN Convert) spanning the
     same range symmetrically, so at most 1 bit of its 16 is spent on the sign."""

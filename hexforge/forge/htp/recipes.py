@@ -20,18 +20,17 @@ class QuantRecipe:
     head_bits: int | None = None  # the lm_head's weight bits if not weight_bits (mixed recipe)
     bytes_per_weight: float = 2.0  # for the planner and the roofline
     mask_value: float = -30000.0  # additive mask; bounded so 16-bit activations keep resolution
-    range_margin: float = 3.0  # calibrated activation ranges widened x this: unseen prompts exceed
-    # MinMax ranges and clipping, not 16-bit resolution, dominated the error (measured: x1 cos 0.9942,
-    # x1.5 0.9980, x3 0.99983 teacher-forced on tiny llama w8a16)
+    # calibrated activation ranges widened x this: unseen prompts exceed MinMax ranges, and
+    # clipping, not 16-bit resolution, dominated the error (docs/measurements.md)
+    range_margin: float = 3.0
     # GPTQ with the calibration Hessians (validated per weight on held-out calibration rows,
     # weightquant.validated_gptq), else round to nearest. Not for int8: with a few hundred
     # calibration rows per graph (H of rank << K at real widths) it fits those rows and loses on
-    # others — real-width 4-layer Qwen3.5 cut, oracle teacher-forced cos on the CPU EP: int8 per
-    # channel GPTQ 0.99816 vs round-to-nearest 0.99894; blocks of 128 0.99886 vs 0.99926
+    # others (docs/measurements.md)
     gptq: bool = True
-    rhs_int16: bool = True  # input 1 of activation x activation MatMuls (QK^T keys, probs.V
-    # values) as symmetric int16: the HTP holds a dynamic uint16 input 1 at 8 bits (see
-    # int16_matmul_rhs); tiny Gemma-4 w8a16 on v81 went 0.878 -> 0.987 (= its CPU-QDQ 0.989)
+    # input 1 of activation x activation MatMuls (QK^T keys, probs.V values) as symmetric int16:
+    # the HTP holds a dynamic uint16 input 1 at 8 bits (qdq.int16_matmul_rhs)
+    rhs_int16: bool = True
 
     @property
     def weight_only(self) -> bool:
@@ -57,7 +56,7 @@ RECIPES = {
                              gptq=False),
     # decoder weights int4 (block 64) via GPTQ with Hessians pooled over the prefill + decode graphs
     # of a shard, each weight's GPTQ kept only where it beats round to nearest on held-out rows;
-    # lm_head int8 (docs/quantization.md has the measurements behind each choice)
+    # lm_head int8 (docs/measurements.md has the measurements behind each choice)
     "w4a16-qdq": QuantRecipe("w4a16-qdq", "uint16", 4, block_size=64,
                              bytes_per_weight=0.5 + 2 / 64, mask_value=-100.0, head_bits=8),
     # int8 weights with one scale per 128 input rows instead of one per output channel

@@ -68,10 +68,8 @@ def _gptq(w: np.ndarray, H: np.ndarray, block: int, block_scale, qlo: int, qhi: 
     The paper's lazy batch, one level deeper: a row's error reaches the rest of its sub-block of
     GPTQ_SUB rows by rank-1 updates (a few cache-resident rows), the rest of its block by one
     GEMM per sub-block, and the rows after the block by one GEMM per block. float32 like the
-    paper's code (``_hinv`` too). With ``_hinv`` ~3x faster than the float64
-    row-by-row loop it replaces (K 6144, N 1536: 12.9 s -> 4.8 s, the same output error); that
-    loop made real-size Qwen3.5-0.8B's prefill graph take 1296 s to quantize vs 368 s for its
-    decode twin, which reuses the solved weights.
+    paper's code (``_hinv`` too): with ``_hinv`` ~3x faster than the float64 row-by-row loop it
+    replaces, with the same output error (docs/measurements.md).
     ``block_scale(rows [block, N]) -> [N]``: each block's scale, from its rows as updated so far.
     -> (scales [K/block, N] float32, q [K, N] int8 in [qlo, qhi])."""
     K, N = w.shape
@@ -103,12 +101,11 @@ def _hinv(H: np.ndarray, W: np.ndarray, damp: float) -> np.ndarray:
     W in place), without forming H^-1: with J the row reversal and J H J = L L^T (lower L),
     H^-1 = (J L^-T J)(J L^-1 J) and J L^-1 J is upper with a positive diagonal, so it is U.
     One Cholesky + one triangular inverse, 2K^3/3 flops, vs 3K^3 for inv + Cholesky: the
-    Hessians of the down projections are K = intermediate (12288 for Gemma-4-E2B's wide MLPs);
-    at K = 6144: 15.7 s -> 5.2 s.
+    Hessians of the down projections are K = intermediate (12288 for Gemma-4-E2B's wide MLPs).
 
-    In float32, as the GPTQ paper's code: half the float64 time (K 12288: 23.7 -> 12.9 s; 20
-    such weights in Gemma-4-E2B), the same output error (the damping bounds the condition
-    number); float64 where float32 fails (not positive definite in its rounding)."""
+    In float32, as the GPTQ paper's code: half the float64 time with the same output error (the
+    damping bounds the condition number; docs/measurements.md); float64 where float32 fails (not
+    positive definite in its rounding)."""
     from scipy.linalg import LinAlgError, cholesky, lapack
 
     K = H.shape[0]
@@ -161,27 +158,8 @@ def gptq_damp(n_rows: int, K: int) -> float:
     Why: n rows leave H singular in K - n directions, and with the paper's 0.01 GPTQ fits the
     rows it saw; more damping pulls its updates toward round to nearest where the rows say
     little. The built-in calibration gives ~300 rows (prefill + decode, less the held-out ones)
-    against K 1024-12288. Measured, int4 block 64:
-    - held-out output error, synthetic anisotropic rows, K 1024 (round to nearest 0.096):
-
-      | rows / K | damp 0.01 | 0.1 | 0.3 | 1 | 3 | 10 | this rule |
-      |---|---|---|---|---|---|---|---|
-      | 1/16 | 0.108 | 0.103 | 0.100 | 0.097 | 0.095 | 0.095 | 3 |
-      | 1/4 | 0.111 | 0.096 | 0.091 | 0.088 | 0.088 | 0.092 | 3 |
-      | 1/2 | 0.097 | 0.083 | 0.081 | 0.082 | 0.086 | 0.091 | 1.2 |
-      | 1 | 0.071 | 0.071 | 0.073 | 0.078 | 0.084 | 0.090 | 0.3 |
-      | 2 | 0.063 | 0.066 | 0.069 | 0.075 | 0.083 | 0.090 | 0.075 |
-
-    - end to end, real-width 4-layer cuts with the built-in calibration (w4a16, validated per
-      weight, QDQ graphs on the CPU EP, teacher-forced logits cos over 16 tokens):
-
-      | damp | Qwen3 | Qwen3.5 |
-      |---|---|---|
-      | 0.01 | 0.9432 | 0.8346 |
-      | 0.1 | 0.9555 | 0.8565 |
-      | 1 | 0.9569 | 0.8645 |
-      | 3 | 0.9535 | 0.8698 |
-      | round to nearest | 0.9347 | 0.8644 |"""
+    against K 1024-12288: the rule follows the held-out error and end-to-end cosine of each
+    damping (docs/measurements.md, with the tables)."""
     return float(np.clip(0.3 * (K / max(n_rows, 1)) ** 2, 0.01, 3.0))
 
 
@@ -199,12 +177,9 @@ def validated_gptq(w: np.ndarray, rows: np.ndarray, gptq, rtn) -> tuple[np.ndarr
     -> (scale, q, whether GPTQ was kept).
 
     Why: with fewer calibration rows than inputs (H of rank r < K) GPTQ fits the rows it saw and
-    spreads its error into the directions they leave out. Measured per weight on the real-width
-    Qwen3.5 4-layer cut, int4 block 64, relative output error on the oracle's prompt: GPTQ 0.114
-    vs round to nearest 0.096 from the built-in 264-token calibration (0.028 vs 0.095 on the rows
-    it was solved on); 0.100 vs 0.095 from 2047 tokens. End to end (QDQ graphs on the CPU EP,
-    teacher-forced logits cos): 0.75 vs 0.86. On the tiny llama (K <= 256, ~330 rows) GPTQ won on
-    held-out rows (0.085 vs 0.096): which one wins depends on the model and the calibration."""
+    spreads its error into the directions they leave out: on a real-width model it lost to round
+    to nearest on rows it had not seen, on the tiny one it won (docs/measurements.md). Which one
+    wins depends on the model and the calibration, so each weight is judged on its own."""
     val = rows[::HOLDOUT]
     train = np.delete(rows, np.s_[::HOLDOUT], axis=0).astype(np.float64)
     ref = val @ w
