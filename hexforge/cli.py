@@ -258,7 +258,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--no-verify", action="store_true", help="skip the HF oracle and its gates")
     b.add_argument("--verify-tokens", type=int, default=64, metavar="N",
                    help="the oracle's teacher-forced / greedy tokens (default 64); on the x86 HTP "
-                        "simulator a real-size decode step takes about a minute (bench/htp_sim_step.py)")
+                        "simulator a real-size decode step takes about a minute "
+                        "(bench/experiments/htp_sim_step.py)")
     _eval_args(b)
     b.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript",
                    help="torch.onnx exporter of the graphs")

@@ -594,7 +594,7 @@ def test_b128_weights_share_an_embedding_their_block_divides(tmp_path):
 def test_regression_faster_int8_prefill_kernel_spreads_one_outlier_channel_over_the_chunk(
         tmp_path):
     """Why the cpu prefill keeps MatMulNBits, though onnxruntime's DynamicQuantizeMatMul ran the
-    same int8 product 2.0-2.2x faster at 64-256 rows (bench/cpu_kernels.py): it quantizes the
+    same int8 product 2.0-2.2x faster at 64-256 rows (bench/experiments/cpu_kernels.py): it quantizes the
     activations per tensor, so one outlier channel (real LLM activations have them; random
     weights do not make them, so no oracle here would see the loss) costs every row of the chunk
     its precision, where MatMulNBits' per-block scales keep the outlier in its block. Should
@@ -602,7 +602,7 @@ def test_regression_faster_int8_prefill_kernel_spreads_one_outlier_channel_over_
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "bench" / "cpu_kernels.py"
+    path = Path(__file__).parents[1] / "bench" / "experiments" / "cpu_kernels.py"
     spec = importlib.util.spec_from_file_location("cpu_kernels", path)
     kernels = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kernels)

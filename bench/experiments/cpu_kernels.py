@@ -1,7 +1,7 @@
 """The CPU EP's weight-only GEMM kernels at a decoder's shapes, interleaved: how fast each is at a
 decode row (M = 1) and a prefill chunk (M = 64 ... 256), and how far its product is from fp32.
 
-    python bench/cpu_kernels.py [--shapes 1024x3072,3072x1024] [--rows 1,64,128,256] [--rounds 7]
+    python bench/experiments/cpu_kernels.py [--shapes 1024x3072,3072x1024] [--rows 1,64,128,256] [--rounds 7]
 
 Contenders (one MatMul [M, K] x [K, N] each, in its own session, threads as the backend sets them):
     fp32         MatMul

@@ -1,7 +1,7 @@
 """TTFT of a long prompt: AR-N prefill vs decode-over-prompt (the seed runtime's only mode), on
 the CPU backend, interleaved runs of one bundle.
 
-    python bench/prefill_ttft.py [--family qwen3_5] [--prompt 256] [--prefill-len 64] [--runs 5]
+    python bench/experiments/prefill_ttft.py [--family qwen3_5] [--prompt 256] [--prefill-len 64] [--runs 5]
                                  [--hidden 256]
 
 A random-weight checkpoint of the family at a chosen width (the tiny fixture's layer pattern);

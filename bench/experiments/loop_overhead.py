@@ -3,7 +3,7 @@ graphs (same feeds, captured from one engine step), interleaved, on a tiny model
 shows. Overhead = 1 - raw / engine per token. The raw runs are the engine's own IO-bound
 sessions, and their ORT sessions' plain ``InferenceSession.run``, on the captured feeds.
 
-    python bench/loop_overhead.py [--family qwen3] [--tokens 64] [--runs 7] [--context 256]
+    python bench/experiments/loop_overhead.py [--family qwen3] [--tokens 64] [--runs 7] [--context 256]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Constrained decoding libraries side by side: llguidance, xgrammar, outlines-core.
 
     pip install xgrammar outlines-core jsonschema      # llguidance is a runtime dependency
-    python bench/constrained.py [--bundle DIR] [--seeds 20] [--max-new 240] [--vocab 32000]
+    python bench/experiments/constrained.py [--bundle DIR] [--seeds 20] [--max-new 240] [--vocab 32000]
 
 Per library: one-time setup (vocabulary index), first compile of the schema, per-token overhead
 (mask + apply + advance, median and p90 µs/token) and validity (every output json-parses and

@@ -5,7 +5,7 @@
     split   scores = Concat(q past_k^T, q k_new^T) (small); out = p[:, :C] past_v + p[:, C:] v_new
             -> no cache copy; same math (fp32 sums in a different order)
 
-    python bench/attn_variants.py CKPT [--layers 8] [--context 1024] [--runs 15]
+    python bench/experiments/attn_variants.py CKPT [--layers 8] [--context 1024] [--runs 15]
 
 Exports the first --layers decoder layers of the checkpoint as one AR-1 graph per variant (the
 per-layer cost ratio is what matters), checks they agree, times session.run alternately.

@@ -1,6 +1,6 @@
 """CPU EP session options A/B on one graph (e.g. a real-shape decode graph), interleaved runs.
 
-    python bench/session_options.py GRAPH.onnx [--runs 15]
+    python bench/experiments/session_options.py GRAPH.onnx [--runs 15]
 
 Variants: the backend's defaults (ORT_ENABLE_ALL, intra-op threads = cores, spinning on), spinning
 off, prepacking off, 1 thread. Feeds are random (speed does not depend on values).

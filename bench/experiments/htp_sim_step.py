@@ -1,7 +1,7 @@
 """Seconds per graph call of a bundle's HTP target on the x86 simulator (qnn-sim): how much an
 oracle run costs at this model size before committing to one.
 
-    python bench/htp_sim_step.py BUNDLE [--target v81] [--decode-steps 2] [--prefill-chunks 1]
+    python bench/experiments/htp_sim_step.py BUNDLE [--target v81] [--decode-steps 2] [--prefill-chunks 1]
 
 Loads the target's sessions (timed), runs prefill chunks of AR-N tokens and single decode steps,
 prints JSON: load_s, prefill_chunk_s (mean), decode_step_s (each), peak RSS GB.
