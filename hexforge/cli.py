@@ -229,8 +229,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"hexforge {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    b = sub.add_parser("build", help="HF checkpoint dir or .gguf file -> bundle")
-    b.add_argument("checkpoint", help="an HF checkpoint dir (safetensors), a .gguf file")
+    b = sub.add_parser("build", help="hub id, HF checkpoint dir or .gguf file -> bundle")
+    b.add_argument("checkpoint", help="a hub id ORG/NAME (through huggingface_hub's cache; "
+                   "HF_HUB_OFFLINE=1: the cache only), an HF checkpoint dir (safetensors), or a "
+                   ".gguf file")
     b.add_argument("-o", "--output", required=True,
                    help="the bundle dir to write (replaced only if it is a bundle)")
     b.add_argument("--target", default="cpu", help="cpu (always built) plus e.g. v81 or v79,v81")
@@ -323,7 +325,8 @@ def parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="re-run the HF oracle on a bundle")
     v.add_argument("bundle", help="a bundle dir")
     v.add_argument("--reference", required=True,
-                   help="the HF checkpoint dir, or the .gguf file the bundle was built from")
+                   help="what the bundle was built from: a hub id, an HF checkpoint dir or a "
+                        ".gguf file")
     v.add_argument("--target", default=None, help="judge this target only (default: every one)")
     v.add_argument("-n", type=int, default=64, help="greedy tokens to compare")
     _eval_args(v)

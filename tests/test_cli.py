@@ -206,3 +206,64 @@ def test_configuration_doc_names_every_option_and_environment_variable():
     code = "\n".join(p.read_text() for p in (root / "hexforge").rglob("*.py"))
     for var in set(re.findall(r"environ(?:\.get)?\(?\[?\"((?:HEXFORGE|HF)_[A-Z_]+)", code)):
         assert f"`{var}`" in doc, var
+
+
+def _hf_cache_with(ckpt_dir: Path, cache: Path, repo_id: str) -> Path:
+    """Lay ``ckpt_dir`` out as huggingface_hub's cache holds a downloaded model: blobs named by
+    content hash, a snapshot dir of symlinks to them, refs/main naming the snapshot's commit."""
+    import hashlib
+    import os
+    import shutil
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    snap = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in sorted(ckpt_dir.iterdir()):
+        blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, blob)
+        os.symlink(os.path.relpath(blob, snap), snap / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snap
+
+
+def test_build_takes_a_hub_id_from_the_hf_cache_offline(ckpt, tmp_path):
+    """``hexforge build ORG/NAME`` resolves the id through huggingface_hub (snapshot_download, the
+    HF cache, HF_HUB_OFFLINE honoured): a tiny checkpoint laid out in a cache dir builds with no
+    network; an id the cache lacks is the one-line error naming the cache and the way out."""
+    import os
+
+    cache = tmp_path / "hub"
+    _hf_cache_with(ckpt("llama"), cache, "hexforge-test/tiny-llama")
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "b"
+    r = subprocess.run([sys.executable, "-m", "hexforge", "build", "hexforge-test/tiny-llama",
+                        "-o", out, "--no-verify", "--context", "64", "--prefill-len", "8"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["hf_config"] == json.loads((ckpt("llama") / "config.json").read_text())
+
+    r = subprocess.run([sys.executable, "-m", "hexforge", "build", "hexforge-test/not-cached",
+                        "-o", tmp_path / "c"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    line = r.stderr.strip()
+    assert r.returncode == 2 and "\n" not in line and "Traceback" not in line
+    assert "hexforge-test/not-cached" in line and str(cache) in line and "HF_HUB_OFFLINE" in line
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_hub_snapshot_gives_back_the_pages_of_its_blobs(ckpt, tmp_path):
+    """A HF cache snapshot holds symlinks into blobs/: the build's page release (after each stage
+    that read the checkpoint) must find the mapped blobs through them."""
+    import numpy as np
+
+    from hexforge.forge.checkpoint import release_mapped_pages
+
+    snap = _hf_cache_with(ckpt("llama"), tmp_path / "hub", "hexforge-test/tiny-llama")
+    weights = np.memmap(next(snap.glob("*.safetensors")), mode="r")
+    assert int(weights[::4096].astype(np.int64).sum()) >= 0  # every page read once: resident
+    assert release_mapped_pages(snap) > 0
+    del weights

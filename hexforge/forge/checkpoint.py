@@ -1,4 +1,5 @@
-"""Reading a local HF checkpoint directory (the layout ``hf download`` writes), safetensors only."""
+"""Reading a HF checkpoint: a local directory (the layout ``hf download`` writes), a hub id
+through the HF cache, or a GGUF file; safetensors only."""
 
 from __future__ import annotations
 
@@ -41,15 +42,20 @@ def _read_json(path: Path) -> dict:
 
 
 def read_checkpoint(path: str | Path, log=None) -> Checkpoint:
-    """A HF checkpoint dir, or a GGUF file (or a dir holding one): converted once into a cached
-    checkpoint dir (``forge/gguf.py``), whose dequantized fp32 model is then the oracle."""
+    """A HF checkpoint dir; a hub id ``ORG/NAME`` with nothing on disk by that name, resolved in
+    the HF cache (``forge/hub.py``); or a GGUF file (or a dir holding one), converted once into
+    a cached checkpoint dir (``forge/gguf.py``), whose dequantized fp32 model is then the oracle."""
     from .gguf import find_gguf, gguf_checkpoint
+    from .hub import hub_checkpoint, is_hub_id
 
-    gguf = find_gguf(path)
-    d = gguf_checkpoint(gguf, log) if gguf else Path(path)
+    if is_hub_id(path):
+        d = hub_checkpoint(str(path), log)
+    else:
+        gguf = find_gguf(path)
+        d = gguf_checkpoint(gguf, log) if gguf else Path(path)
     if not d.is_dir():
-        raise CheckpointError(f"{d} is not a directory (expected a local HF checkpoint dir or a "
-                              ".gguf file)")
+        raise CheckpointError(f"{d} is not a directory (expected a local HF checkpoint dir, a hub "
+                              "id ORG/NAME or a .gguf file)")
     if not (d / "config.json").is_file():
         raise CheckpointError(f"{d} has no config.json; is it a HF checkpoint directory?")
     config = _read_json(d / "config.json")
@@ -87,7 +93,12 @@ def release_mapped_pages(*roots: str | Path) -> int:
     import ctypes
     import re
 
-    dirs = [str(Path(r).resolve()) + "/" for r in roots]
+    # the files themselves: a HF cache snapshot holds symlinks into the repo's blobs/
+    found = {Path(r).resolve() for r in roots}
+    for r in roots:
+        if Path(r).is_dir():
+            found |= {f.resolve().parent for f in Path(r).iterdir() if f.is_symlink()}
+    dirs = [str(d) + "/" for d in found]
     try:
         smaps = Path("/proc/self/smaps").read_text()
     except OSError:
