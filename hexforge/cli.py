@@ -58,7 +58,17 @@ def cmd_build(a) -> int:
                         int4_per_layer_tables=a.int4_per_layer_tables,
                         verify_tokens=a.verify_tokens, eval_text=a.eval_text,
                         eval_tokens=a.eval_tokens, keep_work=a.keep_work)
-    build(a.checkpoint, a.output, opts, log=lambda m: print(m, file=sys.stderr))
+    if not a.json and sys.stderr.isatty():  # someone watches: bars with ETAs on the long stages
+        from .forge.progress import BuildProgress
+
+        with BuildProgress() as shown:
+            out = build(a.checkpoint, a.output, opts, log=shown.log)
+    else:
+        out = build(a.checkpoint, a.output, opts, log=lambda m: print(m, file=sys.stderr))
+    if a.json:
+        from .inspect import build_summary
+
+        print(json.dumps(build_summary(out, opts.timings)))
     return 0
 
 
@@ -272,6 +282,10 @@ def parser() -> argparse.ArgumentParser:
                    help="fixed-resolution vision graphs (Qwen-VL): the build resolution, e.g. "
                         "512x512 (default) or 448; images are resized to it (the build log and "
                         "`hexforge inspect` show it)")
+    b.add_argument("--json", action="store_true",
+                   help="print one JSON object when done (the bundle, its targets and their oracle "
+                        "verdicts, the stage timings); no progress bars (as when stderr is not a "
+                        "terminal); the build log stays on stderr")
     b.add_argument("--audio-seconds", type=float, default=None,
                    help="audio models: the encoder's fixed window in seconds (default: the "
                         "model's maximum, 30 s on Gemma-4); longer clips are refused at run time")

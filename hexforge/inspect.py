@@ -168,3 +168,20 @@ def print_inspection(info: dict) -> None:
         for enc, e in (r.get("encoders") or {}).items():
             c.print(f"  encoder {enc}: {'PASS' if e['passed'] else 'FAIL'}  soft cos min "
                     f"{e['outputs']['soft']['cos_min']:.6f} (gate {e['gate']})")
+
+
+def build_summary(bundle: Path, timings: dict[str, float]) -> dict:
+    """``hexforge build --json``: the bundle, each target's precision, graphs, bytes and oracle
+    verdict ("passed", or "not run" under --no-verify: a failed gate writes no bundle), and the
+    build's stage timings in seconds."""
+    m = load_manifest(bundle)
+    report = {}
+    if m.report and confine(bundle, m.report).is_file():
+        report = json.loads(confine(bundle, m.report).read_text())
+    return {"bundle": str(bundle),
+            "targets": {n: {"quant": t.quant, "graphs": len(t.graphs),
+                            "bytes": sum(g.bytes for g in t.graphs),
+                            "oracle": ("passed" if report[n]["passed"] else "failed")
+                            if n in report else "not run"}
+                        for n, t in m.targets.items()},
+            "timings_s": {k: round(v, 2) for k, v in timings.items()}}

@@ -19,6 +19,7 @@ from .export import export_module, share_weights
 from .fuse import fuse_cpu_graph
 from .htp.recipes import get_recipe
 from .plan import plan_shards
+from .progress import stage
 
 
 def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
@@ -48,38 +49,41 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
         t = time.perf_counter()
         ins, outs = export_module(module, path, opts.exporter)
         log(f"  exported {rel_folder}/{name} ({time.perf_counter() - t:.1f}s)")
+        advance()
         return GraphSpec(name=name, role=role, file=f"{rel_folder}/{name}.onnx",
                          seq_len=ins[0].shape[1], layers=layers, inputs=ins, outputs=outs)
 
-    last = len(shards) - 1
-    for s, (a, b) in enumerate(shards):
-        # a bf16 model: only this shard's layers (and the head it runs) in fp32
-        with fam.float32(hf, layers=(a, b), head=cpu and s == last):
-            step = fam.cpu_step_module if cpu else fam.decoder_module
-            pre = export(f"s{s}.prefill", "prefill",
-                         step(hf, args, (a, b), opts.prefill_len, opts.context), (a, b))
-            decode = step(hf, args, (a, b), 1, opts.context)
-            if cpu and s == last:
-                decode = WithHead(decode, use_cpu_kernels(fam.head_module(hf, args)))
-            dec = export(f"s{s}.decode", "decode", decode, (a, b))
-            ver = None
-            if cpu and opts.verify_len:
-                verify = step(hf, args, (a, b), opts.verify_len, opts.context)
-                if s == last:  # every row's logits: each checks the draft after it
-                    verify = WithHead(verify, use_cpu_kernels(fam.head_module(hf, args)))
-                ver = export(f"s{s}.verify", "verify", verify, (a, b))
-        graphs += [g for g in (pre, dec, ver) if g is not None]
-        plan.append(ShardPlan(layers=(a, b), prefill=pre.name, decode=dec.name,
-                              verify=ver and ver.name))
-        if s < last or not cpu:
-            share_weights([folder / f"{n}.onnx" for n in plan[-1].names()], f"s{s}.weights",
-                          fuse)
-        release_mapped_pages(hf.name_or_path)  # the checkpoint pages this shard was read from
-    with fam.float32(hf, head=True):
-        head_module = fam.head_module(hf, args)
-        head = export("head", "head", use_cpu_kernels(head_module) if cpu else head_module)
-    graphs.append(head)
-    release_mapped_pages(hf.name_or_path)
+    per_shard = 2 + (1 if cpu and opts.verify_len else 0)  # prefill, decode (, verify)
+    with stage(f"export {'cpu' if cpu else rel_folder}", len(shards) * per_shard + 1) as advance:
+        last = len(shards) - 1
+        for s, (a, b) in enumerate(shards):
+            # a bf16 model: only this shard's layers (and the head it runs) in fp32
+            with fam.float32(hf, layers=(a, b), head=cpu and s == last):
+                step = fam.cpu_step_module if cpu else fam.decoder_module
+                pre = export(f"s{s}.prefill", "prefill",
+                             step(hf, args, (a, b), opts.prefill_len, opts.context), (a, b))
+                decode = step(hf, args, (a, b), 1, opts.context)
+                if cpu and s == last:
+                    decode = WithHead(decode, use_cpu_kernels(fam.head_module(hf, args)))
+                dec = export(f"s{s}.decode", "decode", decode, (a, b))
+                ver = None
+                if cpu and opts.verify_len:
+                    verify = step(hf, args, (a, b), opts.verify_len, opts.context)
+                    if s == last:  # every row's logits: each checks the draft after it
+                        verify = WithHead(verify, use_cpu_kernels(fam.head_module(hf, args)))
+                    ver = export(f"s{s}.verify", "verify", verify, (a, b))
+            graphs += [g for g in (pre, dec, ver) if g is not None]
+            plan.append(ShardPlan(layers=(a, b), prefill=pre.name, decode=dec.name,
+                                  verify=ver and ver.name))
+            if s < last or not cpu:
+                share_weights([folder / f"{n}.onnx" for n in plan[-1].names()], f"s{s}.weights",
+                              fuse)
+            release_mapped_pages(hf.name_or_path)  # the checkpoint pages this shard was read from
+        with fam.float32(hf, head=True):
+            head_module = fam.head_module(hf, args)
+            head = export("head", "head", use_cpu_kernels(head_module) if cpu else head_module)
+        graphs.append(head)
+        release_mapped_pages(hf.name_or_path)
     run_plan = RunPlan(prefill_len=opts.prefill_len, shards=plan, head=head.name,
                        verify_len=opts.verify_len if cpu and opts.verify_len else None)
     group = weight_groups(run_plan, cpu)[-1]

@@ -42,6 +42,7 @@ from .hosttables import share_tied_embedding
 from .hostwrite import write_host_tensors
 from .htp.recipes import get_recipe
 from .nbits import check_cpu_weights, cpu_head_format, host_table_formats, quantize_cpu_graph
+from .progress import stage
 
 Log = Callable[[str], None]
 
@@ -97,12 +98,15 @@ def _build_cpu_target(fam, hf, args, target: Target, opts: BuildOptions, out: Pa
         bits, block = nbits
         t = time.perf_counter()
         folder = out / target.name
-        for group in weight_groups(plan, cpu=True):
-            for name in group:
-                quantize_cpu_graph(folder / f"{name}.onnx", bits, block, args.vocab_size)
-            # q/k/v MatMulNBits packed into one (fuse.pack_sibling_matmuls) as they are re-shared
-            share_weights([folder / f"{n}.onnx" for n in group], weights_file(group),
-                          fuse_cpu_graph)
+        groups = weight_groups(plan, cpu=True)
+        with stage(f"quantize cpu weights {opts.cpu_weights}", sum(map(len, groups))) as advance:
+            for group in groups:
+                for name in group:
+                    quantize_cpu_graph(folder / f"{name}.onnx", bits, block, args.vocab_size)
+                    advance()
+                # q/k/v MatMulNBits packed into one (fuse.pack_sibling_matmuls) as re-shared
+                share_weights([folder / f"{n}.onnx" for n in group], weights_file(group),
+                              fuse_cpu_graph)
         for g in graphs:
             g.bytes = (out / g.file).stat().st_size
         head_bits, head_block = cpu_head_format(bits, block)

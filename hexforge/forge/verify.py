@@ -23,6 +23,7 @@ from ..runtime.backends import Backend, disable_prepacking
 from ..runtime.engine import Engine
 from ..runtime.sampling import greedy
 from ..runtime.text import TextTokenizer
+from .progress import stage
 
 VERIFY_TEXT = ("The capital of France is Paris, and the river that runs through it is the Seine. "
                "Static shapes, quantized weights and a careful oracle make a model run on an NPU. ")
@@ -170,8 +171,9 @@ def hf_references(bundle: Path, manifest: Manifest, family, hf, targets: list[st
     evaluation = evaluation or default_eval()
     n = min(new_tokens, manifest.context - 2)
     out, done = {}, {}
-    with family.float32_forward(hf):
-        for name in targets or list(manifest.targets):
+    names = targets or list(manifest.targets)
+    with family.float32_forward(hf), stage("oracle: HF references", len(names)) as advance:
+        for name in names:
             N = manifest.targets[name].plan.prefill_len
             prompt = oracle_prompt(tok, N, manifest.context, n)
             ids = evaluation.ids(tok, N, manifest.context)
@@ -179,6 +181,7 @@ def hf_references(bundle: Path, manifest: Manifest, family, hf, targets: list[st
             if key not in done:
                 done[key] = hf_reference(family, hf, prompt, n, ids)
             out[name] = done[key]
+            advance()
     return out
 
 
@@ -258,28 +261,36 @@ def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Mani
                 tallies.setdefault(graph.name + ":logits", _Tally()).add(
                     outputs["logits"][0, -1:], ref["logits"][positions])
 
-    # teacher-forced: prefill the prompt, then feed HF's greedy tokens
-    engine.observer = observe
-    tf = _Tally()
-    got_rows, want_rows = [], []
-    try:
-        engine.reset()
-        logits = engine.prefill(prompt)
-        for i, token in enumerate(ref["tokens"]):
-            want = ref["logits"][len(prompt) - 1 + i]
-            tf.add(logits[None], want[None])
-            got_rows.append(logits)
-            want_rows.append(want)
-            if i + 1 < len(ref["tokens"]):
-                logits = engine.decode(token)
-    finally:
-        engine.observer = None
-    lp_got, lp_want = log_softmax(np.stack(got_rows)), log_softmax(np.stack(want_rows))
-    kl_tf = (np.exp(lp_want) * (lp_want - lp_got)).sum(-1)
+    # teacher-forced: prefill the prompt, then feed HF's greedy tokens; then the held-out text;
+    # then the bundle's own greedy tokens
+    with stage(f"oracle {target}", len(ref["tokens"]) + 1 + new_tokens) as advance:
+        engine.observer = observe
+        tf = _Tally()
+        got_rows, want_rows = [], []
+        try:
+            engine.reset()
+            logits = engine.prefill(prompt)
+            for i, token in enumerate(ref["tokens"]):
+                want = ref["logits"][len(prompt) - 1 + i]
+                tf.add(logits[None], want[None])
+                got_rows.append(logits)
+                want_rows.append(want)
+                if i + 1 < len(ref["tokens"]):
+                    logits = engine.decode(token)
+                advance()
+        finally:
+            engine.observer = None
+        lp_got, lp_want = log_softmax(np.stack(got_rows)), log_softmax(np.stack(want_rows))
+        kl_tf = (np.exp(lp_want) * (lp_want - lp_got)).sum(-1)
 
-    text = {"text": evaluation.name, **compare(ref["eval_logits"], bundle_logits(engine, ids), ids)}
+        text = {"text": evaluation.name,
+                **compare(ref["eval_logits"], bundle_logits(engine, ids), ids)}
+        advance()
 
-    got = [t for t, _ in engine.generate_step(prompt, greedy, new_tokens)]
+        got = []
+        for token, _ in engine.generate_step(prompt, greedy, new_tokens):
+            got.append(token)
+            advance()
     match = next((i for i, (a, b) in enumerate(zip(got, ref["tokens"], strict=False)) if a != b), len(got))
 
     gate = GATES[quant]

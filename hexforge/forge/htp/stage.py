@@ -29,6 +29,7 @@ from ...targets import Target
 from ..calib import calibration_text
 from ..checkpoint import release_mapped_pages
 from ..graphs import export_float, plan_target
+from ..progress import stage
 from .calibstats import GraphStats, HessianStore
 from .compile import compile_graph, compile_shared
 from .qdq import quantize_graph
@@ -83,70 +84,72 @@ def calibrate(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: Run
             for g in graphs}
     kept: dict[str, dict[tuple, list]] = {g.name: {} for g in graphs}  # small feeds seen early
     kept_bytes = 0
-    for gi, g in enumerate(graphs):
-        t = time.perf_counter()
-        stats = GraphStats(root / g.file, work, hessians=recipe.gptq and g.role != "head",
-                           maps=maps)
-        seen = out.absmax[g.name] = {}
-        later = {h.name for h in graphs[gi + 1:]}
-        now: list = []  # the (prompt, phase) run in progress, the graphs keeping its calls
+    with stage("calibrate", len(graphs)) as advance:
+        for gi, g in enumerate(graphs):
+            t = time.perf_counter()
+            stats = GraphStats(root / g.file, work, hessians=recipe.gptq and g.role != "head",
+                               maps=maps)
+            seen = out.absmax[g.name] = {}
+            later = {h.name for h in graphs[gi + 1:]}
+            now: list = []  # the (prompt, phase) run in progress, the graphs keeping its calls
 
-        def record(graph: GraphSpec, f: dict, outputs: dict, _pos, g=g, stats=stats, seen=seen,
-                   now=now):
-            nonlocal kept_bytes
-            if graph.name == g.name:
-                stats.add(f)
-                for o in graph.outputs:
-                    seen[o.name] = max(seen.get(o.name, 0.0), float(np.abs(outputs[o.bind]).max()))
-                return
-            if not now or graph.name not in now[1]:
-                return
-            run = now[0]
-            # a later graph with small feeds (the head: one hidden row a call) keeps them now, so
-            # its own turn needs no replay of the whole model for this run
-            calls = kept[graph.name].setdefault(run, [])
-            if calls is None:
-                return
-            size = sum(v.nbytes for v in f.values())
-            if size > KEEP_FEED_BYTES or kept_bytes + size > KEEP_TOTAL_BYTES:
-                kept_bytes -= sum(v.nbytes for c, _ in calls for v in c.values())
-                kept[graph.name][run] = None  # too big: that graph replays this run itself
-                return
-            absmax = {o.name: float(np.abs(outputs[o.bind]).max()) for o in graph.outputs}
-            calls.append(({k: np.array(v) for k, v in f.items()}, absmax))
-            kept_bytes += size
+            def record(graph: GraphSpec, f: dict, outputs: dict, _pos, g=g, stats=stats, seen=seen,
+                       now=now):
+                nonlocal kept_bytes
+                if graph.name == g.name:
+                    stats.add(f)
+                    for o in graph.outputs:
+                        seen[o.name] = max(seen.get(o.name, 0.0), float(np.abs(outputs[o.bind]).max()))
+                    return
+                if not now or graph.name not in now[1]:
+                    return
+                run = now[0]
+                # a later graph with small feeds (the head: one hidden row a call) keeps them now, so
+                # its own turn needs no replay of the whole model for this run
+                calls = kept[graph.name].setdefault(run, [])
+                if calls is None:
+                    return
+                size = sum(v.nbytes for v in f.values())
+                if size > KEEP_FEED_BYTES or kept_bytes + size > KEEP_TOTAL_BYTES:
+                    kept_bytes -= sum(v.nbytes for c, _ in calls for v in c.values())
+                    kept[graph.name][run] = None  # too big: that graph replays this run itself
+                    return
+                absmax = {o.name: float(np.abs(outputs[o.bind]).max()) for o in graph.outputs}
+                calls.append(({k: np.array(v) for k, v in f.items()}, absmax))
+                kept_bytes += size
 
-        engine.observer = record
-        try:
-            for run in runs[g.name]:
-                calls = kept[g.name].pop(run, None)
-                if calls is not None:  # kept from an earlier replay
-                    for f, absmax in calls:
-                        stats.add(f)
-                        kept_bytes -= sum(v.nbytes for v in f.values())
-                        for name, v in absmax.items():
-                            seen[name] = max(seen.get(name, 0.0), v)
-                    continue
-                prompt, rows = prompts[run[0]]
-                # the later graphs this run calls that no earlier replay already kept it for
-                now[:] = [run, {h for h in later if run in runs[h] and run not in kept[h]}]
-                engine.reset()
-                if run[1] == "chunked":
-                    engine.prefill(prompt, media=rows)
-                else:
-                    engine.prefill(prompt[:CALIB_DECODE_STEPS], mode="decode", media=rows)
-                now.clear()
-            out.ranges[g.name] = stats.save_ranges(work / f"{g.name}.ranges.json")
-            out.past_absmax[g.name] = dict(stats.past_absmax)
-            out.hessians.add(stats.hessian_groups())
-            calls = stats.calls
-        finally:
-            engine.observer = None
-            stats.close()
-            # the replay read every weight file (and checkpoint pages, for media prompts)
-            release_mapped_pages(root, *([hf.name_or_path] if hf is not None else []))
-        if log:
-            log(f"  calibrated {g.name}: {calls} calls ({time.perf_counter() - t:.1f}s)")
+            engine.observer = record
+            try:
+                for run in runs[g.name]:
+                    calls = kept[g.name].pop(run, None)
+                    if calls is not None:  # kept from an earlier replay
+                        for f, absmax in calls:
+                            stats.add(f)
+                            kept_bytes -= sum(v.nbytes for v in f.values())
+                            for name, v in absmax.items():
+                                seen[name] = max(seen.get(name, 0.0), v)
+                        continue
+                    prompt, rows = prompts[run[0]]
+                    # the later graphs this run calls that no earlier replay already kept it for
+                    now[:] = [run, {h for h in later if run in runs[h] and run not in kept[h]}]
+                    engine.reset()
+                    if run[1] == "chunked":
+                        engine.prefill(prompt, media=rows)
+                    else:
+                        engine.prefill(prompt[:CALIB_DECODE_STEPS], mode="decode", media=rows)
+                    now.clear()
+                out.ranges[g.name] = stats.save_ranges(work / f"{g.name}.ranges.json")
+                out.past_absmax[g.name] = dict(stats.past_absmax)
+                out.hessians.add(stats.hessian_groups())
+                calls = stats.calls
+            finally:
+                engine.observer = None
+                stats.close()
+                # the replay read every weight file (and checkpoint pages, for media prompts)
+                release_mapped_pages(root, *([hf.name_or_path] if hf is not None else []))
+            if log:
+                log(f"  calibrated {g.name}: {calls} calls ({time.perf_counter() - t:.1f}s)")
+            advance()
     return out
 
 
@@ -210,12 +213,15 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
                 cal = calibrate(root, manifest, graphs, plan, recipe, text, hf,
                                 work=srcs / "calib", log=log)
                 gc.collect()  # the float engine's sessions and weight maps, before quantizing
-                for g in graphs:
-                    tq = time.perf_counter()
-                    quantize_graph(root / g.file, srcs / f"{g.name}.qdq.onnx", cal.ranges[g.name],
-                                   cal.past_absmax[g.name], cal.absmax[g.name], recipe, g.role,
-                                   cal.hessians)
-                    log(f"  quantized {g.name} ({time.perf_counter() - tq:.1f}s)")
+                what = f"quantize {recipe.name}" + (" (GPTQ)" if recipe.gptq else "")
+                with stage(what, len(graphs)) as advance:
+                    for g in graphs:
+                        tq = time.perf_counter()
+                        quantize_graph(root / g.file, srcs / f"{g.name}.qdq.onnx",
+                                       cal.ranges[g.name], cal.past_absmax[g.name],
+                                       cal.absmax[g.name], recipe, g.role, cal.hessians)
+                        log(f"  quantized {g.name} ({time.perf_counter() - tq:.1f}s)")
+                        advance()
                 rtn, kept = cal.hessians.gptq_kept
                 if rtn + kept:
                     log(f"  GPTQ kept for {kept} of {rtn + kept} weights (the others lost to round "
@@ -233,14 +239,17 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
         folder = root / target.name
         folder.mkdir()
         compiled = []
-        for g in graphs:
-            src = srcs / f"{g.name}{suffix}"
-            res = compile_graph(src, folder / f"{g.name}.ctx.onnx", target.htp_arch, soc.soc_model,
-                                fp16=recipe.activations is None)
-            log(f"[{target.name}] compiled {g.name}: {res['bin_bytes']:,} B ({res['seconds']:.1f}s)")
-            compiled.append(g.model_copy(update={
-                "file": f"{target.name}/{g.name}.ctx.onnx",
-                "bytes": res["bin_bytes"] + res["ctx"].stat().st_size}))
+        with stage(f"compile {target.name}", len(graphs)) as advance:
+            for g in graphs:
+                src = srcs / f"{g.name}{suffix}"
+                res = compile_graph(src, folder / f"{g.name}.ctx.onnx", target.htp_arch,
+                                    soc.soc_model, fp16=recipe.activations is None)
+                log(f"[{target.name}] compiled {g.name}: {res['bin_bytes']:,} B "
+                    f"({res['seconds']:.1f}s)")
+                compiled.append(g.model_copy(update={
+                    "file": f"{target.name}/{g.name}.ctx.onnx",
+                    "bytes": res["bin_bytes"] + res["ctx"].stat().st_size}))
+                advance()
         if opts.share_weights:
             compiled = _share(compiled, plan, srcs, folder, target, soc.soc_model, recipe, log)
         specs[target.name] = TargetSpec(
@@ -266,14 +275,18 @@ def weight_only(plan: RunPlan, folder: Path, recipe: QuantRecipe, vocab_size: in
     from ..graphs import weight_groups, weights_file
     from ..nbits import quantize_cpu_graph
 
-    for group in weight_groups(plan, cpu=False):
-        for name in group:
-            dst = folder / f"{name}{COMPILED_SUFFIX['weight-only']}"
-            onnx.save(onnx.load(str(folder / f"{name}.onnx"), load_external_data=False), str(dst))
-            quantize_cpu_graph(dst, recipe.weight_bits, recipe.block_size, vocab_size,
-                               whole_blocks=True)
-        share_weights([folder / f"{n}{COMPILED_SUFFIX['weight-only']}" for n in group],
-                      weights_file(group).replace(".weights", ".wo.weights"), None)
+    groups = weight_groups(plan, cpu=False)
+    with stage(f"quantize {recipe.name} weights", sum(map(len, groups))) as advance:
+        for group in groups:
+            for name in group:
+                dst = folder / f"{name}{COMPILED_SUFFIX['weight-only']}"
+                onnx.save(onnx.load(str(folder / f"{name}.onnx"), load_external_data=False),
+                          str(dst))
+                quantize_cpu_graph(dst, recipe.weight_bits, recipe.block_size, vocab_size,
+                                   whole_blocks=True)
+                advance()
+            share_weights([folder / f"{n}{COMPILED_SUFFIX['weight-only']}" for n in group],
+                          weights_file(group).replace(".weights", ".wo.weights"), None)
 
 
 # the graph each kind of recipe compiles, beside its float graph X.onnx in _work/
