@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
-    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.forge.pipeline import BuildOptions, build
 
     stages: list[dict] = []
     t0 = last = time.perf_counter()

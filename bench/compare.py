@@ -213,7 +213,7 @@ def build_genai(ckpt: Path, out: Path, precision: str, log) -> dict:
 def build_hexforge(ckpt: Path, out: Path, context: int, weights: str, log) -> dict:
     if (out / "manifest.json").is_file():
         return {"reused": True}
-    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.forge.pipeline import BuildOptions, build
 
     kw = {} if weights == "fp32" else {"cpu_weights": weights}
     opts = BuildOptions(context=context, verify=False, **kw)

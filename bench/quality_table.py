@@ -43,9 +43,9 @@ def gguf(name: str, work: Path) -> Path:
 
 def floor(name: str, block: int, work: Path) -> float:
     """HF's KL with its decoder Linear weights rounded to nearest int4 in ``block``s."""
-    from hexforge.build.checkpoint import read_checkpoint
-    from hexforge.build.quality import EVAL_TEXT, eval_ids, fake_quant_floor, hf_logits
     from hexforge.families import load_family
+    from hexforge.forge.checkpoint import read_checkpoint
+    from hexforge.forge.quality import EVAL_TEXT, eval_ids, fake_quant_floor, hf_logits
     from hexforge.runtime.text import TextTokenizer
 
     ck = read_checkpoint(gguf(name, work))
@@ -57,10 +57,10 @@ def floor(name: str, block: int, work: Path) -> float:
 
 def cpu_twin(bundle: Path, name: str, target: str, tokens: int, work: Path) -> dict:
     """The oracle's report on ``target``'s compiled-from graphs (``_work/``), run on the CPU EP."""
-    from hexforge.build.checkpoint import read_checkpoint
-    from hexforge.build.probe import qdq_graph_files
-    from hexforge.build.verify import _qdq_on_cpu, hf_references
     from hexforge.families import load_family
+    from hexforge.forge.checkpoint import read_checkpoint
+    from hexforge.forge.htp.probe import qdq_graph_files
+    from hexforge.forge.verify import _qdq_on_cpu, hf_references
     from hexforge.manifest import load_manifest
     from hexforge.runtime.text import TextTokenizer
 
@@ -78,8 +78,8 @@ def cpu_twin(bundle: Path, name: str, target: str, tokens: int, work: Path) -> d
 
 
 def row(spec: str, work: Path, context: int, tokens: int, twin: bool = False) -> str:
-    from hexforge.build.pipeline import BuildOptions, build
     from hexforge.errors import ParityGateError
+    from hexforge.forge.pipeline import BuildOptions, build
 
     name, target, prec = spec.split(":")
     out = work / spec.replace(":", "-")

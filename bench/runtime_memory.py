@@ -1,10 +1,9 @@
-"""Memory of a loaded cpu bundle, and what prepacking the prefill weights buys.
+"""Memory of a loaded cpu bundle: resident anonymous memory after load and after a prompt +
+decode, peak RSS, TTFT of a prompt (AR-N prefill) and decode tok/s, each run in a fresh process.
 
-onnxruntime prepacks every MatMul weight into its kernel's layout when a session is made: the
-prefill and the decode session of a shard each hold their own packed copy of the same weights
-(anonymous memory), on top of the weight file (mapped, page cache). This runs one bundle in a
-fresh process per setting, interleaved, and reports per setting: resident anonymous memory after
-load and after a prompt + decode, TTFT of a prompt (AR-N prefill) and decode tok/s.
+onnxruntime prepacks every MatMul weight into its kernel's layout when a session is made, so what
+a bundle holds depends on which sessions prepack (``runtime/backends.py`` ``prepack_prefill``):
+anonymous memory is the packed copies, the weight file itself is mapped (page cache).
 
     python bench/runtime_memory.py BUNDLE [--prompt 512] [--tokens 32] [--runs 2]
 """
@@ -13,14 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
-
-SETTINGS = {"prepack all": {"HEXFORGE_CPU_PREPACK_PREFILL": "1"},
-            "decode prepacked only": {"HEXFORGE_CPU_PREPACK_PREFILL": "0"}}
 
 
 def rss_mb() -> dict[str, float]:
@@ -65,24 +60,20 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(a.bundle, a.prompt, a.tokens)))
         return
-    results: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    runs = []
     for _ in range(a.runs):
-        for name, env in SETTINGS.items():
-            out = subprocess.run([sys.executable, __file__, a.bundle, "--child", "--prompt",
-                                  str(a.prompt), "--tokens", str(a.tokens)],
-                                 env={**os.environ, **env}, capture_output=True, text=True,
-                                 check=True)
-            results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        out = subprocess.run([sys.executable, __file__, a.bundle, "--child", "--prompt",
+                              str(a.prompt), "--tokens", str(a.tokens)],
+                             capture_output=True, text=True, check=True)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     med = lambda xs: round(statistics.median(xs), 3)  # noqa: E731
-    summary = {name: {"anon_after_load_mb": med([r["after_load"]["RssAnon"] for r in runs]),
+    print(json.dumps({"bundle": a.bundle, "prompt": a.prompt, "tokens": a.tokens,
+                      "anon_after_load_mb": med([r["after_load"]["RssAnon"] for r in runs]),
                       "anon_after_run_mb": med([r["after_run"]["RssAnon"] for r in runs]),
                       "peak_rss_mb": med([r["after_run"]["VmHWM"] for r in runs]),
                       "ttft_s": med([r["ttft_s"] for r in runs]),
                       "decode_tok_s": med([r["decode_tok_s"] for r in runs]),
-                      "runs": runs}
-               for name, runs in results.items()}
-    print(json.dumps({"bundle": a.bundle, "prompt": a.prompt, "tokens": a.tokens,
-                      "settings": summary}, indent=1))
+                      "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

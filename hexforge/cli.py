@@ -47,7 +47,7 @@ def _image_size(s: str) -> tuple[int, int]:
 
 
 def cmd_build(a) -> int:
-    from .build.pipeline import BuildOptions, build
+    from .forge.pipeline import BuildOptions, build
 
     opts = BuildOptions(targets=a.target, context=a.context, prefill_len=a.prefill_len,
                         verify_len=a.verify_len,
@@ -58,7 +58,17 @@ def cmd_build(a) -> int:
                         int4_per_layer_tables=a.int4_per_layer_tables,
                         verify_tokens=a.verify_tokens, eval_text=a.eval_text,
                         eval_tokens=a.eval_tokens, keep_work=a.keep_work)
-    build(a.checkpoint, a.output, opts, log=lambda m: print(m, file=sys.stderr))
+    if not a.json and sys.stderr.isatty():  # someone watches: bars with ETAs on the long stages
+        from .forge.progress import BuildProgress
+
+        with BuildProgress() as shown:
+            out = build(a.checkpoint, a.output, opts, log=shown.log)
+    else:
+        out = build(a.checkpoint, a.output, opts, log=lambda m: print(m, file=sys.stderr))
+    if a.json:
+        from .inspect import build_summary
+
+        print(json.dumps(build_summary(out, opts.timings)))
     return 0
 
 
@@ -177,11 +187,11 @@ def cmd_inspect(a) -> int:
 
 
 def cmd_verify(a) -> int:
-    from .build.checkpoint import read_checkpoint
-    from .build.pipeline import BuildOptions, _evaluation
-    from .build.quality import oracle_line
-    from .build.verify import verify_bundle
     from .families import load_family
+    from .forge.checkpoint import read_checkpoint
+    from .forge.pipeline import BuildOptions, _evaluation
+    from .forge.quality import oracle_line
+    from .forge.verify import verify_bundle
     from .manifest import load_manifest
 
     manifest = load_manifest(a.bundle)
@@ -238,16 +248,19 @@ def cmd_demo(a) -> int:
 
 def parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .build.nbits import CPU_WEIGHTS  # numpy only: no torch, no onnx
-    from .build.quantize import RECIPES
+    from .forge.htp.recipes import RECIPES
+    from .forge.nbits import CPU_WEIGHTS  # numpy only: no torch, no onnx
 
     p = argparse.ArgumentParser(prog="hexforge", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"hexforge {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    b = sub.add_parser("build", help="HF checkpoint dir or .gguf file -> bundle")
-    b.add_argument("checkpoint")
-    b.add_argument("-o", "--output", required=True)
+    b = sub.add_parser("build", help="hub id, HF checkpoint dir or .gguf file -> bundle")
+    b.add_argument("checkpoint", help="a hub id ORG/NAME (through huggingface_hub's cache; "
+                   "HF_HUB_OFFLINE=1: the cache only), an HF checkpoint dir (safetensors), or a "
+                   ".gguf file")
+    b.add_argument("-o", "--output", required=True,
+                   help="the bundle dir to write (replaced only if it is a bundle)")
     b.add_argument("--target", default="cpu", help="cpu (always built) plus e.g. v81 or v79,v81")
     b.add_argument("--context", type=int, default=2048, help="max tokens (prompt + generated)")
     b.add_argument("--prefill-len", type=int, default=64, help="N of the AR-N prefill graph")
@@ -273,9 +286,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--no-verify", action="store_true", help="skip the HF oracle and its gates")
     b.add_argument("--verify-tokens", type=int, default=64, metavar="N",
                    help="the oracle's teacher-forced / greedy tokens (default 64); on the x86 HTP "
-                        "simulator a real-size decode step takes about a minute (bench/htp_sim_step.py)")
+                        "simulator a real-size decode step takes about a minute "
+                        "(bench/experiments/htp_sim_step.py)")
     _eval_args(b)
-    b.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript")
+    b.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript",
+                   help="torch.onnx exporter of the graphs")
     b.add_argument("--keep-work", action="store_true",
                    help="HTP: keep _work/ (each graph's float and QDQ ONNX) in the bundle for "
                         "per-tensor accuracy probes (bench/htp_tensors.py); large")
@@ -283,18 +298,22 @@ def parser() -> argparse.ArgumentParser:
                    help="fixed-resolution vision graphs (Qwen-VL): the build resolution, e.g. "
                         "512x512 (default) or 448; images are resized to it (the build log and "
                         "`hexforge inspect` show it)")
+    b.add_argument("--json", action="store_true",
+                   help="print one JSON object when done (the bundle, its targets and their oracle "
+                        "verdicts, the stage timings); no progress bars (as when stderr is not a "
+                        "terminal); the build log stays on stderr")
     b.add_argument("--audio-seconds", type=float, default=None,
                    help="audio models: the encoder's fixed window in seconds (default: the "
                         "model's maximum, 30 s on Gemma-4); longer clips are refused at run time")
     b.set_defaults(fn=cmd_build)
 
     r = sub.add_parser("run", help="generate from a bundle")
-    r.add_argument("bundle")
-    r.add_argument("prompt")
-    r.add_argument("-n", "--max-new-tokens", dest="n", type=int, default=None)
-    r.add_argument("--backend", default="cpu", choices=("cpu", "qnn", "qnn-sim", "auto"),
-                   help="cpu (default) | qnn (Snapdragon HTP) | qnn-sim (x86 HTP simulator) | auto")
-    r.add_argument("--arch", default=None, help="the device's Hexagon arch, e.g. v81 (HTP backends)")
+    r.add_argument("bundle", help="a bundle dir (hexforge build -o)")
+    r.add_argument("prompt", help="the prompt text (with --chat: the user turn)")
+    r.add_argument("-n", "--max-new-tokens", dest="n", type=int, default=None,
+                   help="tokens to generate at most (default: the bundle's generation defaults, "
+                        "64 unless the checkpoint's generation config says otherwise)")
+    _backend_args(r)
     r.add_argument("--target", default=None, help="run this bundle target (default: by backend/arch)")
     r.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
     r.add_argument("--regex", metavar="RE", help="constrain the output to this regular expression")
@@ -312,37 +331,37 @@ def parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="interactive chat in the terminal (streaming, /reset; "
                        "/image PATH, /audio PATH attach media to the next message)")
-    c.add_argument("bundle")
+    c.add_argument("bundle", help="a bundle dir")
     c.add_argument("--system", default=None, help="a system message")
-    c.add_argument("-n", "--max-new-tokens", dest="n", type=int, default=None)
-    c.add_argument("--backend", default="cpu", choices=("cpu", "qnn", "qnn-sim", "auto"))
-    c.add_argument("--arch", default=None)
-    c.add_argument("--target", default=None)
+    c.add_argument("-n", "--max-new-tokens", dest="n", type=int, default=None,
+                   help="tokens a reply generates at most")
+    _backend_args(c)
+    c.add_argument("--target", default=None, help="run this bundle target (default: by backend/arch)")
     _sampling_args(c)
     c.set_defaults(fn=cmd_chat)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server for one bundle")
-    s.add_argument("bundle")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("bundle", help="a bundle dir")
+    s.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="the port to listen on")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    s.add_argument("--backend", default="cpu", choices=("cpu", "qnn", "qnn-sim", "auto"))
-    s.add_argument("--arch", default=None)
+    _backend_args(s)
     s.set_defaults(fn=cmd_serve)
 
     i = sub.add_parser("inspect", help="graphs, shards, state and sizes of a bundle")
-    i.add_argument("bundle")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("bundle", help="a bundle dir")
+    i.add_argument("--json", action="store_true", help="print the inspection as JSON")
     i.set_defaults(fn=cmd_inspect)
 
     v = sub.add_parser("verify", help="re-run the HF oracle on a bundle")
-    v.add_argument("bundle")
+    v.add_argument("bundle", help="a bundle dir")
     v.add_argument("--reference", required=True,
-                   help="the HF checkpoint dir, or the .gguf file the bundle was built from")
-    v.add_argument("--target", default=None)
+                   help="what the bundle was built from: a hub id, an HF checkpoint dir or a "
+                        ".gguf file")
+    v.add_argument("--target", default=None, help="judge this target only (default: every one)")
     v.add_argument("-n", type=int, default=64, help="greedy tokens to compare")
     _eval_args(v)
-    v.add_argument("--json", action="store_true")
+    v.add_argument("--json", action="store_true", help="print the oracle report as JSON")
     v.set_defaults(fn=cmd_verify)
 
     t = sub.add_parser("targets", help="the target table")
@@ -354,22 +373,21 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--tiny", action="store_true",
                    help="a tiny random-weight model instead (plumbing only: gibberish text)")
     d.add_argument("--family", default="llama", help="with --tiny: its family")
-    d.add_argument("--prompt", default="What is the capital of France?")
+    d.add_argument("--prompt", default="What is the capital of France?", help="the question asked")
     d.set_defaults(fn=cmd_demo)
 
     bb = sub.add_parser("bench", help="TTFT, prefill / decode tok/s and peak RSS of a bundle")
-    bb.add_argument("bundle")
-    bb.add_argument("--prompt-tokens", type=int, default=128)
-    bb.add_argument("-n", "--new-tokens", dest="n", type=int, default=32)
-    bb.add_argument("--runs", type=int, default=3)
+    bb.add_argument("bundle", help="a bundle dir")
+    bb.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (random ids)")
+    bb.add_argument("-n", "--new-tokens", dest="n", type=int, default=32, help="decode tokens timed")
+    bb.add_argument("--runs", type=int, default=3, help="timed runs (the median is reported)")
     bb.add_argument("--prefill-mode", choices=("chunked", "decode"), default="chunked",
                     help="chunked: AR-N prefill graphs; decode: the AR-1 graph over the prompt")
-    bb.add_argument("--backend", default="cpu", choices=("cpu", "qnn", "qnn-sim", "auto"))
-    bb.add_argument("--arch", default=None)
+    _backend_args(bb)
     bb.add_argument("--op-profile", action="store_true",
                     help="instead: where a decode token's time goes, by op type (onnxruntime's "
                          "per-node profile of -n tokens after a prompt of at most one chunk)")
-    bb.add_argument("--json", action="store_true")
+    bb.add_argument("--json", action="store_true", help="print the result as JSON")
     bb.set_defaults(fn=cmd_bench)
     return p
 
@@ -383,15 +401,27 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
                         "whole prefill chunks stop sooner)")
 
 
+def _backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="cpu", choices=("cpu", "qnn", "qnn-sim", "auto"),
+                   help="cpu (default) | qnn (Snapdragon HTP) | qnn-sim (x86 HTP simulator) | auto")
+    p.add_argument("--arch", default=None, help="the device's Hexagon arch, e.g. v81 (HTP backends)")
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0: greedy; unset: the checkpoint's generation config (greedy without one)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the K likeliest tokens (unset: the generation config's)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample among the likeliest tokens holding this probability mass (unset: "
+                        "the generation config's)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this fraction of the likeliest token's probability")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the logits of tokens already seen by this (HF's rule); 1: off")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--seed", type=int, default=None, help="the sampler's seed (reproducible output)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence tokens")
     p.add_argument("--prompt-lookup", type=int, default=None, metavar="K",
                    help="speculative decoding: draft up to K tokens a step from the prompt and "
                         "the output so far, verified in one call (same output; --json reports "

@@ -30,7 +30,7 @@ def smollm2_gguf() -> Path | None:
 def run_demo(workdir: str | None = None, tiny: bool = False, family: str = "llama",
              prompt: str = QUESTION) -> dict:
     from . import load
-    from .build.pipeline import BuildOptions, build
+    from .forge.pipeline import BuildOptions, build
     from .runtime import qnn
 
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hexforge-demo-"))

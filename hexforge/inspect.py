@@ -54,7 +54,8 @@ def roofline(target: str, bytes_per_token: int) -> dict:
 def embedding_format(bundle: Path, m) -> str:
     """How the host embedding is stored: the checkpoint's float type, int8 rows, int4 rows, or
     int4 / int8 rows read from the tied head's weight (``host.embed.shared``)."""
-    from .runtime.host import INT4_SCALES, check_safetensors_header
+    from .runtime.hostfile import check_safetensors_header
+    from .runtime.qtables import INT4_SCALES
 
     e = m.host.embed
     if e.shared is not None:
@@ -135,7 +136,7 @@ def print_inspection(info: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from .build.quality import oracle_line
+    from .forge.quality import oracle_line
 
     c = Console()
     c.print(f"[bold]{info['bundle']}[/]  {info['model_type']} (families/{info['family']}.py)  "
@@ -167,3 +168,20 @@ def print_inspection(info: dict) -> None:
         for enc, e in (r.get("encoders") or {}).items():
             c.print(f"  encoder {enc}: {'PASS' if e['passed'] else 'FAIL'}  soft cos min "
                     f"{e['outputs']['soft']['cos_min']:.6f} (gate {e['gate']})")
+
+
+def build_summary(bundle: Path, timings: dict[str, float]) -> dict:
+    """``hexforge build --json``: the bundle, each target's precision, graphs, bytes and oracle
+    verdict ("passed", or "not run" under --no-verify: a failed gate writes no bundle), and the
+    build's stage timings in seconds."""
+    m = load_manifest(bundle)
+    report = {}
+    if m.report and confine(bundle, m.report).is_file():
+        report = json.loads(confine(bundle, m.report).read_text())
+    return {"bundle": str(bundle),
+            "targets": {n: {"quant": t.quant, "graphs": len(t.graphs),
+                            "bytes": sum(g.bytes for g in t.graphs),
+                            "oracle": ("passed" if report[n]["passed"] else "failed")
+                            if n in report else "not run"}
+                        for n, t in m.targets.items()},
+            "timings_s": {k: round(v, 2) for k, v in timings.items()}}

@@ -152,7 +152,7 @@ class RopeSpec(_Model):
 
 class SharedRows(_Model):
     """An int4 or int8 host table whose bytes live in a graph weight file of the bundle: a tied
-    head's MatMulNBits weight is the table quantized by the same quantizer (runtime/host.py
+    head's MatMulNBits weight is the table quantized by the same quantizer (runtime/qtables.py
     ``Int4Table`` / ``Int8Table``), so a cpu-only quantized bundle stores it once. ``rows``:
     [offset, length] of the uint8 rows [V, D x bits / 8] in ``file``; ``scales``: of the float32
     scales [V, D / block]."""

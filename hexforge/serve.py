@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ContextOverflowError, HexforgeError, RequestError
 from .runtime.multimodal import decode_media
+from .runtime.options import GenerationOptions
 from .runtime.text import check_messages
 
 
@@ -198,7 +199,7 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
             try:
                 with lock:
                     if not cancel.is_set():  # its client may have left while it queued
-                        for item in model._iterate(ids, should_stop=cancel.is_set, **kw):
+                        for item in model._iterate(ids, GenerationOptions(should_stop=cancel.is_set, **kw)):
                             put(item)
             except BaseException as e:  # handed to the request
                 put(e)

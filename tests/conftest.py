@@ -32,7 +32,7 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="session")
 def bundle(ckpt, tmp_path_factory):
     """bundle("llama", max_shard_bytes=...) -> a built cpu bundle, built once per option set."""
-    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.forge.pipeline import BuildOptions, build
 
     built: dict[tuple, Path] = {}
 
@@ -69,7 +69,7 @@ def hf_model(ckpt):
 @pytest.fixture(scope="session")
 def hf_greedy(hf_model):
     """hf_greedy(family, prompt_ids, n) -> HF generate greedy tokens (fp32, EOS off), cached."""
-    from hexforge.build.verify import hf_greedy_tokens
+    from hexforge.forge.verify import hf_greedy_tokens
 
     cache = {}
 
@@ -94,7 +94,7 @@ def text_with_tokens(tokenizer_dir: Path, n: int) -> str:
     """A prefix of a fixed text whose encoding (with special tokens) is exactly n tokens."""
     from tokenizers import Tokenizer
 
-    from hexforge.build.verify import VERIFY_TEXT
+    from hexforge.forge.verify import VERIFY_TEXT
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     text = VERIFY_TEXT * 8
@@ -107,7 +107,7 @@ def text_with_tokens(tokenizer_dir: Path, n: int) -> str:
 @pytest.fixture(scope="session")
 def htp_bundle(ckpt, tmp_path_factory):
     """htp_bundle("llama", "w8a16", "v81", **opts) -> a bundle with HTP targets, built once."""
-    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.forge.pipeline import BuildOptions, build
 
     built: dict[tuple, Path] = {}
 
@@ -168,7 +168,7 @@ def real_bundle(real_gguf, tmp_path_factory):
     from the GGUF once per option set; the build's own gates must pass."""
     import json
 
-    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.forge.pipeline import BuildOptions, build
 
     built: dict[tuple, tuple[Path, dict]] = {}
 
@@ -187,8 +187,8 @@ def real_bundle(real_gguf, tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_hf(real_gguf):
     """real_hf(name) -> (family, the HF fp32 oracle model, its checkpoint dir), loaded once."""
-    from hexforge.build.checkpoint import read_checkpoint
     from hexforge.families import load_family
+    from hexforge.forge.checkpoint import read_checkpoint
 
     models = {}
 

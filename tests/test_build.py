@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from hexforge.build.pipeline import BuildOptions, build
-from hexforge.build.plan import plan_shards
 from hexforge.errors import BuildError, CheckpointError, ParityGateError
+from hexforge.forge.pipeline import BuildOptions, build
+from hexforge.forge.plan import plan_shards
 from hexforge.manifest import load_manifest
 
 
@@ -100,7 +100,7 @@ def test_regression_exporter_side_files_were_left_in_the_bundle(tmp_path):
     import onnx
     from onnx import helper, numpy_helper
 
-    from hexforge.build.export import gather_side_files
+    from hexforge.forge.export import gather_side_files
 
     rng = np.random.default_rng(0)
     w1, w2 = (rng.standard_normal((64, 64)).astype(np.float32) for _ in range(2))
@@ -129,7 +129,7 @@ def test_regression_constant_value_side_files_were_left_in_the_bundle(tmp_path):
     import onnx
     from onnx import helper, numpy_helper
 
-    from hexforge.build.export import gather_side_files
+    from hexforge.forge.export import gather_side_files
 
     rng = np.random.default_rng(0)
     w, c = rng.standard_normal((64, 64)).astype(np.float32), rng.standard_normal(64).astype(np.float32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +46,42 @@ def test_unknown_model_type_is_a_clear_error(tmp_path):
     assert r.returncode == 2 and "'nonesuch' is not supported" in r.stderr
 
 
+@pytest.mark.parametrize("model_type", ["base", "blocks", "ortops", "gemma4_vision"])
+def test_a_module_that_is_not_a_decoder_family_is_refused_like_an_unknown_model_type(
+        ckpt, tmp_path, model_type):
+    """families/ holds shared modules (base, blocks, ortops) and encoder families beside the
+    decoder families: a config naming one used to import it and end in an AttributeError
+    traceback. Only the registered decoder families load; the rest get the one-line error."""
+    import shutil
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(ckpt("llama"), src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    out = tmp_path / "out"
+    r = hexforge("build", src, "-o", out)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line and f"model_type {model_type!r} is not supported" in line
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_family_registry_names_every_family_module_and_only_those():
+    import pkgutil
+
+    import hexforge.families as families
+    from hexforge.families import DECODERS, ENCODERS, load_encoder, load_family
+
+    for name in DECODERS:
+        assert load_family(name).FAMILY is not None
+    for name in ENCODERS:
+        assert load_encoder(name) is not None
+    for mod in pkgutil.iter_modules(families.__path__):
+        src = (Path(families.__path__[0]) / f"{mod.name}.py").read_text()
+        defines = "\nFAMILY = " in src or "\nENCODER = " in src
+        assert defines == (mod.name in DECODERS + ENCODERS), mod.name
+
+
 def test_inspect_and_targets(bundle):
     r = hexforge("inspect", bundle("llama"), "--json")
     info = json.loads(r.stdout)
@@ -78,7 +115,7 @@ def test_cli_passes_every_build_option(monkeypatch, tmp_path):
     import dataclasses
 
     from hexforge import cli
-    from hexforge.build import pipeline
+    from hexforge.forge import pipeline
 
     seen = []
     monkeypatch.setattr(pipeline, "build", lambda ckpt, out, opts, log: seen.append(opts))
@@ -147,3 +184,86 @@ def test_encoder_flags_on_a_checkpoint_without_that_encoder_are_refused(ckpt, tm
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
         assert f"{flag} was given but this checkpoint has no {modality} encoder" in r.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_configuration_doc_names_every_option_and_environment_variable():
+    """docs/configuration.md is the one list of settings: every option of every subcommand and
+    every HEXFORGE_* / HF_* variable the package reads."""
+    import argparse
+    import re
+
+    from hexforge.cli import parser
+
+    root = Path(__file__).parents[1]
+    doc = (root / "docs" / "configuration.md").read_text()
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sp in sub.choices.items():
+        section = doc.split(f"### `hexforge {name}`", 1)[1].split("\n### ", 1)[0]
+        for action in sp._actions:
+            for opt in action.option_strings:
+                if opt not in ("-h", "--help"):
+                    assert f"`{opt}`" in section, (name, opt)
+    code = "\n".join(p.read_text() for p in (root / "hexforge").rglob("*.py"))
+    for var in set(re.findall(r"environ(?:\.get)?\(?\[?\"((?:HEXFORGE|HF)_[A-Z_]+)", code)):
+        assert f"`{var}`" in doc, var
+
+
+def _hf_cache_with(ckpt_dir: Path, cache: Path, repo_id: str) -> Path:
+    """Lay ``ckpt_dir`` out as huggingface_hub's cache holds a downloaded model: blobs named by
+    content hash, a snapshot dir of symlinks to them, refs/main naming the snapshot's commit."""
+    import hashlib
+    import os
+    import shutil
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    snap = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in sorted(ckpt_dir.iterdir()):
+        blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, blob)
+        os.symlink(os.path.relpath(blob, snap), snap / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snap
+
+
+def test_build_takes_a_hub_id_from_the_hf_cache_offline(ckpt, tmp_path):
+    """``hexforge build ORG/NAME`` resolves the id through huggingface_hub (snapshot_download, the
+    HF cache, HF_HUB_OFFLINE honoured): a tiny checkpoint laid out in a cache dir builds with no
+    network; an id the cache lacks is the one-line error naming the cache and the way out."""
+    import os
+
+    cache = tmp_path / "hub"
+    _hf_cache_with(ckpt("llama"), cache, "hexforge-test/tiny-llama")
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "b"
+    r = subprocess.run([sys.executable, "-m", "hexforge", "build", "hexforge-test/tiny-llama",
+                        "-o", out, "--no-verify", "--context", "64", "--prefill-len", "8"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["hf_config"] == json.loads((ckpt("llama") / "config.json").read_text())
+
+    r = subprocess.run([sys.executable, "-m", "hexforge", "build", "hexforge-test/not-cached",
+                        "-o", tmp_path / "c"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    line = r.stderr.strip()
+    assert r.returncode == 2 and "\n" not in line and "Traceback" not in line
+    assert "hexforge-test/not-cached" in line and str(cache) in line and "HF_HUB_OFFLINE" in line
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_hub_snapshot_gives_back_the_pages_of_its_blobs(ckpt, tmp_path):
+    """A HF cache snapshot holds symlinks into blobs/: the build's page release (after each stage
+    that read the checkpoint) must find the mapped blobs through them."""
+    import numpy as np
+
+    from hexforge.forge.checkpoint import release_mapped_pages
+
+    snap = _hf_cache_with(ckpt("llama"), tmp_path / "hub", "hexforge-test/tiny-llama")
+    weights = np.memmap(next(snap.glob("*.safetensors")), mode="r")
+    assert int(weights[::4096].astype(np.int64).sum()) >= 0  # every page read once: resident
+    assert release_mapped_pages(snap) > 0
+    del weights

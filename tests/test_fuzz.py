@@ -138,7 +138,7 @@ def safetensors_blobs(draw, good: bytes) -> bytes:
 
 
 def test_fuzz_safetensors_reader(work, tmp_path):
-    from hexforge.runtime.host import load_host_tensors
+    from hexforge.runtime.hostfile import load_host_tensors
 
     good = (work / "host.safetensors").read_bytes()
     path = tmp_path / "host.safetensors"
@@ -283,8 +283,8 @@ def test_regression_deeply_nested_manifest_json_escaped_as_recursionerror(work):
 
 
 def test_regression_deeply_nested_checkpoint_config_escaped_as_recursionerror(tmp_path):
-    from hexforge.build.checkpoint import read_checkpoint
     from hexforge.errors import CheckpointError
+    from hexforge.forge.checkpoint import read_checkpoint
 
     (tmp_path / "config.json").write_text('{"a":' + "[" * 100_000)
     with pytest.raises(CheckpointError, match="too deeply"):
@@ -304,7 +304,7 @@ def test_regression_chat_template_non_template_errors_escaped_untyped(template, 
 
 
 def test_regression_safetensors_header_length_past_the_end_reached_the_library(tmp_path):
-    from hexforge.runtime.host import load_host_tensors
+    from hexforge.runtime.hostfile import load_host_tensors
 
     p = tmp_path / "h.safetensors"
     p.write_bytes((2**63).to_bytes(8, "little") + b"{}")

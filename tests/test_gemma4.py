@@ -56,7 +56,7 @@ def test_three_shards_across_the_kv_sharing_boundary_equal_one(bundle, hf_greedy
 
 
 def test_gemma4_cpu_step_reads_only_the_cache_rows_held(bundle):
-    """Regression (issue 10): the cpu step attended over every cache row and masked the unwritten
+    """Regression: the cpu step attended over every cache row and masked the unwritten
     ones, so its cost followed --context (10-layer E2B cut: 35 vs 41-49 tok/s at 4096 vs 256).
     Now the rings are cut to the rows held and the full caches are read by GroupQueryAttention up
     to the rows held: NaN past them must not reach any output (a full cache's present is the
@@ -101,7 +101,7 @@ def test_gemma4_cpu_step_reads_only_the_cache_rows_held(bundle):
 
 
 def test_both_ops_writing_one_full_cache_write_it_in_place(bundle):
-    """Regression (session 24): a full cache that two ops of one graph write (the layer that owns
+    """Regression: a full cache that two ops of one graph write (the layer that owns
     it and a layer sharing it) is two outputs bound alias:<cache>. Binding only one of them left
     the other to onnxruntime: its op then copies the whole cache (all --context rows) into a
     present of its own every step, and the cache is written by the copy, not in place."""
@@ -203,12 +203,12 @@ def test_htp_build_meets_the_gate_and_runs_on_the_simulator(htp_bundle, quant):
 def test_htp_activation_matmul_input1_keeps_16_bits(tmp_path):
     """The HTP held input 1 of a uint16 x uint16 activation MatMul (QK^T keys, probs.V values) at 8
     bits: HTP vs the same QDQ graph on the CPU EP cos 0.99997, which took tiny Gemma-4 w8a16 on
-    v81 from 0.989 (CPU-QDQ) to 0.878. quantize.int16_matmul_rhs makes input 1 int16: exact."""
+    v81 from 0.989 (CPU-QDQ) to 0.878. qdq.int16_matmul_rhs makes input 1 int16: exact."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from hexforge.build.quantize import int16_matmul_rhs
+    from hexforge.forge.htp.qdq import int16_matmul_rhs
     from hexforge.runtime import qnn
     rng = np.random.default_rng(0)
     a = rng.normal(size=(1, 1, 8, 64)).astype(np.float32)

@@ -61,8 +61,8 @@ def example(spec, hf):
 @pytest.fixture(scope="module")
 def onnx_graph(hf, spec, tmp_path_factory):
     """The graph exported the way the build does it: norm prescales recorded on the example."""
-    from hexforge.build.encoders import calibrate_encoder_norms
-    from hexforge.build.export import export_module
+    from hexforge.forge.encoders import calibrate_encoder_norms
+    from hexforge.forge.export import export_module
 
     calibrate_encoder_norms([ENCODER], [spec], hf)
     path = tmp_path_factory.mktemp("g4audio") / "audio.onnx"
@@ -249,7 +249,7 @@ def test_qnn_sim_fp16_matches_hf(onnx_graph, example):
     """Compiled for v81 fp16 with CPU fallback disabled (every node on the HTP), run simulated."""
     import onnxruntime as ort
 
-    from hexforge.build.compile import compile_graph
+    from hexforge.forge.htp.compile import compile_graph
     from hexforge.runtime import qnn
 
     inputs, ref = example

@@ -375,8 +375,8 @@ def test_server_takes_an_image_in_a_later_message(mm, media):
 
 
 def test_encoder_build_options_are_checked_before_export(mm, tmp_path):
-    from hexforge.build.pipeline import BuildOptions, build
     from hexforge.errors import BuildError, CheckpointError
+    from hexforge.forge.pipeline import BuildOptions, build
 
     ckpt_dir, _ = mm
     with pytest.raises(BuildError, match="--image-size does not apply"):

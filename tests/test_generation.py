@@ -28,6 +28,27 @@ def test_min_p_and_repetition_penalty_are_small_processors():
         make_sampler(min_p_=1.5)
 
 
+def test_every_generating_method_takes_the_options_as_typed_keywords():
+    """help() shows what a request can set: every GenerationOptions field is a keyword-only,
+    annotated parameter with its default and a line of doc; an unknown keyword is a TypeError,
+    as for any Python function."""
+    import inspect
+    from dataclasses import fields
+
+    from hexforge.runtime import ChatSession, GenerationOptions, Model
+
+    for fn in (Model.generate, Model.stream, Model.chat, Model.stream_chat, ChatSession.send,
+               ChatSession.stream):
+        params = inspect.signature(fn).parameters
+        for f in fields(GenerationOptions):
+            p = params[f.name]
+            assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default == f.default
+            assert p.annotation is not inspect.Parameter.empty, (fn.__name__, f.name)
+            assert f"    {f.name}: " in fn.__doc__
+    with pytest.raises(TypeError, match="max_tokens"):
+        Model.generate(None, "hi", max_tokens=3)
+
+
 def test_repetition_penalty_changes_greedy_output(bundle):
     model = hexforge.load(bundle("llama"))
     ids = prompt_ids(5)

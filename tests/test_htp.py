@@ -12,12 +12,12 @@ import shutil
 import pytest
 
 import hexforge
-from hexforge.build.verify import GATES
 from hexforge.errors import BackendError, BuildError, BundleError
+from hexforge.forge.verify import GATES
 from hexforge.runtime import qnn
 from tests.conftest import prompt_ids
 
-# issue thresholds; w4a16's 0.995 is not reachable on random-weight models (see quantize.py)
+# issue thresholds; w4a16's 0.995 is not reachable on random-weight models (see forge/htp/recipes.py)
 QUANT_THRESHOLDS = {"fp16": 0.9995, "w8a16": 0.999, "w4a16": 0.95, "w8a16-qdq": 0.999,
                     "w8a16-qdq-b128": 0.999, "w4a16-qdq": 0.95}
 
@@ -123,7 +123,7 @@ def test_graph_with_a_node_the_htp_rejects_fails_to_compile(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
-    from hexforge.build.compile import compile_graph
+    from hexforge.forge.htp.compile import compile_graph
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 8])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8])
@@ -146,7 +146,7 @@ def test_inspect_shows_binary_sizes_and_roofline(htp_bundle):
 
 
 def test_bad_quant_is_refused_before_work(ckpt, tmp_path):
-    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.forge.pipeline import BuildOptions, build
 
     with pytest.raises(BuildError, match="unknown --quant"):
         build(ckpt("llama"), tmp_path / "x", BuildOptions(targets="v81", quant="w2"),
@@ -181,9 +181,9 @@ def test_failed_htp_gate_says_whether_the_htp_or_the_quantization_lost_it(ckpt, 
     import onnx
     from onnx import numpy_helper
 
-    from hexforge.build import htp
-    from hexforge.build.pipeline import BuildOptions, build
     from hexforge.errors import ParityGateError
+    from hexforge.forge.htp import stage as htp
+    from hexforge.forge.pipeline import BuildOptions, build
     from tests.conftest import HTP_CONTEXT, HTP_N
 
     real_compile = htp.compile_graph
@@ -217,7 +217,7 @@ def test_tensor_probe_names_each_ops_error_on_cpu_and_htp(htp_bundle):
     """bench/htp_tensors.py's probe on a --keep-work bundle: every re-quantized activation of the
     decode graph, its error vs float on the CPU EP and on the simulator; a bundle without
     _work/ is refused with the option to use."""
-    from hexforge.build.probe import tensor_errors
+    from hexforge.forge.htp.probe import tensor_errors
 
     b = htp_bundle("llama", "w8a16-qdq", keep_work=True, verify=False)
     rows = tensor_errors(b, "v81", step=3)
@@ -237,7 +237,7 @@ def test_tensor_probe_covers_graphs_with_fp16_activations(htp_bundle):
     """The probe on an fp16 bundle: no re-quantized activations there, so every value-making op
     (projections, fused norms, residual adds, softmax) is a row; the float graph on the CPU EP is
     the reference and the HTP's fp16 error is small on the tiny model (an overflow reads ~1)."""
-    from hexforge.build.probe import tensor_errors
+    from hexforge.forge.htp.probe import tensor_errors
 
     b = htp_bundle("llama", "fp16", keep_work=True, verify=False)
     rows = tensor_errors(b, "v81", step=3)
@@ -256,10 +256,10 @@ def test_regression_fused_norm_with_a_leading_dim_zeroed_rows_on_the_htp(tmp_pat
     import onnxruntime as ort
     import torch
 
-    from hexforge.build.compile import compile_graph
-    from hexforge.build.export import export_module
-    from hexforge.families.base import GraphIO
     from hexforge.families.blocks import RMSNorm
+    from hexforge.families.graphio import GraphIO
+    from hexforge.forge.export import export_module
+    from hexforge.forge.htp.compile import compile_graph
 
     class Norm(torch.nn.Module):
         io = GraphIO(inputs=[("x", "x")], outputs=[("y", "y")])

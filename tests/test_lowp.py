@@ -1,4 +1,4 @@
-"""bf16 checkpoints (real ones are): loaded as stored, fp32 only where exported / run (issue 10).
+"""bf16 checkpoints (real ones are): loaded as stored, fp32 only where exported / run.
 
 The HF model stays bf16 resident; the oracle's forward computes exactly as an fp32 model holding
 the same bf16 values (the old fp32 load), and a bf16 tiny Gemma-4 builds greedy-exact on cpu.
@@ -58,7 +58,7 @@ def _fp32_twin(path):
 
 
 def test_stored_dtype_is_read_from_the_safetensors(ckpt, bf16_ckpt):
-    from hexforge.families.base import stored_lowp_dtype
+    from hexforge.families.lowp import stored_lowp_dtype
 
     assert stored_lowp_dtype(ckpt("gemma4")) is None  # fp32: loaded as before
     assert stored_lowp_dtype(bf16_ckpt("gemma4")) == "bfloat16"
@@ -68,10 +68,10 @@ def test_stored_dtype_is_read_from_the_safetensors(ckpt, bf16_ckpt):
 @pytest.mark.parametrize("big_table", [None, 1])  # 1: every embedding table takes the gather path
 def test_float32_forward_is_bit_identical_to_the_fp32_model(bf16_ckpt, family, big_table,
                                                             monkeypatch):
-    from hexforge.families import base
+    from hexforge.families import lowp
 
     if big_table is not None:
-        monkeypatch.setattr(base, "BIG_TABLE", big_table)
+        monkeypatch.setattr(lowp, "BIG_TABLE", big_table)
     path = bf16_ckpt(family)
     fam = _family(path)
     hf, ref = fam.load_hf(path), _fp32_twin(path)
@@ -86,7 +86,7 @@ def test_float32_forward_is_bit_identical_to_the_fp32_model(bf16_ckpt, family, b
         with fam.float32_forward(hf):
             got = hf(ids).logits
         assert got.dtype == torch.float32 and torch.equal(got, want)
-    from hexforge.build.verify import hf_greedy_tokens
+    from hexforge.forge.verify import hf_greedy_tokens
 
     with fam.float32_forward(hf):
         assert hf_greedy_tokens(hf, prompt_ids(N + 1), 16) == hf_greedy_tokens(
@@ -101,9 +101,9 @@ def test_bf16_checkpoint_builds_greedy_exact_with_bf16_resident_weights(bf16_ckp
                                                                         monkeypatch):
     """Three shards; at every export only that shard's decoder layers are fp32 (the old fp32 load
     had all of them fp32 all the time), and the bundle matches HF fp32 greedy exactly."""
-    from hexforge.build import graphs
-    from hexforge.build.pipeline import BuildOptions, build
-    from hexforge.build.verify import hf_greedy_tokens
+    from hexforge.forge import graphs
+    from hexforge.forge.pipeline import BuildOptions, build
+    from hexforge.forge.verify import hf_greedy_tokens
 
     path = bf16_ckpt("gemma4")
     fam = _family(path)
@@ -125,7 +125,7 @@ def test_bf16_checkpoint_builds_greedy_exact_with_bf16_resident_weights(bf16_ckp
                                                    max_shard_bytes=900_000), log=lambda m: None)
     report = json.loads((out / "report.json").read_text())["cpu"]
     assert report["passed"] and report["greedy"]["exact"]
-    from hexforge.runtime.host import check_safetensors_header
+    from hexforge.runtime.hostfile import check_safetensors_header
 
     tables = {k: t["dtype"] for k, t in check_safetensors_header(out / "host.safetensors").items()
               if k != "__metadata__" and len(t["shape"]) == 2}
@@ -148,8 +148,8 @@ def test_host_tensors_are_written_in_chunks_and_read_as_maps(tmp_path):
     the runtime's rows are their exact fp32 upcast; fp32 ones stay fp32."""
     import numpy as np
 
-    from hexforge.families.base import write_host_tensors
-    from hexforge.runtime.host import check_safetensors_header, load_host_tensors
+    from hexforge.forge.hostwrite import write_host_tensors
+    from hexforge.runtime.hostfile import check_safetensors_header, load_host_tensors
 
     table = torch.randn(1000, 24).to(torch.bfloat16)
     half, full = torch.randn(300, 8).half(), torch.randn(7, 3)
@@ -188,8 +188,8 @@ def test_regression_host_table_gathers_faulted_in_the_kernels_read_around(tmp_pa
     through must carry it."""
     import numpy as np
 
-    from hexforge.families.base import write_host_tensors
-    from hexforge.runtime.host import load_host_tensors
+    from hexforge.forge.hostwrite import write_host_tensors
+    from hexforge.runtime.hostfile import load_host_tensors
 
     path = tmp_path / "host.safetensors"
     write_host_tensors(path, {"t": np.ones((4096, 64), np.float32)})  # 1 MB: many pages
@@ -213,8 +213,9 @@ def test_int8_host_tables_dequantize_their_rows_within_one_step(tmp_path):
     import numpy as np
 
     from hexforge.errors import BundleError
-    from hexforge.families.base import write_host_tensors
-    from hexforge.runtime.host import Int8Table, check_safetensors_header, load_host_tensors
+    from hexforge.forge.hostwrite import write_host_tensors
+    from hexforge.runtime.hostfile import check_safetensors_header, load_host_tensors
+    from hexforge.runtime.qtables import Int8Table
 
     wide, odd = torch.randn(300, 96).to(torch.bfloat16), torch.randn(40, 20) * 5
     path = tmp_path / "host.safetensors"
@@ -259,22 +260,16 @@ def test_quantized_host_tables_are_matmulnbits_rows(tmp_path, bits):
     dequantizes to what a MatMulNBits over the table (rows as N) computes for a one-hot input,
     exactly, and within one step of the float row (absmax / 8 or / 128: onnxruntime maps a
     block's largest magnitude to -8 / -128, so a value near it of the other sign clips at +7 /
-    +127). That is what lets a tied head's weight serve as the table (build/hosttables.py)."""
+    +127). That is what lets a tied head's weight serve as the table (forge/hosttables.py)."""
     import numpy as np
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     from hexforge.errors import BundleError
-    from hexforge.families.base import write_host_tensors
-    from hexforge.runtime.host import (
-        INT4_SCALES,
-        INT8_SCALES,
-        Int4Table,
-        Int8Table,
-        check_safetensors_header,
-        load_host_tensors,
-    )
+    from hexforge.forge.hostwrite import write_host_tensors
+    from hexforge.runtime.hostfile import check_safetensors_header, load_host_tensors
+    from hexforge.runtime.qtables import INT4_SCALES, INT8_SCALES, Int4Table, Int8Table
 
     V, D, block = 50, 64, 32
     suffix, cls, levels = {4: (INT4_SCALES, Int4Table, 8), 8: (INT8_SCALES, Int8Table, 128)}[bits]
@@ -322,11 +317,11 @@ def test_shared_int4_rows_outside_their_file_are_a_bundle_error(tmp_path):
     past them."""
     import numpy as np
 
-    from hexforge.build.hosttables import drop_host_tensors
     from hexforge.errors import BundleError
-    from hexforge.families.base import write_host_tensors
+    from hexforge.forge.hosttables import drop_host_tensors
+    from hexforge.forge.hostwrite import write_host_tensors
     from hexforge.manifest import SharedRows
-    from hexforge.runtime.host import load_host_tensors, shared_table
+    from hexforge.runtime.hostfile import load_host_tensors, shared_table
 
     V, D, block = 12, 64, 32
     path = tmp_path / "host.safetensors"
@@ -373,7 +368,7 @@ def test_regression_build_kept_every_checkpoint_page_it_had_read_resident(bf16_c
     reads the same values after, and a mapping with copy-on-write pages keeps them."""
     import numpy as np
 
-    from hexforge.build.checkpoint import release_mapped_pages
+    from hexforge.forge.checkpoint import release_mapped_pages
 
     path = bf16_ckpt("gemma4")
     hf = _family(path).load_hf(path)

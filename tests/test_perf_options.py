@@ -14,7 +14,7 @@ import pytest
 def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
     import onnx
 
-    from hexforge.build.nbits import CPU_WEIGHTS, cpu_head_format
+    from hexforge.forge.nbits import CPU_WEIGHTS, cpu_head_format
 
     b = bundle("qwen3", cpu_weights=weights)
     report = json.loads((b / "report.json").read_text())["cpu"]
@@ -48,12 +48,8 @@ def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
     # blocks of 32; that head's blocks differ, so nothing is shared). int4 weights keep an int8
     # head in blocks of 32 (cpu_head_format), and so an int8 embedding, shared with it
     from hexforge.inspect import inspect_bundle
-    from hexforge.runtime.host import (
-        Int4Table,
-        Int8Table,
-        check_safetensors_header,
-        load_host_tensors,
-    )
+    from hexforge.runtime.hostfile import check_safetensors_header, load_host_tensors
+    from hexforge.runtime.qtables import Int4Table, Int8Table
 
     header = check_safetensors_header(b / "host.safetensors")
     embedding = inspect_bundle(b)["embedding"]
@@ -85,15 +81,34 @@ def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
 
 
 def test_unknown_cpu_weights_fail_before_any_work(ckpt, tmp_path):
-    from hexforge.build.pipeline import BuildOptions, build
     from hexforge.errors import BuildError
+    from hexforge.forge.pipeline import BuildOptions, build
 
     with pytest.raises(BuildError, match="--cpu-weights"):
         build(ckpt("qwen3"), tmp_path / "b", BuildOptions(cpu_weights="int3"), log=lambda m: None)
 
 
+class _PlainRun:
+    """The reference for IO binding: onnxruntime's plain ``InferenceSession.run`` on a bound
+    session's own ORT session, each in-place cache output (``alias:<input>``) copied back into its
+    input as the graph's contract says."""
+
+    writes_in_place = True
+
+    def __init__(self, bound, graph):
+        self.sess = bound.sess
+        self.aliases = [(k, o.bind[6:]) for k, o in enumerate(graph.outputs)
+                        if o.bind.startswith("alias:")]
+
+    def run(self, output_names, feeds, run_options=None):
+        values = self.sess.run(None, feeds)
+        for k, name in self.aliases:
+            feeds[name][...] = values[k]
+        return values
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma4"])
-def test_io_binding_matches_plain_session_run(bundle, family, monkeypatch):
+def test_io_binding_matches_plain_session_run(bundle, family):
     """Same logits, bit for bit, through prefill chunks (incl. a padded last one) and decode.
     gemma4: a full cache written in place by two ops of one graph (a donor and its sharer: two
     outputs bound to one cache), beside rings the engine writes."""
@@ -101,12 +116,10 @@ def test_io_binding_matches_plain_session_run(bundle, family, monkeypatch):
     from hexforge.runtime.bound import BoundSession
 
     b = bundle(family)
-    monkeypatch.setenv("HEXFORGE_CPU_IOBINDING", "0")
     plain = hexforge.load(b).engine
-    monkeypatch.setenv("HEXFORGE_CPU_IOBINDING", "1")
+    plain.sessions = {n: _PlainRun(s, plain.target.graph(n)) for n, s in plain.sessions.items()}
     bound = hexforge.load(b).engine
     assert all(isinstance(s, BoundSession) for s in bound.sessions.values())
-    assert not any(isinstance(s, BoundSession) for s in plain.sessions.values())
     prompt = [int(x) for x in np.random.default_rng(1).integers(3, plain.vocab_size, 21)]
     for _ in range(2):  # twice: the second run reuses every binding from the first
         got = [e.prefill(prompt) for e in (plain, bound)]
@@ -264,7 +277,7 @@ def test_bench_cli_reports_every_number(bundle, capsys):
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_cpu_graphs_update_the_cache_in_place(bundle, family):
-    """Issue 10: the cpu decode and prefill graphs attend with onnxruntime's GroupQueryAttention
+    """The cpu decode and prefill graphs attend with onnxruntime's GroupQueryAttention
     over the rows held (a prefill chunk: causally), writing the state buffers themselves (their
     present outputs are bound to them, not copies), with fused norms, the rope inside the op
     where it can take it (from constant tables under 1-D positions), and no mask input."""
@@ -329,16 +342,14 @@ def test_cpu_graphs_update_the_cache_in_place(bundle, family):
 @pytest.mark.parametrize("ram", [10_000, 1 << 40])
 def test_fp32_prefill_and_head_sessions_read_the_weight_file_unpacked_on_a_small_machine(
         bundle, weights, ram, monkeypatch):
-    """Issue 10: an fp32 prefill session prepacks its weights only when that second packed copy
-    (the decode session of the shard holds one) is at most 1/6 of the machine's RAM: measured at
-    Qwen3-0.6B, +2.3 GB for TTFT(512) 3.9 vs 4.8 s. A MatMulNBits prefill always does (unpacked
-    it loses its int8 kernels: 3x the TTFT). The head, which only prefill runs once the last
-    decode graph carries its own, follows the prefill rule (regression: an unpacked int4 head
-    took 0.66 s a call, TTFT(512) 3.1 -> 8.4 s)."""
+    """An fp32 prefill session prepacks its weights only when that second packed copy (the
+    decode session of the shard holds one) is at most 1/6 of the machine's RAM; a MatMulNBits
+    prefill always does (unpacked it loses its int8 kernels). The head, which only prefill runs
+    once the last decode graph carries its own, follows the prefill rule (regression: an
+    unpacked int4 head nearly tripled the TTFT)."""
     import hexforge
     from hexforge.runtime import backends
 
-    monkeypatch.delenv("HEXFORGE_CPU_PREPACK_PREFILL", raising=False)
     monkeypatch.setattr(backends, "physical_memory_bytes", lambda: ram)
     eng = hexforge.load(bundle("qwen3", cpu_weights=weights)).engine
     assert eng.target.decode_runs_head
@@ -356,7 +367,7 @@ def test_fp32_prefill_and_head_sessions_read_the_weight_file_unpacked_on_a_small
 
 
 def test_prefill_runs_the_head_on_its_last_chunk_only(bundle):
-    """Issue 10: the logits of a prefill chunk before the last are never read, so its head run is
+    """The logits of a prefill chunk before the last are never read, so its head run is
     skipped (it was one head GEMV per 64 prompt tokens); an observer still sees every chunk's."""
     import hexforge
 
@@ -394,7 +405,7 @@ def test_rope_inside_group_query_attention_keeps_mrope_and_partial_rotary_exact(
 
     import onnx
 
-    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.forge.pipeline import BuildOptions, build
     from hexforge.tiny import TINY_CONFIGS, make_tiny_checkpoint
 
     if positions == "1d":
@@ -477,7 +488,7 @@ def test_host_tables_take_the_heads_format_where_every_target_can():
     (8/16-bit weights) read it too; other tables int8."""
     import numpy as np
 
-    from hexforge.build.nbits import host_table_formats
+    from hexforge.forge.nbits import host_table_formats
 
     tensors = {"e": np.zeros((10, 256), np.float32), "odd": np.zeros((10, 64), np.float32)}
     assert host_table_formats("fp32", "e", ["x"], tensors) == {}
@@ -529,9 +540,10 @@ def test_int4_per_layer_tables_put_gemma4s_per_layer_table_in_int4(tmp_path):
     in the weights' blocks (a per-layer width of 16 x 10 layers: blocks of 32 divide it), the
     bundle passes its int4 gate and the runtime reads an Int4Table; the flag is refused where it
     cannot apply (int8 weights, an HTP target, a checkpoint without per-layer tables)."""
-    from hexforge.build.pipeline import BuildOptions, build
     from hexforge.errors import BuildError
-    from hexforge.runtime.host import Int4Table, check_safetensors_header
+    from hexforge.forge.pipeline import BuildOptions, build
+    from hexforge.runtime.hostfile import check_safetensors_header
+    from hexforge.runtime.qtables import Int4Table
     from hexforge.tiny import make_tiny_checkpoint
 
     ck = make_tiny_checkpoint("gemma4", tmp_path / "ck", hidden_size_per_layer_input=16)
@@ -562,9 +574,9 @@ def test_b128_weights_share_an_embedding_their_block_divides(tmp_path):
     in the head's blocks of 128 and stores it once (int4-b128's head is int8 in blocks of 32,
     and so is its shared embedding), and the bundle still matches its float rows within the
     gate."""
-    from hexforge.build.pipeline import BuildOptions, build
+    from hexforge.forge.pipeline import BuildOptions, build
     from hexforge.inspect import inspect_bundle
-    from hexforge.runtime.host import check_safetensors_header
+    from hexforge.runtime.hostfile import check_safetensors_header
     from hexforge.tiny import make_tiny_checkpoint
 
     ck = make_tiny_checkpoint("qwen3", tmp_path / "ck", hidden_size=128)
@@ -582,7 +594,7 @@ def test_b128_weights_share_an_embedding_their_block_divides(tmp_path):
 def test_regression_faster_int8_prefill_kernel_spreads_one_outlier_channel_over_the_chunk(
         tmp_path):
     """Why the cpu prefill keeps MatMulNBits, though onnxruntime's DynamicQuantizeMatMul ran the
-    same int8 product 2.0-2.2x faster at 64-256 rows (bench/cpu_kernels.py): it quantizes the
+    same int8 product 2.0-2.2x faster at 64-256 rows (bench/experiments/cpu_kernels.py): it quantizes the
     activations per tensor, so one outlier channel (real LLM activations have them; random
     weights do not make them, so no oracle here would see the loss) costs every row of the chunk
     its precision, where MatMulNBits' per-block scales keep the outlier in its block. Should
@@ -590,7 +602,7 @@ def test_regression_faster_int8_prefill_kernel_spreads_one_outlier_channel_over_
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "bench" / "cpu_kernels.py"
+    path = Path(__file__).parents[1] / "bench" / "experiments" / "cpu_kernels.py"
     spec = importlib.util.spec_from_file_location("cpu_kernels", path)
     kernels = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kernels)

@@ -1,5 +1,5 @@
-"""Streaming calibration (issue 10: real-size decode feeds each hold the whole KV cache, so the
-build never stores them): GraphStats fed one call at a time gives ORT's one-shot MinMax ranges
+"""Streaming calibration (real-size decode feeds each hold the whole KV cache, so the build
+never stores them): GraphStats fed one call at a time gives ORT's one-shot MinMax ranges
 and the exact GPTQ Hessians; HessianStore pools them on disk."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from hexforge.build.calibstats import Gram, GraphStats, HessianStore, _Reader, weight_key
-from hexforge.build.quantize import _qnn_config, _quantize
+from hexforge.forge.htp.calibstats import Gram, GraphStats, HessianStore, _Reader, weight_key
+from hexforge.forge.htp.qdq import _quantize
+from hexforge.forge.htp.qnnconfig import qnn_qdq_config
 
 
 def _graph(tmp_path):
@@ -50,7 +51,7 @@ def test_streamed_ranges_equal_ort_one_shot_calibration(tmp_path):
     from onnxruntime.quantization import quantize
 
     path, feeds, *_ = _graph(tmp_path)
-    cfg = _qnn_config(path, _Reader(feeds), {})
+    cfg = qnn_qdq_config(path, _Reader(feeds), {})
     quantize(str(path), str(tmp_path / "ort.qdq.onnx"), cfg)  # ORT pulling every feed at once
 
     stats = GraphStats(path, tmp_path / "work", hessians=False)
@@ -136,7 +137,7 @@ def _gptq_reference(w, H, B, scale_of, qlo, qhi, damp=0.01):
 
 
 def test_blocked_float32_gptq_matches_the_row_by_row_reference_and_beats_rtn():
-    from hexforge.build.weightquant import (
+    from hexforge.forge.htp.weightquant import (
         gptq_int4,
         gptq_int8,
         gptq_int8_blocks,
@@ -182,8 +183,8 @@ def test_inverse_hessian_factor_in_float32_matches_float64_and_refuses_a_broken_
     where float32 fails; a Hessian no precision can factor is a build error, not NaN weights."""
     from scipy.linalg import lapack
 
-    from hexforge.build import weightquant
     from hexforge.errors import BuildError
+    from hexforge.forge.htp import weightquant
 
     rng = np.random.default_rng(1)
     K = 256
@@ -217,8 +218,9 @@ def test_w8_block_recipe_writes_int8_blocks_and_beats_per_channel_scales(tmp_pat
     ones do) loses less than with one scale per output channel."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from hexforge.build.calibstats import GraphStats
-    from hexforge.build.quantize import RECIPES, quantize_graph
+    from hexforge.forge.htp.calibstats import GraphStats
+    from hexforge.forge.htp.qdq import quantize_graph
+    from hexforge.forge.htp.recipes import RECIPES
 
     rng = np.random.default_rng(0)
     K, N = 512, 64
@@ -260,7 +262,7 @@ def test_gptq_is_kept_only_where_it_beats_round_to_nearest_on_held_out_rows():
     """Regression (real-width Qwen3.5 cut, w4a16: GPTQ from 264 calibration rows, K 1024-3584,
     moved held-out outputs 0.114 vs round to nearest 0.096; teacher-forced cos 0.75 vs 0.86):
     GPTQ is solved without every 5th row and kept only if those rows' outputs move less."""
-    from hexforge.build.weightquant import (
+    from hexforge.forge.htp.weightquant import (
         dequantize,
         gptq_int4,
         int4_blocks,
@@ -305,7 +307,7 @@ def test_gptq_damping_grows_as_calibration_rows_fall_below_the_inputs():
     K 1024-3584: teacher-forced cos Qwen3 0.9432 -> 0.9535, Qwen3.5 0.8346 -> 0.8698 with damping
     3 instead of the paper's 0.01): gptq_damp damps a few-row Hessian hard and a many-row one as
     the paper does, and each beats the other's damping on held-out rows."""
-    from hexforge.build.weightquant import dequantize, gptq_damp, gptq_int4
+    from hexforge.forge.htp.weightquant import dequantize, gptq_damp, gptq_int4
 
     rng = np.random.default_rng(0)
     K, N, B = 256, 48, 64
@@ -337,9 +339,10 @@ def test_w4a16_rtn_rounds_every_weight_where_w4a16_keeps_gptq(tmp_path):
     blocks, w4a16-qdq-rtn exactly round to nearest's."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from hexforge.build.calibstats import GraphStats, HessianStore
-    from hexforge.build.quantize import RECIPES, quantize_graph
-    from hexforge.build.weightquant import int4_blocks
+    from hexforge.forge.htp.calibstats import GraphStats, HessianStore
+    from hexforge.forge.htp.qdq import quantize_graph
+    from hexforge.forge.htp.recipes import RECIPES
+    from hexforge.forge.htp.weightquant import int4_blocks
 
     rng = np.random.default_rng(5)
     K, N = 128, 32

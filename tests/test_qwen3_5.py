@@ -68,14 +68,14 @@ def test_two_shards_equal_one(bundle, hf_greedy):
 
 
 def test_cpu_decode_runs_the_gated_delta_net_as_onnxruntimes_fused_ops(bundle):
-    """Issue 10: the real-shape Qwen3.5-0.8B decoded at 0.90-0.93x onnxruntime-genai at 2 threads
-    with the GatedDeltaNet written out (~95 nodes a linear layer: shifted-add conv, expanded key
-    heads, softplus gate, l2 norms, delta-rule matmuls) and its states copied after every step.
-    The cpu decode graph runs one LinearAttentionGate and LinearAttention per linear layer,
-    LinearAttention writing its state in place. The conv step is Concat, Mul, ReduceSum, SiLU,
-    Slice (onnxruntime's CausalConvWithState took 3x as long), its fifo written in place too; the
-    gated norm is a SimplifiedLayerNormalization x SiLU(z) (GatedRMSNorm took ~8x as long). The
-    prefill graph keeps the chunk form (the tests above hold both to HF's greedy tokens)."""
+    """Written out, the GatedDeltaNet is ~95 nodes a linear layer (shifted-add conv, expanded key
+    heads, softplus gate, l2 norms, delta-rule matmuls) with its states copied after every step,
+    which left the decode behind onnxruntime-genai's. The cpu decode graph runs one
+    LinearAttentionGate and LinearAttention per linear layer, LinearAttention writing its state in
+    place. The conv step is Concat, Mul, ReduceSum, SiLU, Slice (faster than onnxruntime's
+    CausalConvWithState), its fifo written in place too; the gated norm is a
+    SimplifiedLayerNormalization x SiLU(z) (faster than GatedRMSNorm). The prefill graph keeps the
+    chunk form (the tests above hold both to HF's greedy tokens)."""
     import onnx
 
     b = bundle("qwen3_5")
@@ -183,7 +183,7 @@ def test_fold_initializer_identities_regression(tmp_path):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from hexforge.build.export import fold_initializer_identities
+    from hexforge.forge.export import fold_initializer_identities
 
     w = numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
     g = helper.make_graph(

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import hexforge
-from hexforge.build.verify import cosine_rows
-from hexforge.families.base import encoder_families
+from hexforge.families import encoder_families
+from hexforge.forge.verify import cosine_rows
 from hexforge.manifest import load_manifest
 from hexforge.runtime.backends import Backend
 from hexforge.runtime.engine import Engine

@@ -57,7 +57,7 @@ def test_widened_ranges_never_move_constants(tmp_path):
     """Widening every activation range also moved constant inputs (e.g. a Pow exponent)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from hexforge.build.quantize import widen_activation_ranges
+    from hexforge.forge.htp.qdq import widen_activation_ranges
 
     two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
     s = numpy_helper.from_array(np.array(2.0 / 65535, np.float32), "s")
@@ -85,8 +85,8 @@ def test_in_place_prefill_chunk_that_would_pass_the_cache_end_goes_through_ar1(b
     """An in-place cpu prefill graph writes all N rows of a chunk, pad rows included. A chat turn
     starting 6 rows before the end of the cache made GroupQueryAttention refuse the chunk
     ("total_sequence_length ... no greater than past_sequence_length"): such a tail of a prompt
-    (< N tokens, once a prompt) now goes through the AR-1 graph. gemma4: its full caches are in
-    place since session 24, beside rings the engine writes."""
+    (< N tokens, once a prompt) now goes through the AR-1 graph. gemma4: its full caches are
+    written in place, beside rings the engine writes."""
     import hexforge
     from hexforge.runtime.sampling import greedy
     from tests.conftest import CONTEXT, N, prompt_ids
@@ -103,8 +103,9 @@ def test_in_place_prefill_chunk_that_would_pass_the_cache_end_goes_through_ar1(b
 def _w8a16_qdq(float_path, calib, tmp_path):
     """The build's path for one graph: GraphStats ranges over ``calib`` (feeds of x), ORT's QDQ
     tool, our weight + range pass (w8a16) -> the QDQ graph's path."""
-    from hexforge.build.calibstats import GraphStats
-    from hexforge.build.quantize import RECIPES, quantize_graph
+    from hexforge.forge.htp.calibstats import GraphStats
+    from hexforge.forge.htp.qdq import quantize_graph
+    from hexforge.forge.htp.recipes import RECIPES
 
     stats = GraphStats(float_path, tmp_path / "calib", hessians=False)
     for x in calib:
@@ -169,9 +170,8 @@ def test_media_tower_norms_are_prescaled_out_of_the_fp16_subnormals(ckpt, monkey
     power-of-two prescales on the encoders' example inputs: every norm squares O(1) values."""
     import json
 
-    from hexforge.build.encoders import calibrate_encoder_norms
-    from hexforge.families import gemma4_audio, load_family
-    from hexforge.families.base import encoder_families
+    from hexforge.families import encoder_families, gemma4_audio, load_family
+    from hexforge.forge.encoders import calibrate_encoder_norms
 
     hf = load_family("gemma4").FAMILY.load_hf(ckpt("gemma4_mm"))
     config = json.loads((ckpt("gemma4_mm") / "config.json").read_text())

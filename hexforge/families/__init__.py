@@ -1,7 +1,9 @@
-"""Family dispatch: ``config.model_type`` -> ``hexforge.families.<module>`` via importlib.
+"""Family dispatch: ``config.model_type`` -> a registered ``hexforge.families.<module>``.
 
 One file per HF model_type; REMAP sends architecture twins to the file that already handles them
 (e.g. qwen2 = llama with q/k/v biases, which the reused HF Linear modules carry by themselves).
+Only the modules listed in DECODERS / ENCODERS are families: the others in this package (base,
+blocks, ortops, ...) are shared code, and a config naming one is refused like any unknown type.
 Family modules are build-time code (they import torch); the runtime never imports them.
 """
 
@@ -10,9 +12,17 @@ from __future__ import annotations
 import importlib
 import re
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from ..errors import UnsupportedModelError
 
+if TYPE_CHECKING:
+    from .base import EncoderFamily
+
+# decoder families define FAMILY (a base.DecoderFamily); encoder families, named by a media
+# sub-config's model_type (vision_config, audio_config), define ENCODER (a base.EncoderFamily)
+DECODERS = ("gemma3", "gemma4", "llama", "qwen3", "qwen3_5", "qwen3_vl")
+ENCODERS = ("gemma4_audio", "gemma4_vision", "qwen3_vl_vision")
 REMAP = {"qwen2": "llama", "mistral": "llama", "gemma4_text": "gemma4", "gemma3_text": "gemma3",
          "qwen3_5_text": "qwen3_5", "qwen3_vl_text": "qwen3_vl", "qwen3_5_vision": "qwen3_vl_vision"}
 
@@ -24,12 +34,31 @@ def family_name(model_type: str) -> str:
 
 
 def load_family(model_type: str) -> ModuleType:
+    """The decoder family module for a config's ``model_type`` (its ``FAMILY``), or a one-line
+    UnsupportedModelError."""
+    return _load(model_type, DECODERS, "model_type")
+
+
+def load_encoder(model_type: str, key: str = "vision_config") -> EncoderFamily:
+    """The encoder family of a media sub-config (``config[key].model_type``)."""
+    return _load(model_type, ENCODERS, f"{key}.model_type").ENCODER
+
+
+def _load(model_type: str, registry: tuple[str, ...], what: str) -> ModuleType:
     name = family_name(model_type)
-    try:
-        return importlib.import_module(f"hexforge.families.{name}")
-    except ModuleNotFoundError as e:
-        if e.name != f"hexforge.families.{name}":
-            raise
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported yet (no hexforge/families/{name}.py)"
-        ) from None
+    if name not in registry:
+        known = sorted({*registry, *(k for k, v in REMAP.items() if v in registry)})
+        raise UnsupportedModelError(f"{what} {model_type!r} is not supported yet (supported: "
+                                    f"{', '.join(known)})")
+    return importlib.import_module(f"hexforge.families.{name}")
+
+
+def encoder_families(config: dict) -> list[EncoderFamily]:
+    """The encoders a multimodal checkpoint carries: one per media sub-config (vision_config,
+    audio_config); a sub-config whose model_type is not a registered encoder is refused."""
+    out = []
+    for key in ("vision_config", "audio_config"):
+        sub = config.get(key)
+        if isinstance(sub, dict) and sub.get("model_type"):
+            out.append(load_encoder(sub["model_type"], key))
+    return out

@@ -17,20 +17,22 @@ A family module (``families/<model_type>.py``) provides::
       head_module(hf, args)   -> torch module with .io                                 [export]
       reference_layers(hf)    -> the HF decoder layers (hooked by the oracle for per-shard cosine)
 
-This module itself is torch-free; ``families/blocks.py`` holds the torch export building blocks.
+This module itself is torch-free; ``families/blocks.py`` holds the torch export building blocks,
+``graphio.py`` the export modules' input/output names, ``lowp.py`` the bf16 loading and fp32 upcast.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
-from ..manifest import EmbedSpec, HostRecipe, MaskGroup, RopeSpec, StateSpec, TensorSpec
+from ..manifest import EmbedSpec, HostRecipe, MaskGroup, RopeSpec, StateSpec
+from . import lowp
 
 
 @dataclass(frozen=True)
@@ -51,25 +53,6 @@ def from_config(cls, config: dict):
     """Build dataclass ``cls`` from an HF config dict: HF field names, unknown keys ignored."""
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in config.items() if k in names})
-
-
-@dataclass
-class GraphIO:
-    """Names + binds of an export module's inputs/outputs, in forward-argument order.
-
-    Attached to the export module (ExecuTorch-style export metadata); build turns it into the
-    manifest's TensorSpecs after export, reading shapes/dtypes from the example inputs.
-    """
-
-    inputs: list[tuple[str, str]] = field(default_factory=list)  # (onnx name, bind)
-    outputs: list[tuple[str, str]] = field(default_factory=list)
-
-    def specs(self, arrays: list[Any], which: str) -> list[TensorSpec]:
-        pairs = self.inputs if which == "inputs" else self.outputs
-        return [
-            TensorSpec(name=n, bind=b, shape=list(a.shape), dtype=str(a.dtype).replace("torch.", ""))
-            for (n, b), a in zip(pairs, arrays, strict=True)
-        ]
 
 
 @dataclass
@@ -150,14 +133,14 @@ class DecoderFamily:
         if any(isinstance(config.get(k), dict) for k in ("vision_config", "audio_config")):
             # the encoders too: the full image/audio-text-to-text model
             from transformers import AutoModelForImageTextToText as AutoModelForCausalLM
-        lowp = stored_lowp_dtype(ckpt_dir)  # bf16/fp16 checkpoints stay so; upcast on use
-        dtype = getattr(torch, lowp) if lowp else torch.float32
+        stored = lowp.stored_lowp_dtype(ckpt_dir)  # bf16/fp16 checkpoints stay so; upcast on use
+        dtype = getattr(torch, stored) if stored else torch.float32
         model = AutoModelForCausalLM.from_pretrained(
             str(ckpt_dir), dtype=dtype, use_safetensors=True, attn_implementation="eager"
         )
-        if lowp:
-            float32_buffers(model)
-        model._hexforge_lowp = bool(lowp)
+        if stored:
+            lowp.float32_buffers(model)
+        model._hexforge_lowp = bool(stored)
         return model.eval()
 
     # ---- fp32 on use (a bf16/fp16-loaded model; no-ops on an fp32 one) ----
@@ -165,24 +148,14 @@ class DecoderFamily:
         """Context: decoder layers [a, b), the small tensors outside them (norms, projections,
         encoder towers) and with ``head`` the lm_head in fp32 (the bf16/fp16 values upcast, which
         is exact), for building + exporting modules from them; the originals come back after."""
-        if not is_lowp(hf):
-            return _nullcontext()
-        params = _small_params(hf, self.reference_layers(hf))
-        if layers is not None:
-            for layer in self.reference_layers(hf)[layers[0]:layers[1]]:
-                params += list(layer.parameters())
-        if head and getattr(hf, "lm_head", None) is not None:
-            params += list(hf.lm_head.parameters())
-        return _Upcast(params)
+        return lowp.float32_parts(hf, self.reference_layers(hf), layers, head)
 
     def float32_forward(self, hf):
         """Context: HF forward passes compute exactly as an fp32 model holding the same values
         (the oracle, calibration): small tensors and the lm_head upcast for the duration, each
         decoder layer upcast by hooks only while it runs, large gather-only embedding tables
         (token embeddings, Gemma-4's per-layer tables) gather their rows and upcast only those."""
-        if not is_lowp(hf):
-            return _nullcontext()
-        return _Float32Forward(hf, self.reference_layers(hf))
+        return lowp.float32_forward(hf, self.reference_layers(hf))
 
     def text_model(self, hf):
         """The decoder stack: ``hf.model``, or its ``language_model`` in multimodal wrappers."""
@@ -308,255 +281,3 @@ class EncoderFamily:
 
     def reference(self, hf, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise NotImplementedError
-
-
-def encoder_families(config: dict) -> list[EncoderFamily]:
-    """The encoders a multimodal checkpoint carries: one per ``*_config`` sub-config whose
-    model_type has a family file (vision_config, audio_config)."""
-    from . import load_family
-
-    out = []
-    for key in ("vision_config", "audio_config"):
-        sub = config.get(key)
-        if isinstance(sub, dict) and sub.get("model_type"):
-            out.append(load_family(sub["model_type"]).ENCODER)
-    return out
-
-
-# ---- streaming weights: low-precision checkpoints stay low-precision, fp32 on use -------------------
-
-LOWP_ST = {"BF16": "bfloat16", "F16": "float16"}
-FLOAT_ST = {"BF16", "F16", "F32", "F64", "F8_E5M2", "F8_E4M3"}
-BIG_TABLE = 1 << 24  # embedding tables with more elements are gathered, never upcast whole
-
-
-def stored_lowp_dtype(ckpt_dir: Path) -> str | None:
-    """"bfloat16" / "float16" when every floating tensor of the checkpoint's safetensors is
-    stored so (real checkpoints: bf16), else None (fp32 or mixed: load in fp32 as before)."""
-    dtypes = set()
-    for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        dtypes |= {t["dtype"] for k, t in header.items() if k != "__metadata__"} & FLOAT_ST
-    return LOWP_ST[next(iter(dtypes))] if len(dtypes) == 1 and dtypes <= set(LOWP_ST) else None
-
-
-def is_lowp(hf) -> bool:
-    return bool(getattr(hf, "_hexforge_lowp", False))
-
-
-def float32_buffers(model) -> None:
-    """Every floating buffer of a low-precision-loaded model in fp32, as an fp32 load makes it:
-    loaded ones (Gemma-4's layer_scalar) upcast; computed ones (rope inv_freq, embed_scale), which
-    the init made in the low-precision default dtype, recomputed by the model's own
-    ``_init_weights`` in fp32 (its init functions skip tensors flagged ``_is_hf_initialized``)."""
-    import torch
-
-    with torch.no_grad():
-        for mod in model.modules():
-            computed = []
-            for name, buf in list(mod._buffers.items()):
-                if buf is None or not buf.is_floating_point() or buf.dtype == torch.float32:
-                    continue
-                if name in mod._non_persistent_buffers_set:
-                    mod._buffers[name] = torch.empty(buf.shape, dtype=torch.float32)
-                    computed.append(name)
-                else:
-                    mod._buffers[name] = buf.float()
-            if not computed:
-                continue
-            keep = [t for t in (*mod.parameters(recurse=False), *(
-                b for n, b in mod._buffers.items() if b is not None and n not in computed))]
-            saved = [getattr(t, "_is_hf_initialized", None) for t in keep]
-            for t in keep:
-                t._is_hf_initialized = True
-            try:
-                model._init_weights(mod)
-            finally:
-                for t, flag in zip(keep, saved, strict=True):
-                    if flag is None:
-                        del t._is_hf_initialized
-                    else:
-                        t._is_hf_initialized = flag
-
-
-def _layer_param_ids(layers) -> set[int]:
-    return {id(p) for layer in layers for p in layer.parameters()}
-
-
-def _big_tables(hf, layers) -> list:
-    """Embedding modules outside the decoder layers too large to upcast whole."""
-    from torch import nn
-
-    inside = {id(m) for layer in layers for m in layer.modules()}
-    return [m for m in hf.modules() if isinstance(m, nn.Embedding) and id(m) not in inside
-            and m.weight.numel() >= BIG_TABLE]
-
-
-def _small_params(hf, layers) -> list:
-    """Parameters outside the decoder layers, the large embedding tables and the lm_head."""
-    skip = _layer_param_ids(layers) | {id(m.weight) for m in _big_tables(hf, layers)}
-    head = getattr(hf, "lm_head", None)
-    if head is not None:
-        skip |= {id(p) for p in head.parameters()}
-    return [p for p in hf.parameters() if id(p) not in skip]
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _Upcast:
-    """Parameters set to fp32 copies of their low-precision values (tied ones once); on exit they
-    get their original tensors back (no rounding round trip, the fp32 copies are freed)."""
-
-    def __init__(self, params=()):
-        self.saved: dict[int, tuple] = {}
-        self.params = list(params)
-
-    def up(self, params) -> None:
-        import torch
-
-        for p in params:
-            if id(p) not in self.saved and p.is_floating_point() and p.dtype != torch.float32:
-                self.saved[id(p)] = (p, p.data)
-                p.data = p.data.float()
-
-    def down(self, params) -> None:
-        for p in params:
-            if id(p) in self.saved:
-                p.data = self.saved.pop(id(p))[1]
-
-    def __enter__(self):
-        self.up(self.params)
-        return self
-
-    def __exit__(self, *exc):
-        for p, data in self.saved.values():
-            p.data = data
-        self.saved.clear()
-        return False
-
-
-class _Float32Forward(_Upcast):
-    def __init__(self, hf, layers):
-        head = getattr(hf, "lm_head", None)
-        super().__init__(_small_params(hf, layers) + (list(head.parameters()) if head else []))
-        self.layers, self.tables, self.hooks = list(layers), _big_tables(hf, layers), []
-
-    def __enter__(self):
-        super().__enter__()
-        for layer in self.layers:
-            ps = list(layer.parameters())
-            self.hooks.append(layer.register_forward_pre_hook(lambda *_, ps=ps: self.up(ps)))
-            self.hooks.append(layer.register_forward_hook(lambda *_, ps=ps: self.down(ps)))
-        for table in self.tables:
-            if id(table.weight) not in self.saved:  # not tied to the (upcast) lm_head
-                table.forward = _gather_fp32(table)
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.hooks:
-            h.remove()
-        self.hooks.clear()
-        for table in self.tables:
-            table.__dict__.pop("forward", None)
-        return super().__exit__(*exc)
-
-
-def _gather_fp32(table):
-    """The table's own forward on an fp32 table of just the rows asked for (ids remapped): equal
-    to gathering from the whole table upcast, without making it."""
-    import torch
-
-    forward = type(table).forward
-
-    def gather(ids, *args, **kwargs):
-        uniq, inv = torch.unique(ids, return_inverse=True)
-        weight, pad = table._parameters["weight"], table.padding_idx
-        table._parameters["weight"] = torch.nn.Parameter(weight.detach()[uniq].float(),
-                                                         requires_grad=False)
-        table.padding_idx = None  # affects gradients only; its index means nothing in the subset
-        try:
-            return forward(table, inv.reshape(ids.shape), *args, **kwargs)
-        finally:
-            table._parameters["weight"], table.padding_idx = weight, pad
-
-    return gather
-
-
-def write_host_tensors(path: Path, tensors: dict,
-                       quantized: dict[str, tuple[int, int]] | None = None) -> None:
-    """safetensors with floating torch tensors in the precision they hold: bf16 and fp16 tables
-    as they are (BF16 / F16; the runtime upcasts the rows it gathers, which is exact), any other
-    as F32, converted a chunk of rows at a time (a table never exists whole twice in memory).
-    A bf16 checkpoint's tables were written as F32, twice its bytes: Gemma-4-E2B's per-layer
-    table 9.4 GB instead of 4.7, Qwen3.5-0.8B's embedding 1.02 GB instead of 0.51.
-    The tables named in ``quantized`` (name -> (bits, block)) are written as 8-bit rows + per-block
-    scales (runtime/host.py ``Int8Table``; its own block) or int4 rows + scales per ``block``
-    columns (``Int4Table``), a chunk at a time too. numpy arrays are written as they are."""
-    import torch
-
-    from ..runtime.host import INT4_SCALES, INT8_SCALES, int4_blocks, int8_blocks
-
-    def blocks_of(bits: int, block: int):  # rows [r, D] float32 -> (q, scales)
-        return lambda rows: (int8_blocks if bits == 8 else int4_blocks)(rows, block)
-
-    np_st = {np.dtype(k): v for k, v in (("float32", "F32"), ("float16", "F16"), ("float64", "F64"),
-             ("int64", "I64"), ("int32", "I32"), ("int16", "I16"), ("int8", "I8"),
-             ("uint8", "U8"), ("bool", "BOOL"))}
-    # torch dtype -> (safetensors dtype, bytes, the dtype whose bits are written)
-    kept = {torch.bfloat16: ("BF16", 2, torch.int16), torch.float16: ("F16", 2, torch.float16)}
-    items = []
-    for name, t in tensors.items():
-        if name in (quantized or {}):  # a 2-D table's rows and their scales, both made chunk by
-            # chunk below (each chunk is quantized twice, once per item: cheaper than holding either)
-            t = torch.as_tensor(t)
-            if t.dim() != 2:
-                raise ValueError(f"host table {name!r} is {t.dim()}-D; quantized tables are 2-D")
-            bits, block = quantized[name]
-            quant = blocks_of(bits, block)
-            q, sc = quant(np.zeros((1, t.shape[1]), np.float32))
-            st, suffix = np_st[q.dtype], INT8_SCALES if bits == 8 else INT4_SCALES
-            items.append((name, st, 1, [t.shape[0], q.shape[1]], ("rows", t, quant)))
-            items.append((name + suffix, "F32", 4, [t.shape[0], sc.shape[1]], ("scales", t, quant)))
-            continue
-        if isinstance(t, torch.Tensor):
-            if t.is_floating_point():
-                st, size, _ = kept.get(t.dtype, ("F32", 4, None))
-                items.append((name, st, size, list(t.shape), t))
-                continue
-            t = t.numpy()
-        t = np.ascontiguousarray(t)
-        items.append((name, np_st[t.dtype], t.dtype.itemsize, list(t.shape), t))
-    items.sort(key=lambda x: (-x[2], x[0]))  # wider dtypes first: every tensor stays aligned
-    header, off = {}, 0
-    for name, dt, size, shape, _ in items:
-        n = int(np.prod(shape, dtype=np.int64)) * size
-        header[name] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + n]}
-        off += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for *_, t in items:
-            if isinstance(t, np.ndarray):
-                f.write(memoryview(t.reshape(-1)).cast("B"))
-                continue
-            part, t, quant = t if isinstance(t, tuple) else (None, t, None)
-            flat = t.detach().reshape(t.shape[0], -1) if t.dim() > 1 else t.detach().reshape(1, -1)
-            rows = max(1, (64 << 20) // max(1, flat.shape[1] * 4))  # ~64 MB of fp32 at a time
-            for i in range(0, flat.shape[0], rows):
-                chunk = flat[i:i + rows].contiguous()
-                if part is not None:  # a quantized table's rows or scales
-                    chunk = quant(chunk.to(torch.float32).numpy())[part == "scales"]
-                else:
-                    chunk = (chunk.view(kept[t.dtype][2]) if t.dtype in kept
-                             else chunk.to(torch.float32)).numpy()
-                f.write(memoryview(np.ascontiguousarray(chunk).reshape(-1)).cast("B"))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import GraphIO
+from .graphio import GraphIO
 from .ortops import (
     CacheLengths,
     apply_rope,
@@ -40,7 +40,7 @@ NORM_PRESCALE: dict[int, float] = {}
 def calibrate_norm_scales(hf, input_ids: list[int], layers=()) -> float:
     """Run the HF decoder on calibration ids; record every RMSNorm's prescale (``record_norm_
     prescales``). The media towers' norms are not reached by a text forward: the build records
-    theirs on the encoders' own inputs (build/encoders.py ``calibrate_encoder_norms``).
+    theirs on the encoders' own inputs (forge/encoders.py ``calibrate_encoder_norms``).
     -> the residual stream's peak |x| (the outputs of ``layers``, HF's decoder layers)."""
     peak = [0.0]
 
@@ -96,12 +96,12 @@ def record_norm_prescales(root: nn.Module, run) -> dict[str, float]:
 
 def use_cpu_kernels(module: nn.Module) -> nn.Module:
     """Mark every RMSNorm and attention rope of ``module`` to export as one fused onnxruntime node
-    each; -> module. Measured on the tiny qwen3 decode graph: 7 nodes per norm (x*x, mean, add,
-    sqrt, div, 2 mul) that onnxruntime's own fusion does not match (it looks for Pow), 6 per
-    rope; the per-node cost (~2-4 us) is what separated the int4 decode from genai's.
+    each; -> module. Unfused, a norm is 7 nodes (x*x, mean, add, sqrt, div, 2 mul) that
+    onnxruntime's own fusion does not match (it looks for Pow) and a rope 6: their per-node cost
+    is what separated the int4 decode from genai's (docs/measurements.md).
 
     The graph-level fusions (residual Add + norm, int8/int4 q/k/v packed into one MatMulNBits)
-    are made on the exported ONNX: ``build/fuse.py``."""
+    are made on the exported ONNX: ``forge/fuse.py``."""
     for m in module.modules():
         if hasattr(m, "cpu_kernel"):  # RMSNorm, StaticAttention, qwen3_5.GatedDeltaNet
             m.cpu_kernel = True
@@ -216,8 +216,8 @@ ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh, "silu": torch.nn.functional.silu,
 
 class GeluTanh(nn.Module):
     """``gelu_tanh``; ``cpu_kernel`` (``use_cpu_kernels``): onnxruntime's FastGelu, one node for
-    seven — two a Gemma-4 layer (MLP, per-layer-input gate), each node ~5-10 us of dispatch and a
-    pass over the row on 2 cores."""
+    seven — two a Gemma-4 layer (MLP, per-layer-input gate), each node a dispatch and a pass over
+    the row."""
 
     def __init__(self):
         super().__init__()
@@ -251,9 +251,9 @@ class InPlaceCache(nn.Module):
     cache in place: the cpu target's prefill (AR-N) and decode (AR-1) graphs.
 
     Why: the static graph concatenates and attends over all C cache rows every step and masks
-    the rows not held yet — at Qwen3-0.6B, C = 1024 that is ~0.7 GB of traffic per token, 20 ms
-    of a 44 ms int4 token — while GroupQueryAttention reads only the rows held (2 ms at 100),
-    and a prefill chunk only its causal ones (TTFT(512) fp32 4.9 vs 5.8 s, unpacked weights).
+    the rows not held yet — at real context lengths most of a token's memory traffic — while
+    GroupQueryAttention reads only the rows held, and a prefill chunk only its causal ones
+    (docs/measurements.md).
     Its present K/V outputs alias the cache inputs (output bind ``alias:<input>``: the runtime
     binds both to the state buffer), so it writes the new rows in place and copies nothing::
 
@@ -540,11 +540,8 @@ class WithHead(nn.Module):
         hidden ─▶ shard ─▶ hidden_out ─▶ norm ─▶ lm_head ─▶ logits [1,1,V]   (one graph)
                     └────▶ state outputs (as the shard's)
 
-    Why: a separate head session is a second run per token, with its own thread pool to wake.
-    Measured on real-shape Qwen3-0.6B int4 (2 threads, raw IO-bound runs interleaved): shard +
-    head sessions 19.9 ms per token, the same graphs as one 18.8 ms; end to end, with the cache
-    rows no longer output (``InPlaceCache``), int4 decode 44.3 -> 49.6 tok/s and fp32 13.1 ->
-    14.8 in one interleaved bench/compare.py run. The head graph stays for prefill's last row
+    Why: a separate head session is a second run per token, with its own thread pool to wake
+    (docs/measurements.md). The head graph stays for prefill's last row
     (its weights shared with this graph's file: one copy on disk).
 
     outputs: the shard's (hidden_out kept: the oracle judges every shard's hidden) + logits."""

@@ -37,7 +37,8 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from ..manifest import EmbedSpec, ExtraEmbedSpec, HostRecipe, MaskGroup, RopeSpec, StateSpec
 from . import blocks, ortops
-from .base import Accepts, DecoderFamily, GraphIO
+from .base import Accepts, DecoderFamily
+from .graphio import GraphIO
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GROUP = {SLIDING: "sliding", FULL: "full"}
@@ -287,8 +288,7 @@ class Gemma4Shard(nn.Module):
 
     cpu=True, the cpu target's step: attention reads only the cache rows that hold a position.
     The static step (the HTP's) attends over every row and masks the rows not written yet, so
-    its cost follows --context, not the tokens held (10-layer E2B cut, int4-b128, 32-96 tokens
-    held: 43.1 tok/s at --context 4096 against 50.2 at 256; reading the rows held: 48.6-52)::
+    its cost follows --context, not the tokens held (docs/measurements.md)::
 
         full   cache ──past──▶ GroupQueryAttention(q, k_new, v_new, kv_seqlens, kv_total)
                ▲                     │ reads rows [0, total), writes the T new rows in place
@@ -306,11 +306,8 @@ class Gemma4Shard(nn.Module):
     the step is written); only sliding donors in earlier shards come with cur.L{d} rows.
     Outputs: new rows of the rings only, then present.L{i}.k/v per full layer (own or sharing)
     bound alias:past.L{cache}.k/v. Why: cut to the rows held, the full caches were sliced and
-    concatenated each step (E2B, 3 full caches of head 512, 3000 rows held: ~74 MB copied a
-    token), so at long context decode fell back to the static step's speed. Measured after a
-    3000-token prompt, pairs alternated by process: decode 1.08x the sliced step on the
-    10-layer cut (6 pairs; TTFT(3000) 0.95x), 1.05x on the full E2B (4 pairs; TTFT 0.99x);
-    after 32 tokens 1.02x and 0.99x.
+    concatenated each step (tens of MB copied a token at long context), so decode there fell
+    back to the static step's speed (docs/measurements.md).
     """
 
     def __init__(self, fam: Gemma4Family, hf, args: Args, layers: tuple[int, int], seq_len: int,

@@ -16,9 +16,8 @@ What the static graph does differently from HF (same numbers on the valid rows):
     bounded bias, (allowed - 1) · (2·cap + 30): logits are softcapped to [-cap, cap], so masked
     keys sit >= 30 below every allowed one (weight <= e^-30) and the softmax input stays within
     [-3·cap - 30, cap] — finite in fp16 and narrow enough for uint16 activation quantization.
-    HF fills masked logits with -1e9 (-inf in fp16). Measured on qnn-sim v81 fp16 (tiny model):
-    the HTP Softmax op itself gives the same cos 0.99998 with -1e9 / -3e4 / -1e3 fills, so the
-    bound is for quantization and fp16 hygiene, not a Softmax bug.
+    HF fills masked logits with -1e9 (-inf in fp16); the HTP Softmax handles every fill alike, so
+    the bound is for quantization and fp16 hygiene, not a Softmax bug (docs/measurements.md).
   * clamps whose bound is infinite or beyond fp16's range are left out (unbounded Clip is rejected
     by the HTP; such a bound cannot act on anything an fp16 graph holds); finite bounds of the
     clippable linears stay, as constants.
@@ -38,8 +37,9 @@ from torch import nn
 
 from ..errors import CheckpointError, UnsupportedModelError
 from ..manifest import EncoderSpec
-from .base import EncoderFamily, GraphIO, from_config
+from .base import EncoderFamily, from_config
 from .blocks import NORM_PRESCALE
+from .graphio import GraphIO
 
 FP16_MAX = 65504.0
 MASK_GAP = 30.0  # masked attention logits sit this far below the softcapped range

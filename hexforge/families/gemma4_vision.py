@@ -36,7 +36,8 @@ import numpy as np
 
 from ..errors import BuildError, UnsupportedModelError
 from ..manifest import EncoderSpec
-from .base import EncoderFamily, GraphIO, from_config
+from .base import EncoderFamily, from_config
+from .graphio import GraphIO
 
 HF_MAX_SOFT_TOKENS = 280  # Gemma4ImageProcessor's default budget
 MASK_VALUE = -1.0e4  # additive bias on padding keys: exp() of it is 0 in fp32 and fp16, bounded

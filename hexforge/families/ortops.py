@@ -11,8 +11,8 @@ has none of them), with their eager math, and the rope they share with the HTP g
     fast_gelu              com.microsoft FastGelu             gelu (tanh approximation)
 
 Not used: CausalConvWithState (GatedDeltaNet's short conv) and GatedRMSNorm (its per-head norm
-x SiLU(z)). On Qwen3.5-0.8B's decode step (2 Zen 5 cores) they took 64-90 and 37 us, 3x and ~8x
-the plain nodes that replace them (qwen3_5.GatedDeltaNet._forward_cpu).
+x SiLU(z)): they took 3x and ~8x the time of the plain nodes that replace them
+(qwen3_5.GatedDeltaNet._forward_cpu; docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -205,10 +205,8 @@ def gqa_rotary(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, rows: int,
         position_ids [[0 .. T-1]] ──────────────────────┴─▶ GroupQueryAttention(do_rotary=1)
 
     Why the first: the Concat writes 2 x C x R/2 floats a step (512 KB at Qwen3-0.6B, C = 1024),
-    with 8 more small nodes. Real-shape Qwen3-0.6B int8-b128 decode step, raw IO-bound runs on 2
-    threads, the 6 load orders of (this, the padded step, genai's graph) balanced: 22.52 ms vs
-    22.78 (0.989x) and genai's 22.63; end to end (bench/compare.py, both load orders) 1.006x
-    and 0.992x the padded bundle: within the noise, a small gain at best."""
+    with 8 more small nodes; nothing is made per step, as in genai's graph. The gain is within
+    the noise (docs/measurements.md): the form is kept for being the simpler step."""
     T, R = int(cos.shape[2]), int(cos.shape[-1])
     if R > head_dim or (R // 2) % 8:
         return ()
@@ -247,9 +245,8 @@ class CacheLengths:
 # ---- GatedDeltaNet (Qwen3.5) as four contrib ops ---------------------------------------------------
 # Written out, a linear layer's decode step is ~95 nodes (conv as K shifted multiply-adds, the key
 # heads expanded to the value heads, l2 norms, softplus gate, the delta-rule matmuls, the gated
-# norm); with these, 13. Measured on the real-shape Qwen3.5-0.8B int4 decode: fewer nodes alone was
-# within the run-to-run noise (45.98 vs 47.49 tok/s); with LinearAttention also writing the state
-# in place (``qwen3_5.Qwen35Family.cpu_step_module``) 51.58 vs 43.95 in one run.
+# norm); with these, 13, and LinearAttention writes the state in place
+# (``qwen3_5.Qwen35Family.cpu_step_module``), which is where the decode gains (docs/measurements.md).
 
 
 class _ContribOp(torch.autograd.Function):
@@ -314,7 +311,7 @@ def _fast_gelu_eager(attrs, x):
     return torch.nn.functional.gelu(x, approximate="tanh")
 
 
-# op -> for each output, the input whose dtype and shape it has (also build/fuse.py's shape
+# op -> for each output, the input whose dtype and shape it has (also forge/fuse.py's shape
 # inference for these ops, which onnxruntime's symbolic inference does not know)
 OUTPUT_LIKES = {"LinearAttentionGate": (0, 3), "LinearAttention": (2, 3), "FastGelu": (0,)}
 _EAGER = {"LinearAttentionGate": _gate_eager, "LinearAttention": _linear_attention_eager,

@@ -32,7 +32,8 @@ from torch import nn
 
 from ..manifest import EmbedSpec, HostRecipe, RopeSpec, StateSpec
 from . import blocks
-from .base import DecoderFamily, GraphIO
+from .base import DecoderFamily
+from .graphio import GraphIO
 from .ortops import (
     linear_attention,
     linear_attention_gate,
@@ -144,9 +145,8 @@ class Qwen35Family(DecoderFamily):
         """The cpu form (fused GatedDeltaNet decode ops, in-place KV caches), and in the decode
         graph each linear layer's states are written in place: LinearAttention's ssm state and
         the conv's fifo are outputs bound to their own inputs (``alias:past.L<i>.*``) instead of
-        being copied into the state buffers after the step. Copying the ssm states cost 1.1-1.3
-        ms of a 20.4 ms Qwen3.5-0.8B int4 token (18 x 1 MiB), the conv fifos 0.12-0.16 ms of a
-        18.9 ms one (18 x 72 KiB). In place is safe where every node reading the old state runs
+        being copied into the state buffers after the step, a copy that cost ~6 % of a token
+        (docs/measurements.md). In place is safe where every node reading the old state runs
         before the node writing the new one, in any order onnxruntime picks: LinearAttention
         reads and writes its state itself (same bits in place, measured over 50 steps), and the
         fifo's one reader, the Concat, is an input of the Slice that writes it (the tests check
@@ -285,13 +285,11 @@ class GatedDeltaNet(nn.Module):
                           v ─ LinearAttention(gated_delta) ─ RMSNorm x SiLU(z) ─ out_proj
 
         The conv as Concat / Mul / ReduceSum / SiLU / Slice and the gated norm as plain nodes,
-        not onnxruntime's CausalConvWithState and GatedRMSNorm (which genai's graph runs): on
-        Qwen3.5-0.8B they took 64-90 and 37 us a step, 3x and ~8x these nodes, and without them
-        the real-shape int4 decode graph ran 1.047x as fast (bare loop, 25 x 63 tokens, one
-        process).
+        not onnxruntime's CausalConvWithState and GatedRMSNorm (which genai's graph runs): those
+        took 3x and ~8x these nodes' time.
 
         Prefill chunks keep the matmul-only chunk form: onnxruntime's LinearAttention over T
-        tokens made TTFT(512) of Qwen3.5-0.8B int4 slower (2.46 vs 1.87 s)."""
+        tokens made the prefill slower (docs/measurements.md, both)."""
         kd = self.hk * self.dk
         ext = torch.cat((fifo, self.in_proj_qkv(x)), dim=1)  # [1, K, C]
         qkv = torch.nn.functional.silu((ext * self.conv_w).sum(1, keepdim=True))  # [1, 1, C]

@@ -25,7 +25,8 @@ import torch
 
 from ..manifest import EmbedSpec, HostRecipe, RopeSpec
 from . import blocks
-from .base import DenseArgs, GraphIO
+from .base import DenseArgs
+from .graphio import GraphIO
 from .qwen3 import Qwen3Family
 
 

@@ -34,7 +34,8 @@ from transformers.vision_utils import (
 
 from ..manifest import EncoderSpec
 from . import blocks
-from .base import EncoderFamily, GraphIO
+from .base import EncoderFamily
+from .graphio import GraphIO
 
 DEFAULT_SIZE = 512  # px per side, unless the learned position grid is natively smaller
 # a prompt marks an image with the pad token; the host expands it to

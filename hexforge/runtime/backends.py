@@ -21,6 +21,7 @@ from pathlib import Path
 from ..errors import BackendError, BundleError
 from ..manifest import GraphSpec, TargetSpec, confine
 from . import qnn
+from .bound import BoundSession
 
 BACKENDS = ("cpu", "qnn", "qnn-sim", "auto")
 
@@ -71,13 +72,9 @@ def configure_threads(so) -> None:
     """Every core for every cpu session, its pool spinning while a run lasts and stopping when it
     ends. A step runs shard -> shard -> head, each session with its own pool: a pool that spins
     on after its run (onnxruntime's default) steals the cores the next session needs, and one
-    that never spins (sleeping workers) pays a wake-up per op, ~100 ops per layer. Measured on 2
-    quiet cores, real-shape Qwen3-0.6B decode (issue 10, interleaved process runs), tok/s:
-    int4 - 1 thread no spin 33.4, 2 threads no spin 41-44, 2 threads spinning on after the run
-    25.1, 2 threads spinning within runs only 49.7-50.4 (onnxruntime's process-wide pool 49.8-53.2,
-    but once made it refuses every session that does not use it, the quantizer's included);
-    fp32 - 8.8 / 11.5-11.8 / - / 12-16. HEXFORGE_CPU_SPIN=0 turns spinning off (a loaded
-    machine, where a spinning thread takes a core another process needs)."""
+    that never spins (sleeping workers) pays a wake-up per op, ~100 ops per layer (the decode
+    speeds of each setting: docs/measurements.md). HEXFORGE_CPU_SPIN=0 turns spinning off (a
+    loaded machine, where a spinning thread takes a core another process needs)."""
     so.intra_op_num_threads = cpu_threads()
     so.inter_op_num_threads = 1
     spin = os.environ.get("HEXFORGE_CPU_SPIN", "1")
@@ -105,16 +102,10 @@ def prepack_prefill(weights: str, weight_bytes: int) -> bool:
     the prefill and the decode session of a shard each hold a packed copy of the same weights.
     Unpacked, the prefill reads the weight file itself (mapped: page cache, not process memory)
     and its MatMuls pack each weight again on every call.
-    - int8 / int4: always (MatMulNBits loses its int8 kernels unpacked: TTFT(512) 9.7 vs 2.9 s
-      at real-shape Qwen3-0.6B, for 0.26 GB).
+    - int8 / int4: always (MatMulNBits loses its int8 kernels unpacked: 3x the TTFT).
     - fp32: when the second copy is small next to the machine's RAM (at most 1/6 of it: Qwen3-0.6B's
-      2.4 GB on a 16 GB laptop, not Gemma-4-E2B's 9 GB, ~2 x 7 GB packed on a 24 GB machine).
-      Measured at Qwen3-0.6B (2 cores, in-place prefill, 512-token prompt): TTFT 4.0 vs 4.9 s,
-      anonymous memory 4.8 vs 2.6 GB (bench/runtime_memory.py).
-    HEXFORGE_CPU_PREPACK_PREFILL=1 or 0 overrides."""
-    env = os.environ.get("HEXFORGE_CPU_PREPACK_PREFILL", "")
-    if env in ("0", "1"):
-        return env == "1"
+      2.4 GB on a 16 GB laptop, not Gemma-4-E2B's 9 GB, ~2 x 7 GB packed on a 24 GB machine),
+      where the faster prefill is worth the memory (docs/measurements.md)."""
     if weights != "fp32":
         return True
     memory = physical_memory_bytes()
@@ -206,11 +197,7 @@ class Backend:
                 sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
             except Exception as e:  # ORT raises its own Fail/InvalidGraph types
                 raise BundleError(f"graph {graph.file} cannot be loaded by onnxruntime: {e}") from None
-            if os.environ.get("HEXFORGE_CPU_IOBINDING", "1") == "0":
-                return sess
-            from .bound import BoundSession  # IO binding: no per-call binding of the state
-
-            return BoundSession(sess, graph)
+            return BoundSession(sess, graph)  # IO binding: no per-call binding of the state
         return self._htp_session(bundle, target, graph, path)
 
     def _htp_session(self, bundle: Path, target: TargetSpec, graph: GraphSpec, path: Path):

@@ -8,19 +8,16 @@
              until this graph runs again. The engine consumes ``hidden`` and ``state:*`` within
              the step; the logits go to the caller, and ``Engine.decode``/``prefill`` copy them
              unless asked not to (``copy=False``: generate_step, the benchmarks), which saves a
-             600 KB copy a token at a 152k vocabulary (~85 us of a 13 ms Qwen3-0.6B int4 token:
-             a fresh buffer's page faults, not the copy). ``alias:<input>`` outputs (a cache the
+             fresh buffer's page faults a token. ``alias:<input>`` outputs (a cache the
              graph updates in place) are bound to the memory of that input whenever it is bound,
              and returned as that input's array.
     repeats  a call whose feeds are the very arrays of the call before (an AR-1 step: the state
              buffers, the kept per-step rows, the shard outputs) skips the binding loop: one
              tuple of names and ids, compared in C, instead of ~60 dict lookups.
 
-Measured (bench/loop_overhead.py --runs 31 --tokens 32, tiny qwen3, interleaved): 237 vs 266 us
-per decode token with the engine's AR-1 paths, which keep the per-step arrays (mask row, embed and
-rope rows) the same objects so that nothing is rebound (before them: 307.5 vs 311.2). Real-size
-steps are bound by weight traffic, where it changes nothing measurable.
-``HEXFORGE_CPU_IOBINDING=0`` turns it off (plain ``InferenceSession.run``) for A/B runs.
+It pays where the Python loop shows (small models), with the engine's AR-1 paths keeping the
+per-step arrays the same objects so that nothing is rebound; real-size steps are bound by weight
+traffic (docs/measurements.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Constrained decoding: JSON schema, JSON object, regex and Lark grammars, through llguidance.
 
-llguidance was picked by measurement (``bench/constrained.py``): the lowest per-token mask time of
+llguidance was picked by measurement (``bench/experiments/constrained.py``): the lowest per-token mask time of
 the candidates, every output valid, and it imports neither torch nor transformers (xgrammar does
 both at import time). It builds its token trie from the bundle's ``tokenizer.json`` directly.
 

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ContextOverflowError, RequestError
+from ..errors import BundleError, ContextOverflowError, RequestError
 from ..manifest import GraphSpec, Manifest, confine
 from .backends import Backend
-from .host import HostInputs, load_host_tensors, shared_table
+from .host import HostInputs
+from .hostfile import load_host_tensors, shared_table
 from .multimodal import MediaRows
 from .sampling import Sampler
 from .speculative import PromptLookup, StepCosts, check_speculation, speculative_steps
@@ -87,7 +88,7 @@ class Engine:
                           ("prefill", "decode") for i in g.inputs if i.bind.startswith("deepstack:")}
         self.media: MediaRows | None = None  # the current prompt's soft tokens (prefill only)
         self.rope_delta = 0  # M-RoPE: rope position = slot position + delta after the prompt
-        # resolved once, not per call (issue 10: the per-token Python cost on a tiny model):
+        # resolved once, not per call (the per-token Python cost shows on small models):
         # the graphs of a step, and per graph where each input comes from — a state buffer (it
         # lives as long as the engine) or a key of the step's inputs — and where each output goes
         plan = self.target.plan
@@ -113,12 +114,8 @@ class Engine:
         self.feeds_of = {g.name: [(i.name, *self._source(i.bind)) for i in g.inputs]
                          for g in self.target.graphs}
         self.outputs_of = {g.name: [step_key(o.bind) for o in g.outputs] for g in self.target.graphs}
-        # per graph: (output index, input name) of the caches it updates in place, where its
-        # session returns copies (plain session.run, HEXFORGE_CPU_IOBINDING=0) that the engine
-        # must write back; an IO-bound session writes the cache itself (nothing to do per token)
-        self.aliases_of: dict[str, list[tuple[int, str]]] = {}
         for name in list(self.sessions):
-            self._note_aliases(self.target.graph(name))
+            self._check_in_place(self.target.graph(name))
         # the state each step writes: {"new:<state>": state}, committed after every graph ran
         self.step_writes = {role: {step_key(o.bind): o.bind[6:] for g in graphs for o in g.outputs
                                    if o.bind.startswith("state:")}
@@ -132,16 +129,20 @@ class Engine:
         self._kept_rows: dict[str, np.ndarray] = {}
         self._ar1_inputs: dict[str, np.ndarray] | None = None  # see _decode_inputs
 
-    def _note_aliases(self, g: GraphSpec) -> None:
-        if not getattr(self.sessions[g.name], "writes_in_place", False):
-            self.aliases_of[g.name] = [(k, o.bind[6:]) for k, o in enumerate(g.outputs)
-                                       if o.bind.startswith("alias:")]
+    def _check_in_place(self, g: GraphSpec) -> None:
+        """A graph that updates a cache in place (``alias:<input>`` outputs) needs a session that
+        writes its outputs into that input's memory (the cpu backend's ``BoundSession``)."""
+        if (any(o.bind.startswith("alias:") for o in g.outputs)
+                and not getattr(self.sessions[g.name], "writes_in_place", False)):
+            raise BundleError(f"graph {g.name} updates its cache in place (alias: outputs), which "
+                              f"only the cpu backend runs; target {self.target.name} cannot run "
+                              f"on backend {self.backend.name}")
 
     def _load_verify_sessions(self) -> None:
         for g in self.step_graphs["verify"]:
             if g.name not in self.sessions:
                 self.sessions[g.name] = self.backend.session(self.bundle, self.target, g)
-                self._note_aliases(g)
+                self._check_in_place(g)
 
     @property
     def vocab_size(self) -> int:
@@ -169,8 +170,6 @@ class Engine:
         values = self.sessions[graph.name].run(None, feeds)
         for key, value in zip(self.outputs_of[graph.name], values, strict=True):
             inputs[key] = value
-        for k, name in self.aliases_of.get(graph.name, ()):  # a plain session.run's copies
-            feeds[name][...] = values[k]
         if self.observer:
             outputs = {s.bind: v for s, v in zip(graph.outputs, values, strict=True)}
             self.observer(graph, feeds, outputs, positions)
@@ -225,9 +224,8 @@ class Engine:
         """A decode step's inputs (T = 1, no media rows) written into the arrays the last one
         bound — the dict of the first AR-1 step, kept: the embed and rope rows in place, the cache
         lengths and mask rows as ``_step_inputs`` makes them. The same values by the same float ops
-        in fewer Python steps: on a tiny model the step's host inputs took 7.5 us of a 100 us
-        token (bench/loop_overhead.py). None where the general path must run: no AR-1 step yet,
-        media rows in the step, a rope position past the tables."""
+        in fewer Python steps, which show on small models. None where the general path must run:
+        no AR-1 step yet, media rows in the step, a rope position past the tables."""
         inputs, host, p = self._ar1_inputs, self.host, self.pos
         rope_pos = p + self.rope_delta
         if inputs is None or self.media is not None or not 0 <= rope_pos < host.max_positions:
@@ -327,7 +325,7 @@ class Engine:
 
     def head_logits(self, hidden: np.ndarray) -> np.ndarray:
         """The head graph on one hidden row [1, 1, H] -> logits [V] (a copy): the oracle runs
-        every row of a prefill chunk through it (build/quality.py)."""
+        every row of a prefill chunk through it (forge/quality.py)."""
         out = {"hidden": np.ascontiguousarray(hidden, dtype=self.hidden_dtype)}
         self._run(self.head, out, np.array([self.pos - 1]))
         return out["logits"][0, -1].copy()

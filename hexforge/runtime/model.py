@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -14,30 +13,11 @@ from .backends import Backend
 from .constrain import Grammars
 from .engine import Engine
 from .multimodal import prepare_media
+from .options import GenerationOptions, GenerationResult, pieces_of, result_of, takes_generation_options
 from .sampling import make_sampler
 from .session import ChatSession
 from .speculative import PromptLookup
 from .text import ChatTemplate, TextTokenizer
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    finish_reason: str  # "stop" (EOS / stop token / stop string) | "length" | "cancelled"
-    ttft_ms: float  # prompt in -> first token out (tokenize + prefill + first sample)
-    decode_tok_s: float  # tokens after the first / time after the first
-    total_ms: float
-    timings: dict = field(default_factory=dict)
-    # per generated token, when requested: {"token", "logprob", "top": [(token, logprob), ...]}
-    logprobs: list[dict] | None = None
-    # under prompt_lookup: drafted / accepted tokens, acceptance, verify_calls, decode_calls,
-    # tokens_per_verify (runtime/speculative.py SpeculationStats)
-    speculation: dict | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def pick_target(manifest: Manifest, backend: Backend, target: str | None = None) -> str:
@@ -134,14 +114,19 @@ class Model:
                                "use a plain completion prompt")
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
 
-    def chat(self, messages: list[dict], **kw) -> GenerationResult:
+    @takes_generation_options
+    def chat(self, messages: list[dict], options: GenerationOptions) -> GenerationResult:
         """Render ``messages`` with the checkpoint's chat template and generate the reply."""
-        text = self.apply_chat_template(messages)
-        return self.generate(self.tokenizer.encode(text, add_special_tokens=False), **kw)
+        return result_of(self._iterate(self._chat_ids(messages), options))
 
-    def stream_chat(self, messages: list[dict], **kw) -> Iterator[str]:
+    @takes_generation_options
+    def stream_chat(self, messages: list[dict], options: GenerationOptions) -> Iterator[str]:
+        """``chat``, streamed: the reply's text pieces as they are generated."""
+        return pieces_of(self._iterate(self._chat_ids(messages), options))
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
         text = self.apply_chat_template(messages)
-        return self.stream(self.tokenizer.encode(text, add_special_tokens=False), **kw)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def session(self, system: str | None = None) -> ChatSession:
         """A multi-turn chat that keeps the model state between turns (prefills only new text)."""
@@ -156,56 +141,44 @@ class Model:
             return list(prompt)
         raise RequestError("prompt must be a string or a list of token ids")
 
-    def _iterate(self, prompt, max_new_tokens=None, temperature=None, top_k=None, top_p=None,
-                 seed=None, ignore_eos=False, prefill_mode="chunked", min_p=0.0,
-                 repetition_penalty=1.0, penalty_window=0, stop=None, stop_token_ids=None,
-                 logprobs=None, should_stop=None, steps=None, response_format=None,
-                 constraint=None, images=None, audios=None, prompt_lookup=None
+    def _iterate(self, prompt, o: GenerationOptions, steps=None
                  ) -> Iterator[tuple[str, int | None, GenerationResult | None]]:
         """Yields (text piece, token id, None) per token, then ("", None, result) once.
 
-        stop: strings that end the output (cut before them); stop_token_ids: extra stop ids;
-        logprobs: None, or how many top alternatives to report per token (0 = the chosen only);
-        should_stop(): polled every token, True cancels (finish_reason "cancelled");
         steps: (ids, sampler, max_new, drafter) -> a (token, logits) generator, instead of a
-        fresh generate_step (chat sessions continue their state through it);
-        response_format: OpenAI-style {"type": "json_schema" | "json_object" | "regex" | "lark", ..}
-        or constraint: a ready processor with advance(token) and done (runtime/constrain.py);
-        images / audios: paths or bytes, spliced at the prompt's placeholders (or put first);
-        prompt_lookup: k > 0 drafts up to k tokens a step from the context (prompt + output so
-        far) and verifies them in one call (runtime/speculative.py): same tokens, same
-        distribution under sampling, fewer weight reads where the output copies its input."""
+        fresh generate_step (chat sessions continue their state through it)."""
         g = self.generation
-        max_new = g.max_new_tokens if max_new_tokens is None else max_new_tokens
+        max_new = g.max_new_tokens if o.max_new_tokens is None else o.max_new_tokens
         if not isinstance(max_new, int) or isinstance(max_new, bool):
             raise RequestError(f"max_new_tokens must be an integer, got {max_new!r}")
         t0 = time.perf_counter()
         ids = self.encode(prompt)
         media = None
-        if images or audios:
+        if o.images or o.audios:
             if steps is not None:  # its caller prefills: the media rows go to it
                 raise RequestError("steps= takes no images / audio: a chat session's turn takes "
                                    "them (session.send(text, images=[...]))")
-            ids, media = prepare_media(self.engine, self.manifest, ids, images, audios,
+            ids, media = prepare_media(self.engine, self.manifest, ids, o.images, o.audios,
                                        self._preprocessors)
         history = list(ids)  # the repetition penalty's window and the drafter read it live
-        drafter = PromptLookup(prompt_lookup, history) if prompt_lookup else None
-        if constraint is None and response_format is not None:
-            constraint = self.grammars.constraint(response_format)
-        sampler = make_sampler(g.temperature if temperature is None else temperature,
-                               g.top_k if top_k is None else top_k,
-                               g.top_p if top_p is None else top_p, seed, min_p,
-                               repetition_penalty, history, penalty_window, constraint)
-        stops = StopStrings(list([stop] if isinstance(stop, str) else stop or []))
-        eos = set() if ignore_eos else set(g.eos_token_ids)
-        eos |= set(stop_token_ids or [])
+        drafter = PromptLookup(o.prompt_lookup, history) if o.prompt_lookup else None
+        constraint = o.constraint
+        if constraint is None and o.response_format is not None:
+            constraint = self.grammars.constraint(o.response_format)
+        sampler = make_sampler(g.temperature if o.temperature is None else o.temperature,
+                               g.top_k if o.top_k is None else o.top_k,
+                               g.top_p if o.top_p is None else o.top_p, o.seed, o.min_p,
+                               o.repetition_penalty, history, o.penalty_window, constraint)
+        stops = StopStrings(list([o.stop] if isinstance(o.stop, str) else o.stop or []))
+        eos = set() if o.ignore_eos else set(g.eos_token_ids)
+        eos |= set(o.stop_token_ids or [])
         detok = self.tokenizer.detokenizer()
         tokens: list[int] = []
-        lps: list[dict] | None = [] if logprobs is not None else None
+        lps: list[dict] | None = [] if o.logprobs is not None else None
         finish, t_first = "length", None
         if steps is None:
             steps = lambda ids, sampler, n, drafter: self.engine.generate_step(  # noqa: E731
-                ids, sampler, n, prefill_mode, media=media, drafter=drafter)
+                ids, sampler, n, o.prefill_mode, media=media, drafter=drafter)
         for token, logits in steps(ids, sampler, max_new, drafter):
             if t_first is None:
                 t_first = time.perf_counter()
@@ -217,14 +190,14 @@ class Model:
             if constraint is not None:
                 constraint.advance(token)
             if lps is not None:
-                lps.append(token_logprobs(logits, token, logprobs))
+                lps.append(token_logprobs(logits, token, o.logprobs))
             piece = stops.add(detok.add(token))
             if piece:
                 yield piece, token, None
             if stops.hit or (constraint is not None and constraint.done):  # done: only EOS is left
                 finish = "stop"
                 break
-            if should_stop is not None and should_stop():
+            if o.should_stop is not None and o.should_stop():
                 finish = "cancelled"
                 break
         if not stops.hit:
@@ -244,16 +217,16 @@ class Model:
         )
         yield "", None, result
 
-    def generate(self, prompt: str | list[int], **kw) -> GenerationResult:
-        for _, _, result in self._iterate(prompt, **kw):
-            if result is not None:
-                return result
-        raise AssertionError("unreachable")
+    @takes_generation_options
+    def generate(self, prompt: str | list[int], options: GenerationOptions) -> GenerationResult:
+        """Generate from ``prompt`` (text, or token ids as they are) -> GenerationResult."""
+        return result_of(self._iterate(prompt, options))
 
-    def stream(self, prompt: str | list[int], **kw) -> Iterator[str]:
-        for piece, _, result in self._iterate(prompt, **kw):
-            if result is None:
-                yield piece
+    @takes_generation_options
+    def stream(self, prompt: str | list[int], options: GenerationOptions) -> Iterator[str]:
+        """``generate``, streamed: the output's text pieces as they are generated."""
+        return pieces_of(self._iterate(prompt, options))
+
 
 
 def token_logprobs(logits, token: int, top: int) -> dict:

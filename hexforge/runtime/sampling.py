@@ -19,9 +19,8 @@ Sampler = Callable[[np.ndarray], int]
 
 
 def greedy(logits: np.ndarray) -> int:
-    # numpy's argmax on the host, not an ArgMax node at the end of the head graph: over 151,936
-    # logits (Qwen3), caches flushed first as a decode run leaves them, onnxruntime's CPU ArgMax
-    # adds ~150 us to a run and numpy's takes ~50 us
+    # numpy's argmax on the host, not an ArgMax node at the end of the head graph: over a real
+    # vocabulary onnxruntime's CPU ArgMax took three times numpy's (docs/measurements.md)
     return int(np.argmax(logits))
 
 

@@ -10,14 +10,16 @@ with every item of the conversation.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ..errors import RequestError
 from .multimodal import Encoded, MediaRows, check_marks, encode_media, splice
+from .options import GenerationOptions, GenerationResult, pieces_of, result_of, takes_generation_options
 
 if TYPE_CHECKING:
-    from .model import GenerationResult, Model
+    from .model import Model
 
 MEDIA_KEYS = {"image": "images", "audio": "audios"}  # modality -> the message's key for its items
 
@@ -43,24 +45,22 @@ class ChatSession:
         self.cached, self._encoded = [], {}
         self.model.engine.reset()
 
-    def stream(self, content: str, images: list | None = None, audios: list | None = None,
-               **kw) -> Iterator[str]:
-        for piece, _, result in self._turn(content, images, audios, **kw):
-            if result is None:
-                yield piece
+    @takes_generation_options
+    def stream(self, content: str, options: GenerationOptions) -> Iterator[str]:
+        """``send``, streamed: the reply's text pieces as they are generated."""
+        return pieces_of(self._turn(content, options))
 
-    def send(self, content: str, images: list | None = None, audios: list | None = None,
-             **kw) -> GenerationResult:
-        """One user turn -> the reply. images / audios: this turn's media (paths, bytes, data
-        URLs), at the content's placeholders (``<|image|>``, ...) or put before its text."""
-        for _, _, result in self._turn(content, images, audios, **kw):
-            if result is not None:
-                return result
-        raise AssertionError("unreachable")
+    @takes_generation_options
+    def send(self, content: str, options: GenerationOptions) -> GenerationResult:
+        """One user turn -> the reply, the state kept for the next turn. images / audios: this
+        turn's media (paths, bytes, data URLs), at the content's placeholders (``<|image|>``, ...)
+        or put before its text."""
+        return result_of(self._turn(content, options))
 
-    def _turn(self, content: str, images: list | None, audios: list | None, **kw):
+    def _turn(self, content: str, options: GenerationOptions):
         m, eng = self.model, self.model.engine
-        user = self._user_message(content, images, audios)  # bad media fail here, state intact
+        # bad media fail here, the state intact
+        user = self._user_message(content, options.images, options.audios)
         msgs = [*self.messages, user]
         ids = m.tokenizer.encode(m.apply_chat_template(msgs), add_special_tokens=False)
         ids, media = self._splice(ids, msgs)
@@ -79,7 +79,9 @@ class ChatSession:
                 yielded.append(token)
                 yield token, logits
 
-        for item in m._iterate(ids, steps=steps, **kw):
+        # the media rows go to ``steps``: the turn's options hand none to the single-prompt path
+        text_only = dataclasses.replace(options, images=None, audios=None)
+        for item in m._iterate(ids, text_only, steps=steps):
             if item[2] is not None:  # before handing out the result: callers stop reading there
                 self.cached = ids + yielded[:-1]  # every yielded token but the last went in
                 self.resets = eng.resets

@@ -24,14 +24,13 @@ own sampler on each row (temperature, top-k/p, min-p, repetition penalty and gra
 seeing the tokens accepted before the row) and compares: every token is distributed as in plain
 decoding.
 
-A verify step is worth it only where its expected tokens beat what its time buys in decode
-steps: on a cpu an 8-row call costs more than a one-row call (measured ~1.5x on SmolLM2-135M),
-so drafts that keep missing (open-ended text, where a one-token match is a weak guess) would
-make decoding slower. The drafter keeps, per n-gram length, how many drafts a verify step
-accepted lately, the engine how long each kind of step takes (``StepCosts``), and a draft is
-sent only while 1 + accepted >= verify time / decode time (and every EXPLORE-th time anyway, to
-notice when the text turns to copying). On the HTP a k-row call costs about one weight read:
-the ratio is ~1 and every draft is sent.
+A verify step is worth it only where its expected tokens beat what its time buys in decode steps: on
+a cpu an 8-row call costs more than a one-row call (docs/measurements.md), so drafts that keep
+missing (open-ended text, where a one-token match is a weak guess) would make decoding slower. The
+drafter keeps, per n-gram length, how many drafts a verify step accepted lately, the engine how long
+each kind of step takes (``StepCosts``), and a draft is sent only while 1 + accepted >= verify time
+/ decode time (and every EXPLORE-th time anyway, to notice when the text turns to copying). On the
+HTP a k-row call costs about one weight read: the ratio is ~1 and every draft is sent.
 
 Rows are read one at a time and each token is handed out before the next row is looked at: the
 consumer's per-token work (history for the repetition penalty, the grammar's advance, stop strings,

@@ -10,8 +10,8 @@ and turns that into the additive attention mask of a step.
 
 Decode steps (T = 1) have their own cheap paths, same values as the general ones: the mask is one
 persistent row that each commit moves on by one or two elements (``decode_mask``), and a KV write is
-one row by basic indexing. Rebuilding the mask and fancy-indexed writes cost ~65 us of a ~300 us
-tiny-model token (bench/loop_overhead.py, issue 10).
+one row by basic indexing: rebuilding the mask and fancy-indexed writes were a fifth of a
+tiny-model token (docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -125,9 +125,8 @@ class State:
         only the rows held; the static steps' mask hides the others (the HTP recipes' bounded
         -100 too: the test on w8a16 gives a fresh engine's logits bit for bit), and their
         values, zero-initialised or stale, are finite. Zeroing them cost every request a pass
-        over all of them (8.3 ms at real-shape Qwen3-0.6B: 235 MB of fp32 cache at --context
-        1024) and the first one ~60 ms more, faulting in every page; left alone, a page of cache
-        is resident once a step writes a row in it."""
+        over all of them, and the first one a fault of every page; left alone, a page of cache
+        is resident once a step writes a row in it (docs/measurements.md)."""
         for name, b in self.buffers.items():
             if name not in self.kv:
                 b.fill(0)

@@ -1,0 +1,187 @@
+"""Export static-shape torch modules to ONNX, then give graphs that share weights one weight file.
+
+Prefill (AR-N) and decode (AR-1) graphs of a shard are exported separately from the same module
+weights; ``share_weights`` moves every initializer into one external-data file, de-duplicated by
+content, so the two graphs point at the same bytes on disk (half the bundle size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import BuildError
+from ..families.graphio import GraphIO
+from ..manifest import TensorSpec
+
+EXPORTERS = ("torchscript", "dynamo")
+MIN_EXTERNAL_BYTES = 1024  # smaller initializers stay inline
+ALIGN = 64
+
+
+def export_module(module, path: Path, exporter: str = "dynamo") -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Export ``module`` (with .io: GraphIO and .example_inputs()) to ``path``; -> (inputs, outputs)."""
+    import torch
+
+    io: GraphIO = module.io
+    args = module.example_inputs()
+    with torch.no_grad():
+        outs = module(*args)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    in_names = [n for n, _ in io.inputs]
+    out_names = [n for n, _ in io.outputs]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if exporter == "dynamo":
+                logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+                torch.onnx.export(module, args, str(path), input_names=in_names,
+                                  output_names=out_names, dynamo=True, opset_version=21,
+                                  external_data=False, verbose=False)
+            elif exporter == "torchscript":
+                torch.onnx.export(module, args, str(path), input_names=in_names,
+                                  output_names=out_names, dynamo=False, opset_version=18,
+                                  do_constant_folding=True)
+            else:
+                raise BuildError(f"unknown exporter {exporter!r}; choose from {EXPORTERS}")
+    except BuildError:
+        raise
+    except Exception as e:
+        raise BuildError(f"ONNX export of {path.name} failed: {type(e).__name__}: {e}") from e
+    _check_io(path, in_names, out_names)
+    gather_side_files(path)
+    fold_initializer_identities(path)
+    return io.specs(list(args), "inputs"), io.specs(list(outs), "outputs")
+
+
+def gather_side_files(path: Path) -> int:
+    """A graph over protobuf's 2 GB leaves the exporter's weights as one file per tensor beside
+    it (names like ``onnx__MatMul_5298``, which the next export may reuse for another tensor), the
+    values of large Constant nodes too (``_shard_shard_layers.3_mixer_Constant_18_attr__value``):
+    move the weights into ``<graph>.data`` at once, which ``share_weights`` then takes in, and the
+    Constants' values into the graph. -> files."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo
+
+    m = onnx.load(str(path), load_external_data=False)
+    side = {ExternalDataInfo(t).location for t in _tensors(m.graph)
+            if t.data_location == onnx.TensorProto.EXTERNAL}
+    side.discard(path.name + ".data")
+    if not side:
+        return 0
+    m = onnx.load(str(path))  # every tensor's data, attribute values included, now inline
+    (path.parent / (path.name + ".data")).unlink(missing_ok=True)  # onnx appends to a file
+    # initializers only: attribute values stay in the graph (onnx's convert_attribute=False)
+    onnx.save(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=path.name + ".data", size_threshold=MIN_EXTERNAL_BYTES)
+    for loc in side:
+        (path.parent / loc).unlink(missing_ok=True)
+    return len(side)
+
+
+def _tensors(graph):
+    """The graph's initializers and its nodes' tensor attribute values (our graphs have no
+    subgraphs)."""
+    from onnx import AttributeProto
+
+    yield from graph.initializer
+    for node in graph.node:
+        for a in node.attribute:
+            if a.type == AttributeProto.TENSOR:
+                yield a.t
+            elif a.type == AttributeProto.TENSORS:
+                yield from a.tensors
+
+
+def fold_initializer_identities(path: Path) -> int:
+    """Rewire consumers of ``Identity(initializer)`` to the initializer itself; -> nodes removed.
+
+    The exporter dedupes equal constants (e.g. the chunked delta rule's triangles, one per layer)
+    into one initializer plus an Identity per extra user. Once quantized, that is a weight
+    DequantizeLinear feeding an Identity, which the QNN EP does not claim."""
+    import onnx
+
+    m = onnx.load(str(path), load_external_data=False)
+    inits = {t.name for t in m.graph.initializer}
+    outputs = {o.name for o in m.graph.output}
+    alias = {n.output[0]: n.input[0] for n in m.graph.node
+             if n.op_type == "Identity" and n.input[0] in inits and n.output[0] not in outputs}
+    if not alias:
+        return 0
+    keep = [n for n in m.graph.node if not (n.op_type == "Identity" and n.output[0] in alias)]
+    for n in keep:
+        n.input[:] = [alias.get(x, x) for x in n.input]
+    del m.graph.node[:]
+    m.graph.node.extend(keep)
+    onnx.save(m, str(path))
+    return len(alias)
+
+
+def _check_io(path: Path, in_names: list[str], out_names: list[str]) -> None:
+    import onnx
+
+    m = onnx.load(str(path), load_external_data=False)
+    got_in = [i.name for i in m.graph.input]
+    got_out = [o.name for o in m.graph.output]
+    if got_in != in_names or got_out != out_names:
+        raise BuildError(f"{path.name}: exported I/O {got_in} -> {got_out} differs from the module "
+                         f"contract {in_names} -> {out_names} (an unused input was dropped?)")
+
+
+def share_weights(graph_files: list[Path], weights_name: str,
+                  transform: Callable[[object], object] | None = None) -> int:
+    """Move initializers of ``graph_files`` into one de-duplicated external file next to them;
+    ``transform`` (e.g. ``fuse.fuse_cpu_graph``) edits each loaded model first, weights in hand.
+
+    Returns the bytes written. All graph files must be in the same directory.
+    """
+    import onnx
+
+    folder = graph_files[0].parent
+    wpath = folder / weights_name
+    offsets: dict[str, tuple[int, int]] = {}
+    with open(wpath, "wb") as f:
+        for gf in graph_files:
+            model = onnx.load(str(gf))  # loads any external data the exporter wrote
+            if transform is not None:
+                transform(model)
+            for t in model.graph.initializer:
+                _move_out(t, f, weights_name, offsets)
+            for stale in folder.glob(gf.name + ".data"):  # exporter side files, now merged
+                stale.unlink()
+            onnx.save(model, str(gf))
+            # protobuf frees a message's bytes with the message, not as fields are cleared: the
+            # next graph loads only once this one is gone (E2B cpu, last shard + head: both
+            # graphs' weights were alive at once)
+            del model
+        return f.tell()
+
+
+def _move_out(t, f, location: str, offsets: dict[str, tuple[int, int]]) -> None:
+    """Initializer ``t``'s bytes to ``f`` (unless equal bytes are there already) and ``t`` made to
+    read them from there; small ones stay inline."""
+    import onnx
+    from onnx import numpy_helper
+
+    raw = t.raw_data or numpy_helper.to_array(t).tobytes()
+    if len(raw) < MIN_EXTERNAL_BYTES:
+        return
+    key = hashlib.sha1(raw).hexdigest() + f":{t.data_type}"
+    if key not in offsets:
+        f.write(b"\0" * ((-f.tell()) % ALIGN))
+        offsets[key] = (f.tell(), len(raw))
+        f.write(raw)
+    del raw
+    # onnx's set_external_data, without its demand that raw_data be set: a second copy of
+    # every weight in the message
+    for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data"):
+        t.ClearField(field)
+    del t.external_data[:]
+    offset, length = offsets[key]
+    for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = k, v
+    t.data_location = onnx.TensorProto.EXTERNAL

@@ -1,0 +1,122 @@
+"""Float graphs for a shard plan: prefill AR-N + decode AR-1 per shard (one weight file) + head.
+
+Used by every target: the cpu target ships them; HTP targets calibrate on them, then quantize and
+compile them. The cpu target also ships an AR-k verify graph per shard (speculative decoding,
+runtime/speculative.py) on the same weight file: on cpu a k-row call costs little more than one
+row while the AR-N prefill graph costs N rows' compute (bench/speculative.py measures both).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..errors import BuildError
+from ..manifest import GraphSpec, RunPlan, ShardPlan
+from ..targets import Target
+from .checkpoint import release_mapped_pages
+from .export import export_module, share_weights
+from .fuse import fuse_cpu_graph
+from .htp.recipes import get_recipe
+from .plan import plan_shards
+from .progress import stage
+
+
+def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
+                  rel_folder: str, log, cpu: bool = False, fp16_residual_scale: float | None = None
+                  ) -> tuple[list[GraphSpec], RunPlan]:
+    """Export prefill + decode per shard and the head as float ONNX into root/rel_folder.
+    cpu: the cpu target's own graphs — fused onnxruntime nodes (``fuse``), prefill and decode
+    graphs that update the cache in place (``fam.cpu_step_module``), the last decode graph with
+    the head inside (``blocks.WithHead``) — not the static form the HTP targets calibrate and
+    compile.
+
+        HTP:  s0.prefill s0.decode -> s0.weights ...  head -> head.weights
+        cpu:  s0.prefill s0.decode -> s0.weights ...  sK.prefill sK.decode+head head -> sK.weights
+    """
+    from ..families.blocks import WithHead, use_cpu_kernels, use_fp16_form
+
+    fuse = fuse_cpu_graph if cpu else None
+    folder = root / rel_folder
+    folder.mkdir(parents=True)
+    graphs: list[GraphSpec] = []
+    plan: list[ShardPlan] = []
+
+    def export(name: str, role: str, module, layers=None) -> GraphSpec:
+        if fp16_residual_scale is not None:
+            module = use_fp16_form(module, fp16_residual_scale)
+        path = folder / f"{name}.onnx"
+        t = time.perf_counter()
+        ins, outs = export_module(module, path, opts.exporter)
+        log(f"  exported {rel_folder}/{name} ({time.perf_counter() - t:.1f}s)")
+        advance()
+        return GraphSpec(name=name, role=role, file=f"{rel_folder}/{name}.onnx",
+                         seq_len=ins[0].shape[1], layers=layers, inputs=ins, outputs=outs)
+
+    per_shard = 2 + (1 if cpu and opts.verify_len else 0)  # prefill, decode (, verify)
+    with stage(f"export {'cpu' if cpu else rel_folder}", len(shards) * per_shard + 1) as advance:
+        last = len(shards) - 1
+        for s, (a, b) in enumerate(shards):
+            # a bf16 model: only this shard's layers (and the head it runs) in fp32
+            with fam.float32(hf, layers=(a, b), head=cpu and s == last):
+                step = fam.cpu_step_module if cpu else fam.decoder_module
+                pre = export(f"s{s}.prefill", "prefill",
+                             step(hf, args, (a, b), opts.prefill_len, opts.context), (a, b))
+                decode = step(hf, args, (a, b), 1, opts.context)
+                if cpu and s == last:
+                    decode = WithHead(decode, use_cpu_kernels(fam.head_module(hf, args)))
+                dec = export(f"s{s}.decode", "decode", decode, (a, b))
+                ver = None
+                if cpu and opts.verify_len:
+                    verify = step(hf, args, (a, b), opts.verify_len, opts.context)
+                    if s == last:  # every row's logits: each checks the draft after it
+                        verify = WithHead(verify, use_cpu_kernels(fam.head_module(hf, args)))
+                    ver = export(f"s{s}.verify", "verify", verify, (a, b))
+            graphs += [g for g in (pre, dec, ver) if g is not None]
+            plan.append(ShardPlan(layers=(a, b), prefill=pre.name, decode=dec.name,
+                                  verify=ver and ver.name))
+            if s < last or not cpu:
+                share_weights([folder / f"{n}.onnx" for n in plan[-1].names()], f"s{s}.weights",
+                              fuse)
+            release_mapped_pages(hf.name_or_path)  # the checkpoint pages this shard was read from
+        with fam.float32(hf, head=True):
+            head_module = fam.head_module(hf, args)
+            head = export("head", "head", use_cpu_kernels(head_module) if cpu else head_module)
+        graphs.append(head)
+        release_mapped_pages(hf.name_or_path)
+    run_plan = RunPlan(prefill_len=opts.prefill_len, shards=plan, head=head.name,
+                       verify_len=opts.verify_len if cpu and opts.verify_len else None)
+    group = weight_groups(run_plan, cpu)[-1]
+    share_weights([folder / f"{n}.onnx" for n in group], weights_file(group), fuse)
+    for g in graphs:
+        g.bytes = (root / g.file).stat().st_size
+    return graphs, run_plan
+
+
+def weight_groups(plan: RunPlan, cpu: bool) -> list[list[str]]:
+    """The graphs that share one weight file: each shard's prefill + decode (+ verify), and the
+    head — on its own for HTP targets, with the last shard on cpu (whose decode graph runs it)."""
+    groups = [s.names() for s in plan.shards]
+    if cpu:
+        groups[-1].append(plan.head)
+    else:
+        groups.append([plan.head])
+    return groups
+
+
+def weights_file(group: list[str]) -> str:
+    """s3.prefill -> s3.weights, head -> head.weights."""
+    return group[0].split(".")[0] + ".weights"
+
+
+def plan_target(fam, hf, target: Target, opts, log) -> list[tuple[int, int]]:
+    bpw = 4.0 if not target.is_htp else get_recipe(opts.quant).bytes_per_weight
+    limit = opts.max_shard_bytes
+    ceiling = (limit.get(target.name) if isinstance(limit, dict) else limit) or target.max_context_bytes
+    shards = plan_shards(fam.layer_weight_bytes(hf, bpw), ceiling)
+    head = fam.head_weight_bytes(hf, bpw)
+    if head > ceiling:
+        raise BuildError(f"the head holds {head:,} weight bytes > the per-graph ceiling {ceiling:,}")
+    log(f"[{target.name}] {len(shards)} shard(s) under {ceiling:,} B: "
+        + " ".join(f"[{a},{b})" for a, b in shards))
+    return shards

@@ -1,0 +1,344 @@
+"""HTP targets: float graphs ─calibrate─▶ QDQ (w8a16 / w4a16) or fp16 ─compile per arch─▶ binaries.
+
+    plan (per target ceiling, recipe bytes/weight)
+      └─ float graphs in _work/ (same export modules as cpu)
+           └─ calibration: the float graphs run on the CPU EP over CALIB_TEXT (prefill chunks +
+              greedy decode steps) with the target's bounded mask; every graph's feeds recorded
+                └─ QDQ per graph (qdq.py), arch-independent: made once, shared by v79/v81/..
+                     └─ compile per arch -> <target>/<graph>.ctx.onnx + .ctx_qnn.bin
+
+The calibration text is not the oracle's text, so the oracle's numbers are calibration-independent.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ...manifest import GraphSpec, Manifest, RunPlan, TargetSpec, confine
+from ...runtime import qnn
+from ...runtime.backends import Backend
+from ...runtime.engine import Engine
+from ...runtime.text import TextTokenizer
+from ...targets import Target
+from ..calib import calibration_text
+from ..checkpoint import release_mapped_pages
+from ..graphs import export_float, plan_target
+from ..progress import stage
+from .calibstats import GraphStats, HessianStore
+from .compile import compile_graph, compile_shared
+from .qdq import quantize_graph
+from .recipes import QuantRecipe, get_recipe
+
+CALIB_DECODE_STEPS = 64  # decode samples (teacher-forced text tokens through the AR-1 graph)
+KEEP_FEED_BYTES = 1 << 20  # a graph's calls this small are kept from an earlier graph's replay
+KEEP_TOTAL_BYTES = 256 << 20
+
+
+@dataclass
+class Calibration:
+    """Per graph: ORT's calibration cache (activation ranges), the ``past.*`` inputs' and every
+    output's absmax; GPTQ Hessians pooled over the graphs that share a weight (on disk)."""
+    ranges: dict[str, Path]
+    past_absmax: dict[str, dict[str, float]]
+    absmax: dict[str, dict[str, float]]
+    hessians: HessianStore
+
+
+def calibrate(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: RunPlan,
+              recipe: QuantRecipe, text: str, hf=None, work: Path | None = None,
+              log=None) -> Calibration:
+    """Run the float graphs on the CPU EP over the calibration text, streaming each call's feeds
+    into its graph's statistics (``GraphStats``) as it happens: nothing stores the feeds, whose
+    decode steps each hold the whole KV cache (real-size Qwen3-0.6B: 235 MB a step at context
+    1024). The text is replayed once per graph, so only that graph's calibration sessions are
+    alive next to the float engine's (real-size graphs hold GBs of fp32 weights each)."""
+    encoders = [g for g in manifest.targets["cpu"].graphs if g.role in ("vision", "audio")]
+    spec = TargetSpec(name="_calib", graphs=graphs + encoders, plan=plan,
+                      mask_value=recipe.mask_value)
+    m = manifest.model_copy(deep=True)
+    m.targets = {"_calib": spec}
+    backend = _calibration_backend()
+    engine = Engine(root, m, "_calib", backend)
+    maps = getattr(backend, "_maps", None)  # its weight memmaps, shared with GraphStats
+    work = work or root / "_work" / "calib"
+    tok = TextTokenizer(confine(root, manifest.tokenizer.dir))
+    ids = tok.encode(text)[: manifest.context - 1]
+    # prefill graphs: the text in AR-N chunks; decode graphs + head: the text again, one token per
+    # step (teacher-forced, so every token of the text is seen — greedy tokens of a model loop)
+    prompts = [(ids, None)]
+    if hf is not None:
+        # soft tokens (and deepstack rows) have their own ranges: text alone would calibrate
+        # the deepstack inputs on zeros and clip them (Qwen3-VL image logits cos 0.93 -> 0.999)
+        prompts += _media_prompts(engine, m, ids, hf)
+    out = Calibration({}, {}, {}, HessianStore(work / "hessians"))
+    # (prompt, phase) runs each graph is called in: chunked -> prefill graphs and the head,
+    # one token a step -> decode graphs and the head
+    runs = {g.name: [(i, ph) for i in range(len(prompts)) for ph in ("chunked", "decode")
+                     if (ph, g.role) not in (("chunked", "decode"), ("decode", "prefill"))]
+            for g in graphs}
+    kept: dict[str, dict[tuple, list]] = {g.name: {} for g in graphs}  # small feeds seen early
+    kept_bytes = 0
+    with stage("calibrate", len(graphs)) as advance:
+        for gi, g in enumerate(graphs):
+            t = time.perf_counter()
+            stats = GraphStats(root / g.file, work, hessians=recipe.gptq and g.role != "head",
+                               maps=maps)
+            seen = out.absmax[g.name] = {}
+            later = {h.name for h in graphs[gi + 1:]}
+            now: list = []  # the (prompt, phase) run in progress, the graphs keeping its calls
+
+            def record(graph: GraphSpec, f: dict, outputs: dict, _pos, g=g, stats=stats, seen=seen,
+                       now=now):
+                nonlocal kept_bytes
+                if graph.name == g.name:
+                    stats.add(f)
+                    for o in graph.outputs:
+                        seen[o.name] = max(seen.get(o.name, 0.0), float(np.abs(outputs[o.bind]).max()))
+                    return
+                if not now or graph.name not in now[1]:
+                    return
+                run = now[0]
+                # a later graph with small feeds (the head: one hidden row a call) keeps them now, so
+                # its own turn needs no replay of the whole model for this run
+                calls = kept[graph.name].setdefault(run, [])
+                if calls is None:
+                    return
+                size = sum(v.nbytes for v in f.values())
+                if size > KEEP_FEED_BYTES or kept_bytes + size > KEEP_TOTAL_BYTES:
+                    kept_bytes -= sum(v.nbytes for c, _ in calls for v in c.values())
+                    kept[graph.name][run] = None  # too big: that graph replays this run itself
+                    return
+                absmax = {o.name: float(np.abs(outputs[o.bind]).max()) for o in graph.outputs}
+                calls.append(({k: np.array(v) for k, v in f.items()}, absmax))
+                kept_bytes += size
+
+            engine.observer = record
+            try:
+                for run in runs[g.name]:
+                    calls = kept[g.name].pop(run, None)
+                    if calls is not None:  # kept from an earlier replay
+                        for f, absmax in calls:
+                            stats.add(f)
+                            kept_bytes -= sum(v.nbytes for v in f.values())
+                            for name, v in absmax.items():
+                                seen[name] = max(seen.get(name, 0.0), v)
+                        continue
+                    prompt, rows = prompts[run[0]]
+                    # the later graphs this run calls that no earlier replay already kept it for
+                    now[:] = [run, {h for h in later if run in runs[h] and run not in kept[h]}]
+                    engine.reset()
+                    if run[1] == "chunked":
+                        engine.prefill(prompt, media=rows)
+                    else:
+                        engine.prefill(prompt[:CALIB_DECODE_STEPS], mode="decode", media=rows)
+                    now.clear()
+                out.ranges[g.name] = stats.save_ranges(work / f"{g.name}.ranges.json")
+                out.past_absmax[g.name] = dict(stats.past_absmax)
+                out.hessians.add(stats.hessian_groups())
+                calls = stats.calls
+            finally:
+                engine.observer = None
+                stats.close()
+                # the replay read every weight file (and checkpoint pages, for media prompts)
+                release_mapped_pages(root, *([hf.name_or_path] if hf is not None else []))
+            if log:
+                log(f"  calibrated {g.name}: {calls} calls ({time.perf_counter() - t:.1f}s)")
+            advance()
+    return out
+
+
+def _calibration_backend() -> Backend:
+    """The oracle's cpu backend (each weight file mapped once, shared by prefill + decode, no
+    prepacked copies) where this build has it; the runtime's otherwise."""
+    try:
+        from ..verify import OracleCpuBackend
+    except ImportError:
+        return Backend("cpu")
+    return OracleCpuBackend()
+
+
+def _media_prompts(engine: Engine, manifest: Manifest, ids: list[int], hf):
+    """One prompt per encoder: its example item (the family's synthetic image / clip) first,
+    then calibration text; -> [(expanded ids, MediaRows)]."""
+    from ...families import encoder_families
+    from ...runtime.multimodal import encode_items, splice
+    from ..encoders import example_feeds
+
+    out = []
+    for enc, spec in zip(encoder_families(manifest.hf_config), manifest.encoders, strict=True):
+        feeds = example_feeds(enc, spec)
+        n = enc.reference(hf, feeds)["soft"].shape[0]  # the item's valid soft tokens
+        encoded = {spec.placeholder_id: encode_items(engine, spec, [feeds], [n])}
+        text = ids[: max(1, manifest.context - n - 2)]
+        out.append(splice(manifest, [spec.placeholder_id, *text], encoded))
+    return out
+
+
+def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, manifest: Manifest,
+                      residual_peak: float, log
+                      ) -> tuple[dict[str, TargetSpec], dict[str, dict[str, str]]]:
+    """-> (target specs, per target: graph name -> the QDQ graph it was compiled from, under
+    ``root/_work``: the oracle runs those on the CPU EP when a target fails its gate).
+    ``residual_peak``: the calibrated peak |x| of the residual stream; graphs with fp16
+    activations carry it scaled into fp16's range where the family can (``fp16_scale``)."""
+    recipe = get_recipe(opts.quant)
+    scale = fp16_scale(fam, residual_peak, log) if recipe.activations is None else None
+    sdk = qnn.sdk_version()
+    prepared: dict[tuple, tuple[list[GraphSpec], RunPlan, Path]] = {}
+    specs: dict[str, TargetSpec] = {}
+    qdq: dict[str, dict[str, str]] = {}
+    for target in targets:
+        shards = plan_target(fam, hf, target, opts, log)
+        key = tuple(shards)
+        if key not in prepared:  # float export + calibration + QDQ are arch-independent
+            rel = f"_work/{recipe.name}-{len(prepared)}"
+            graphs, plan = export_float(fam, hf, args, shards, opts, root, rel, log,
+                                        fp16_residual_scale=scale)
+            srcs = root / rel
+            if recipe.weight_only:
+                t = time.perf_counter()
+                weight_only(plan, srcs, recipe, args.vocab_size)
+                log(f"[{target.name}] weights {recipe.name}: MatMulNBits int{recipe.weight_bits}, "
+                    f"blocks of {recipe.block_size}, fp16 activations "
+                    f"({time.perf_counter() - t:.1f}s)")
+            if recipe.activations:
+                t = time.perf_counter()
+                text = calibration_text(opts.calib)
+                cal = calibrate(root, manifest, graphs, plan, recipe, text, hf,
+                                work=srcs / "calib", log=log)
+                gc.collect()  # the float engine's sessions and weight maps, before quantizing
+                what = f"quantize {recipe.name}" + (" (GPTQ)" if recipe.gptq else "")
+                with stage(what, len(graphs)) as advance:
+                    for g in graphs:
+                        tq = time.perf_counter()
+                        quantize_graph(root / g.file, srcs / f"{g.name}.qdq.onnx",
+                                       cal.ranges[g.name], cal.past_absmax[g.name],
+                                       cal.absmax[g.name], recipe, g.role, cal.hessians)
+                        log(f"  quantized {g.name} ({time.perf_counter() - tq:.1f}s)")
+                        advance()
+                rtn, kept = cal.hessians.gptq_kept
+                if rtn + kept:
+                    log(f"  GPTQ kept for {kept} of {rtn + kept} weights (the others lost to round "
+                        "to nearest on held-out calibration rows)")
+                shutil.rmtree(srcs / "calib", ignore_errors=True)
+                log(f"[{target.name}] calibrated + quantized {recipe.name} "
+                    f"({time.perf_counter() - t:.1f}s)")
+            prepared[key] = (graphs, plan, srcs)
+        graphs, plan, srcs = prepared[key]
+        suffix = compiled_suffix(recipe)
+        if recipe.weight_bits:  # the quantized graphs, judged on the CPU EP if the HTP fails
+            qdq[target.name] = {g.name: (srcs / f"{g.name}{suffix}").relative_to(root).as_posix()
+                                for g in graphs}
+        soc = target.default_soc
+        folder = root / target.name
+        folder.mkdir()
+        compiled = []
+        with stage(f"compile {target.name}", len(graphs)) as advance:
+            for g in graphs:
+                src = srcs / f"{g.name}{suffix}"
+                res = compile_graph(src, folder / f"{g.name}.ctx.onnx", target.htp_arch,
+                                    soc.soc_model, fp16=recipe.activations is None)
+                log(f"[{target.name}] compiled {g.name}: {res['bin_bytes']:,} B "
+                    f"({res['seconds']:.1f}s)")
+                compiled.append(g.model_copy(update={
+                    "file": f"{target.name}/{g.name}.ctx.onnx",
+                    "bytes": res["bin_bytes"] + res["ctx"].stat().st_size}))
+                advance()
+        if opts.share_weights:
+            compiled = _share(compiled, plan, srcs, folder, target, soc.soc_model, recipe, log)
+        specs[target.name] = TargetSpec(
+            name=target.name, htp_arch=target.htp_arch, soc_model=soc.soc_model, qnn_sdk=sdk,
+            quant=recipe.name, mask_value=recipe.mask_value, graphs=compiled, plan=plan,
+            weight_shared=opts.share_weights, hidden_scale=1.0 / (scale or 1.0))
+    keep = (".qdq.onnx", ".wo.onnx", ".wo.weights")  # the quantized graphs, for the oracle
+    for f in (root / "_work").rglob("*"):  # the float graphs are done with
+        if f.is_file() and not f.name.endswith(keep) and not opts.keep_work:
+            f.unlink()
+    return specs, qdq
+
+
+def weight_only(plan: RunPlan, folder: Path, recipe: QuantRecipe, vocab_size: int) -> None:
+    """Every float graph ``X.onnx`` in ``folder`` -> ``X.wo.onnx``: each weight MatMul as
+    MatMulNBits (int8 / int4 blocks, the head int8 under int4: ``nbits.cpu_head_format``),
+    each weight group's into one ``<group>.wo.weights`` file (the float graphs stay, for the
+    oracle and the probe). The QNN EP runs MatMulNBits on the HTP with fp16 activations; its
+    activation input must be rank 3, as every projection's [1, T, K] is."""
+    import onnx
+
+    from ..export import share_weights
+    from ..graphs import weight_groups, weights_file
+    from ..nbits import quantize_cpu_graph
+
+    groups = weight_groups(plan, cpu=False)
+    with stage(f"quantize {recipe.name} weights", sum(map(len, groups))) as advance:
+        for group in groups:
+            for name in group:
+                dst = folder / f"{name}{COMPILED_SUFFIX['weight-only']}"
+                onnx.save(onnx.load(str(folder / f"{name}.onnx"), load_external_data=False),
+                          str(dst))
+                quantize_cpu_graph(dst, recipe.weight_bits, recipe.block_size, vocab_size,
+                                   whole_blocks=True)
+                advance()
+            share_weights([folder / f"{n}{COMPILED_SUFFIX['weight-only']}" for n in group],
+                          weights_file(group).replace(".weights", ".wo.weights"), None)
+
+
+# the graph each kind of recipe compiles, beside its float graph X.onnx in _work/
+COMPILED_SUFFIX = {"float": ".onnx", "weight-only": ".wo.onnx", "fixed-point": ".qdq.onnx"}
+
+
+def compiled_suffix(recipe: QuantRecipe) -> str:
+    return COMPILED_SUFFIX["weight-only" if recipe.weight_only else
+                           "fixed-point" if recipe.activations else "float"]
+
+
+def fp16_scale(fam, residual_peak: float, log) -> float:
+    """The residual scale s of fp16 graphs (``blocks.residual_scale``), 1 where the family cannot
+    carry its residual scaled (``residual_scaling``) or the stream fits fp16 as it is."""
+    from ...families.blocks import residual_scale
+
+    s = residual_scale(residual_peak)
+    if s != 1.0 and not getattr(fam, "residual_scaling", False):
+        log(f"  warning: the residual stream peaks at {residual_peak:.4g}, near fp16's 65504, and "
+            "this family cannot carry it scaled: fp16 graphs may overflow")
+        return 1.0
+    if s != 1.0:
+        log(f"  fp16 graphs carry the residual stream at 1/{s:g} (its peak |x| {residual_peak:.4g})")
+    return s
+
+
+def _share(compiled: list[GraphSpec], plan: RunPlan, srcs: Path, folder: Path, target: Target,
+           soc_model: int, recipe: QuantRecipe, log) -> list[GraphSpec]:
+    """Recompile each shard's prefill + decode into one weight-shared context for the device.
+
+    The x86 simulator cannot load shared contexts (libQnnHtp segfaults; ORT runs them on ARM only),
+    so the unshared twins just compiled from the same sources are what the oracle runs: they are
+    kept under ``<target>/verify/`` until the build's oracle is done, then removed."""
+    twins = folder / "verify"
+    twins.mkdir()
+    by_name = {g.name: g for g in compiled}
+    out = []
+    for g in compiled:  # move the unshared twins aside; the oracle reads them from there
+        ctx = folder / f"{g.name}.ctx.onnx"
+        for f in (ctx, ctx.with_name(ctx.stem + "_qnn.bin")):
+            f.rename(twins / f.name)
+    suffix = compiled_suffix(recipe)
+    for shard in plan.shards:
+        group = [(srcs / f"{n}{suffix}", folder / f"{n}.ctx.onnx") for n in (shard.prefill, shard.decode)]
+        res = compile_shared(group, target.htp_arch, soc_model, fp16=recipe.activations is None)
+        log(f"[{target.name}] weight-shared {shard.prefill} + {shard.decode}: {res['bin_bytes']:,} B")
+    head = by_name[plan.head]
+    compile_graph(srcs / f"{head.name}{suffix}", folder / f"{head.name}.ctx.onnx", target.htp_arch,
+                  soc_model, fp16=recipe.activations is None)
+    for g in compiled:
+        ctx = folder / f"{g.name}.ctx.onnx"
+        binary = qnn.context_binary_of(ctx)
+        out.append(g.model_copy(update={"bytes": ctx.stat().st_size + binary.stat().st_size,
+                                        "verify_file": f"{target.name}/verify/{g.name}.ctx.onnx"}))
+    return out

@@ -1,0 +1,167 @@
+"""Weight-only int8 / int4 through onnxruntime's MatMulNBits: the cpu target's weights (fp32
+activations) and the HTP's weight-only recipes (fp16 activations, ``htp.weight_only``), and the
+host tables' formats under them.
+
+    float ONNX ──every weight MatMul (not structural, whole blocks where asked)──▶ MatMulNBits
+               the head (MatMuls to the vocabulary) in ``cpu_head_format``
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BuildError
+
+# ---- cpu target: weight-only int8 / int4 through onnxruntime's MatMulNBits ----------------------
+# name -> (bits, block size along K). accuracy_level 4: the activations are quantized to int8 per
+# block at run time and the product runs on the int8 dot-product kernels (AVX512-VNNI / AVX-VNNI);
+# the float fallback (level 0/1) dequantizes every weight block each call and is slower.
+# int4-b128: one fp32 scale per 128 weights instead of per 32 (the common int4 group of GPTQ/AWQ
+# checkpoints): 4.25 bits a weight instead of 5, so a decode token reads 15 % fewer bytes, and
+# MLAS's int8 kernel does a quarter of the per-block scale work; int8-b128 likewise, 8.25 bits a
+# weight instead of 9. Both run faster than block 32 (docs/measurements.md).
+CPU_WEIGHTS: dict[str, tuple[int, int] | None] = {
+    "fp32": None, "int8": (8, 32), "int8-b128": (8, 128), "int4": (4, 32), "int4-b128": (4, 128)}
+CPU_ACCURACY_LEVEL = 4
+# the media towers' weights under each --cpu-weights: int8 under int4 too, as an int4 tower's soft
+# tokens moved far from fp32's for no speed (docs/measurements.md)
+CPU_ENCODER_WEIGHTS: dict[str, str] = {"fp32": "fp32", "int8": "int8", "int8-b128": "int8",
+                                       "int4": "int8", "int4-b128": "int8"}
+
+
+def check_cpu_weights(name: str) -> tuple[int, int] | None:
+    if name not in CPU_WEIGHTS:
+        raise BuildError(f"unknown --cpu-weights {name!r}; choose from {', '.join(CPU_WEIGHTS)}")
+    return CPU_WEIGHTS[name]
+
+
+def host_table_formats(weights: str, embed: str, extras: list[str], tensors: dict,
+                       int8_embedding: bool = False, int4_extras: bool = False
+                       ) -> dict[str, tuple[int, int]]:
+    """The host tables quantized under --cpu-weights ``weights``: {table: (bits, block)}.
+
+    fp32 keeps every table as the checkpoint holds it. Quantized weights quantize the tables too:
+    the embedding in the head's format (``cpu_head_format``: int8 under int8 and int4 weights), so
+    a tied head's weight is the same bytes and is stored once; int8 in blocks of 32 where that
+    block does not divide its width, or ``int8_embedding`` (a bundle with HTP targets, which read
+    the same table under 8- or 16-bit weights). The other tables (Gemma-4's per-layer inputs,
+    ~35 rows a token of which each layer reads one) int8 rows with a scale per 32 columns, as no
+    peer runs them at 4 bits to compare against; ``int4_extras`` (--int4-per-layer-tables, int4
+    weights) puts them in the weights' int4 blocks where those divide their width. Qwen3.5-0.8B's
+    embedding: 508 MB bf16, 286 MB int8."""
+    from ..runtime.qtables import INT8_BLOCK
+
+    fmt = check_cpu_weights(weights)
+    if fmt is None:
+        return {}
+    bits, block = fmt
+    out = {name: (bits, block) if int4_extras and bits == 4 and not tensors[name].shape[-1] % block
+           else (8, INT8_BLOCK) for name in extras}
+    head = cpu_head_format(bits, block)
+    fallback = int8_embedding or tensors[embed].shape[-1] % head[1]
+    out[embed] = (8, INT8_BLOCK) if fallback else head
+    return out
+
+
+def structural_matmuls(model) -> list[str]:
+    """MatMuls whose constant operand holds only 0s and 1s: an operator written as a matrix
+    (Qwen3.5's chunked delta rule takes the cumsum of its log decays as ``g @ upper``, a
+    triangle of ones), not a learned weight. MatMulNBits stores 0/1 exactly, but at accuracy
+    level 4 it reads the activation at int8 per 32-block: the decays' cumsum, which every later
+    decay of the chunk multiplies, off by up to 0.14% of its range (a 64-token triangle). On the
+    real-width random Qwen3.5 4-layer cut the int4 gate's numbers did not move (logits cos
+    0.883455 either way): the weights' own rounding dominates there. -> node names."""
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    out = []
+    for i, n in enumerate(model.graph.node):
+        t = inits.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) == 2 else None
+        if t is None:
+            continue
+        w = numpy_helper.to_array(t)
+        # a learned weight fails on its first values: the full pass runs on masks only
+        if np.isin(w.reshape(-1)[:256], (0, 1)).all() and np.isin(w, (0, 1)).all():
+            n.name = n.name or f"structural_matmul_{i}"  # the quantizer excludes by name
+            out.append(n.name)
+    return out
+
+
+def partial_block_matmuls(model, block_size: int) -> list[str]:
+    """MatMuls whose constant weight [K, N] has K not a multiple of ``block_size``: node names."""
+    inits = {t.name: t for t in model.graph.initializer}
+    out = []
+    for i, n in enumerate(model.graph.node):
+        t = inits.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) == 2 else None
+        if t is not None and len(t.dims) == 2 and t.dims[0] % block_size:
+            n.name = n.name or f"partial_block_matmul_{i}"
+            out.append(n.name)
+    return out
+
+
+def head_matmuls(model, vocab_size: int) -> list[str]:
+    """MatMuls whose constant weight [K, vocab] makes the logits: the lm_head (in the head graph
+    and in a decode graph that runs it). -> node names (named where the export left them blank)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    out = []
+    for i, n in enumerate(model.graph.node):
+        t = inits.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) == 2 else None
+        if t is not None and len(t.dims) == 2 and t.dims[1] == vocab_size:
+            n.name = n.name or f"head_matmul_{i}"
+            out.append(n.name)
+    return out
+
+
+def quantize_cpu_graph(path: Path, bits: int, block_size: int, vocab_size: int | None = None,
+                       accuracy_level: int = CPU_ACCURACY_LEVEL, whole_blocks: bool = False) -> int:
+    """Every MatMul with an initializer weight (not ``structural_matmuls``) -> com.microsoft
+    MatMulNBits (symmetric, blocks of ``block_size`` along K), in place; the head's (the MatMuls
+    to ``vocab_size`` columns) in ``cpu_head_format``. ``whole_blocks``: weights whose K is not
+    a multiple of the block stay float (the HTP refuses a padded MatMulNBits: tiny Gemma-4's
+    per-layer projection, K = 8). The result is saved with its weights inline (the caller moves
+    them out again with ``share_weights``). -> MatMuls quantized."""
+    import onnx
+
+    model = onnx.load(str(path))  # with its external weights: one graph at a time in memory
+    structural = structural_matmuls(model) + (partial_block_matmuls(model, block_size)
+                                              if whole_blocks else [])
+    head = head_matmuls(model, vocab_size) if vocab_size else []
+    model = _matmul_nbits(model, bits, block_size, accuracy_level, exclude=structural + head)
+    if head:
+        model = _matmul_nbits(model, *cpu_head_format(bits, block_size), accuracy_level,
+                              exclude=structural)
+    n = sum(1 for node in model.graph.node if node.op_type == "MatMulNBits")
+    onnx.save(model, str(path))
+    return n
+
+
+def cpu_head_format(bits: int, block_size: int) -> tuple[int, int]:
+    """The lm_head's (bits, block) under weights of (bits, block): int4 weights keep an int8 head
+    in blocks of 32 (and so an int8 embedding where it is tied), as llama.cpp keeps its output
+    matrix at 6 bits in Q4_K_M: an int4 head alone costs most of an int4 model's KL to HF
+    (docs/measurements.md)."""
+    return (8, 32) if bits == 4 else (bits, block_size)
+
+
+def _matmul_nbits(model, bits: int, block_size: int, accuracy_level: int, exclude: list[str]):
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        MatMulNBitsQuantizer,
+    )
+
+    cfg = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True,
+                                       accuracy_level=accuracy_level, bits=bits)
+    root_log = logging.getLogger()
+    level = root_log.level
+    root_log.setLevel(logging.ERROR)  # the quantizer logs every node at INFO
+    try:
+        q = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True,
+                                 accuracy_level=accuracy_level, algo_config=cfg,
+                                 nodes_to_exclude=exclude)
+        q.process()
+    finally:
+        root_log.setLevel(level)
+    return q.model.model

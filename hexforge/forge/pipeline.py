@@ -1,0 +1,361 @@
+"""``hexforge build``: the stages, in order, into a temp dir renamed into place at the end.
+
+    read checkpoint ─▶ family + HF model ─▶ host tensors, tokenizer
+        ─▶ per target: plan shards ─▶ export prefill/decode per shard + head ─▶ share weights
+        ─▶ manifest ─▶ oracle (report.json, gates) ─▶ rename temp dir -> bundle
+
+A build interrupted anywhere leaves only ``.<name>.partial-*`` next to the output, never a
+bundle that loads.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import __version__
+from ..errors import BuildError, ParityGateError
+from ..families import encoder_families, family_name, load_family
+from ..inspect import encoder_input
+from ..manifest import (
+    MANIFEST_NAME,
+    SCHEMA_VERSION,
+    GenerationDefaults,
+    Manifest,
+    TargetSpec,
+    TokenizerSpec,
+    save_manifest,
+)
+from ..targets import Target, parse_targets
+from .checkpoint import read_checkpoint, release_mapped_pages
+from .encoders import calibrate_encoder_norms, compile_encoders, export_encoders, quantize_cpu_encoders
+from .export import share_weights
+from .fuse import fuse_cpu_graph
+from .graphs import export_float, plan_target, weight_groups, weights_file
+from .hosttables import share_tied_embedding
+from .hostwrite import write_host_tensors
+from .htp.recipes import get_recipe
+from .nbits import check_cpu_weights, cpu_head_format, host_table_formats, quantize_cpu_graph
+from .progress import stage
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class BuildOptions:
+    targets: str = "cpu"
+    context: int = 2048
+    prefill_len: int = 64
+    verify_len: int = 8  # k of the cpu target's AR-k verify graphs (speculative decoding); 0: none
+    max_shard_bytes: int | dict[str, int] | None = None  # all targets, or per target name;
+    # default: each target's per-context ceiling
+    verify: bool = True
+    quant: str = "w8a16"  # HTP targets: fp16 | w8a16 | w4a16 (the cpu target stays fp32)
+    calib: str | None = None  # calibration text file (default: a built-in sample)
+    share_weights: bool = False  # HTP: one context per shard for prefill + decode (device only)
+    cpu_weights: str = "fp32"  # cpu target: fp32 (oracle-exact) | int8 | int4 (MatMulNBits)
+    int4_per_layer_tables: bool = False  # int4 cpu weights, no HTP target: Gemma-4's per-layer
+    # embedding tables int4 as well (int8 by default)
+    exporter: str = "torchscript"  # measured: same tiny-model speed, 2.5x faster export
+    verify_tokens: int = 64
+    eval_text: str | None = None  # the oracle's held-out text file (default: forge/quality.py's)
+    eval_tokens: int = 256  # at most this many of its tokens
+    audio_seconds: float | None = None  # the audio encoder's fixed window (default: the model's)
+    image_size: tuple[int, int] | None = None  # fixed-resolution vision graphs (Qwen-VL): H, W
+    force: bool = True  # replace an existing bundle at the output path
+    keep_work: bool = False  # HTP: leave _work/ (each graph's float and QDQ ONNX) in the bundle,
+    # for per-tensor accuracy probes (bench/htp_tensors.py)
+    timings: dict = field(default_factory=dict)
+
+
+def _generation_defaults(gen: dict, config: dict) -> GenerationDefaults:
+    def ids(v):
+        return [] if v is None else ([v] if isinstance(v, int) else [int(x) for x in v])
+
+    eos = ids(gen.get("eos_token_id", config.get("eos_token_id")))
+    sample = bool(gen.get("do_sample", False))
+    return GenerationDefaults(
+        eos_token_ids=eos, bos_token_id=gen.get("bos_token_id", config.get("bos_token_id")),
+        pad_token_id=gen.get("pad_token_id", config.get("pad_token_id")),
+        temperature=float(gen.get("temperature", 1.0)) if sample else 0.0,
+        top_k=int(gen.get("top_k", 0) or 0) if sample else 0,
+        top_p=float(gen.get("top_p", 1.0) or 1.0) if sample else 1.0,
+    )
+
+
+def _build_cpu_target(fam, hf, args, target: Target, opts: BuildOptions, out: Path,
+                      log: Log) -> TargetSpec:
+    graphs, plan = export_float(fam, hf, args, plan_target(fam, hf, target, opts, log), opts, out,
+                                target.name, log, cpu=True)
+    nbits = check_cpu_weights(opts.cpu_weights)
+    if nbits:  # weight-only int8/int4: one graph in memory at a time, then re-shared per shard
+        bits, block = nbits
+        t = time.perf_counter()
+        folder = out / target.name
+        groups = weight_groups(plan, cpu=True)
+        with stage(f"quantize cpu weights {opts.cpu_weights}", sum(map(len, groups))) as advance:
+            for group in groups:
+                for name in group:
+                    quantize_cpu_graph(folder / f"{name}.onnx", bits, block, args.vocab_size)
+                    advance()
+                # q/k/v MatMulNBits packed into one (fuse.pack_sibling_matmuls) as re-shared
+                share_weights([folder / f"{n}.onnx" for n in group], weights_file(group),
+                              fuse_cpu_graph)
+        for g in graphs:
+            g.bytes = (out / g.file).stat().st_size
+        head_bits, head_block = cpu_head_format(bits, block)
+        log(f"[{target.name}] weights {opts.cpu_weights} (MatMulNBits, block {block}; head "
+            f"int{head_bits}, block {head_block}) "
+            f"({time.perf_counter() - t:.1f}s)")
+    return TargetSpec(name=target.name, graphs=graphs, plan=plan, quant=opts.cpu_weights)
+
+
+def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None = None,
+          log: Log = print) -> Path:
+    opts = opts or BuildOptions()
+    t_start = time.perf_counter()
+    ckpt = read_checkpoint(checkpoint, log)
+    targets = parse_targets(opts.targets)
+    get_recipe(opts.quant)  # a bad --quant fails before any heavy work
+    cpu_bits = (check_cpu_weights(opts.cpu_weights) or (32, 0))[0]
+    if opts.int4_per_layer_tables and (cpu_bits != 4 or any(t.is_htp for t in targets)):
+        raise BuildError("--int4-per-layer-tables needs --cpu-weights int4 or int4-b128 and no "
+                         "HTP target (HTP graphs run 8/16-bit weights and read the same tables)")
+    if opts.prefill_len < 1 or opts.context < 2:
+        raise BuildError("--prefill-len must be >= 1 and --context >= 2")
+    if not 0 <= opts.verify_len < opts.context:
+        raise BuildError(f"--verify-len must be in [0, --context), got {opts.verify_len}")
+    if opts.verify:
+        _evaluation(opts)
+    fam = load_family(ckpt.model_type).FAMILY
+    fam.check_config(ckpt.config)
+    args = fam.Args.from_config(ckpt.config)
+    fam.check_supported(args)
+    encoders = encoder_families(ckpt.config)  # vision / audio towers of a multimodal checkpoint
+    _check_encoder_options(encoders, opts)
+
+    out = Path(output).absolute()
+    if out.exists() and not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
+        raise BuildError(f"{out} exists and is not a hexforge bundle; refusing to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    _remove_stale(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        log(f"reading {ckpt.dir} ({ckpt.model_type} -> families/{family_name(ckpt.model_type)}.py)")
+        t = time.perf_counter()
+        hf = fam.load_hf(ckpt.dir)
+        opts.timings["load_hf_s"] = time.perf_counter() - t
+        enc_specs = [_encoder_spec(e, hf, ckpt.config, opts) for e in encoders]  # bad options fail
+        for spec in enc_specs:
+            log(f"encoder {spec.name}: {encoder_input(spec)['text']}, up to "
+                f"{spec.max_soft_tokens} soft tokens")
+        from ..families.blocks import calibrate_norm_scales
+        from ..runtime.text import TextTokenizer
+        from .calib import calibration_text
+
+        calib_ids = TextTokenizer(ckpt.dir).encode(calibration_text(opts.calib))[:opts.context]
+        with fam.float32_forward(hf):  # a bf16/fp16 model computes as fp32 (no-op on fp32)
+            residual_peak = calibrate_norm_scales(hf, calib_ids, fam.reference_layers(hf))
+            calibrate_encoder_norms(encoders, enc_specs, hf)
+        log(f"calibrated norm prescales on {len(calib_ids)} tokens"
+            + (" and the encoders' example inputs" if encoders else "")
+            + f" (residual stream peak |x| {residual_peak:.4g})")
+
+        tok_dir = tmp / "tokenizer"
+        tok_dir.mkdir()
+        for f in ckpt.tokenizer_files:
+            shutil.copy2(ckpt.dir / f, tok_dir / f)
+        host = fam.host_recipe(hf, args)
+        if opts.int4_per_layer_tables and not host.extra_embeds:
+            raise BuildError(f"--int4-per-layer-tables: a {ckpt.model_type} checkpoint has no "
+                             "per-layer tables (Gemma-4's per-layer embeddings have)")
+        tensors = fam.host_tensors(hf, args)
+        htp = any(tg.is_htp for tg in targets)
+        formats = host_table_formats(
+            opts.cpu_weights, host.embed.table, [e.table for e in host.extra_embeds], tensors,
+            int8_embedding=htp, int4_extras=opts.int4_per_layer_tables)
+        write_host_tensors(tmp / "host.safetensors", tensors, formats)
+        del tensors
+        release_mapped_pages(ckpt.dir)  # the whole checkpoint has been read once by now
+        tables = ", ".join(f"{name} int{bits} (blocks of {block})"
+                           for name, (bits, block) in formats.items())
+        log(f"wrote host tensors ({(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB"
+            + (f"; {tables}" if tables else "") + ")")
+
+        t = time.perf_counter()
+        cpu = _build_cpu_target(fam, hf, args, targets[0], opts, tmp, log)
+        if not htp:  # a tied quantized head holds the quantized embedding's bytes: stored once
+            host.embed.shared = share_tied_embedding(tmp, cpu, host.embed.table)
+            if host.embed.shared is not None:
+                log(f"host embedding: the head's int{host.embed.shared.bits} rows in "
+                    f"{host.embed.shared.file} "
+                    f"(host tensors now {(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB)")
+        with fam.float32(hf):  # the encoder towers (and the text model's small tensors)
+            enc_graphs = export_encoders(encoders, enc_specs, hf, tmp, "cpu", opts.exporter, log)
+        cpu.graphs += enc_graphs
+        manifest = Manifest(
+            schema_version=SCHEMA_VERSION, hexforge_version=__version__,
+            family=family_name(ckpt.model_type), model_type=ckpt.model_type, hf_config=ckpt.config,
+            context=opts.context, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+            num_layers=args.num_hidden_layers, host=host,
+            mask_groups=fam.mask_groups(args, opts.context),
+            state=fam.state_spec(args, opts.context),
+            tokenizer=TokenizerSpec(files=ckpt.tokenizer_files,
+                                    chat_template=_has_chat_template(ckpt)),
+            generation=_generation_defaults(ckpt.generation, ckpt.config), targets={"cpu": cpu},
+            encoders=enc_specs,
+            report="report.json" if opts.verify else None,
+        )
+        htp_targets = [tg for tg in targets if tg.is_htp]
+        qdq: dict[str, dict[str, str]] = {}  # the oracle's CPU twins of failed HTP targets
+        if htp_targets:
+            from .htp.stage import build_htp_targets
+
+            with fam.float32_forward(hf):  # calibration runs the towers on media prompts
+                specs, qdq = build_htp_targets(fam, hf, args, htp_targets, opts, tmp, manifest,
+                                               residual_peak, log)
+                manifest.targets.update(specs)
+            for tg in htp_targets:
+                manifest.targets[tg.name].graphs += compile_encoders(
+                    enc_graphs, tmp, tg, tg.default_soc.soc_model, log)
+            if not opts.verify and not opts.keep_work:
+                shutil.rmtree(tmp / "_work", ignore_errors=True)
+        quantize_cpu_encoders(enc_graphs, tmp, opts.cpu_weights, log)  # the HTP's are compiled
+        opts.timings["export_s"] = time.perf_counter() - t
+        save_manifest(tmp, manifest)
+
+        if opts.verify:
+            from .quality import oracle_line
+            from .verify import hf_references, qdq_verdict, verify_bundle
+
+            t = time.perf_counter()
+            evaluation = _evaluation(opts)
+            refs = hf_references(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens,
+                                 evaluation=evaluation)
+            release_mapped_pages(ckpt.dir)  # the HF forward read all of it; the graphs come next
+            log("oracle: HF references computed")
+            if not manifest.encoders:  # the graphs are judged against refs alone: free the HF
+                del hf  # model before they load (at real sizes both do not fit)
+                gc.collect()
+                hf = None
+            report = verify_bundle(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens,
+                                   references=refs, qdq_twins=qdq, evaluation=evaluation)
+            if not opts.keep_work:
+                shutil.rmtree(tmp / "_work", ignore_errors=True)
+            opts.timings["verify_s"] = time.perf_counter() - t
+            (tmp / "report.json").write_text(json.dumps(report, indent=1))
+            for name, r in report.items():
+                log(f"[{name}] oracle: {oracle_line(r)}")
+            failed = {n: r["failures"] for n, r in report.items() if not r["passed"]}
+            if failed:
+                # the per-graph cosines say which graph lost the accuracy: kept beside the
+                # output, not in it (no bundle is written)
+                kept = out.with_name(out.name + ".report.json")
+                kept.write_text(json.dumps(report, indent=1))
+                detail = "; ".join(f"{n}: {', '.join(f)}{qdq_verdict(report[n])}"
+                                   for n, f in failed.items())
+                raise ParityGateError(f"parity gate failed ({detail}); the bundle was not written "
+                                      f"(its oracle report: {kept}; use --no-verify to skip the "
+                                      "oracle)")
+        _drop_verify_twins(tmp, manifest)
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    opts.timings["total_s"] = time.perf_counter() - t_start
+    log(f"wrote {out} in {opts.timings['total_s']:.1f}s")
+    return out
+
+
+# the build option each modality's encoders may take: (spec keyword, BuildOptions field, CLI flag)
+ENCODER_OPTIONS = {"audio": ("max_seconds", "audio_seconds", "--audio-seconds"),
+                   "image": ("image_size", "image_size", "--image-size")}
+
+
+def _evaluation(opts: BuildOptions):
+    """The oracle's held-out text from the options (a bad --eval-text fails before any work)."""
+    from .quality import eval_text
+    from .verify import EvalText
+
+    if opts.eval_tokens < 2:
+        raise BuildError("--eval-tokens must be >= 2")
+    name = Path(opts.eval_text).name if opts.eval_text else "built-in"
+    return EvalText(eval_text(opts.eval_text), name, opts.eval_tokens)
+
+
+def _check_encoder_options(encoders: list, opts: BuildOptions) -> None:
+    """An encoder option given for a modality the checkpoint has no encoder for is refused, not
+    dropped: a build that ignores a flag the user typed comes out unlike what was asked for."""
+    have = {e.modality for e in encoders}
+    for modality, (_, field_name, flag) in ENCODER_OPTIONS.items():
+        if getattr(opts, field_name) is not None and modality not in have:
+            raise BuildError(f"{flag} was given but this checkpoint has no {modality} encoder")
+
+
+def _encoder_spec(encoder, hf, config: dict, opts: BuildOptions):
+    """The encoder's manifest entry, with the build's option for its modality if one was set."""
+    import inspect
+
+    keyword, field_name, flag = ENCODER_OPTIONS[encoder.modality]
+    value = getattr(opts, field_name)
+    if value is None:
+        return encoder.spec(hf, config)
+    if keyword not in inspect.signature(encoder.spec).parameters:
+        raise BuildError(f"{flag} does not apply to this checkpoint's {encoder.modality} encoder "
+                         f"({type(encoder).__name__} sizes its inputs from the processor config)")
+    return encoder.spec(hf, config, **{keyword: value})
+
+
+def _drop_verify_twins(root: Path, manifest: Manifest) -> None:
+    """The unshared twins of weight-shared targets were for the oracle only: drop them."""
+    changed = False
+    for t in manifest.targets.values():
+        for g in t.graphs:
+            if g.verify_file:
+                g.verify_file = None
+                changed = True
+        shutil.rmtree(root / t.name / "verify", ignore_errors=True)
+    if changed:
+        save_manifest(root, manifest)
+
+
+def _has_chat_template(ckpt) -> bool:
+    if (ckpt.dir / "chat_template.jinja").is_file() or (ckpt.dir / "chat_template.json").is_file():
+        return True
+    cfg = ckpt.dir / "tokenizer_config.json"
+    return cfg.is_file() and "chat_template" in json.loads(cfg.read_text())
+
+
+def _remove_stale(out: Path) -> None:
+    """Temp dirs of earlier builds of ``out`` that were killed (kill -9, power loss: no ``except``
+    ran) are removed when their process is gone; a live concurrent build keeps its own."""
+    for d in out.parent.glob(f".{out.name}.*-*"):
+        kind, _, pid = d.name[len(out.name) + 2:].rpartition("-")
+        if kind not in ("partial", "old") or not pid.isdigit() or not d.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still running
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            continue
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Swap the finished temp dir into place; an old bundle is removed only after the swap."""
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)

@@ -1,0 +1,112 @@
+"""What one request asks for (``GenerationOptions``, the typed keywords of ``Model.generate`` and
+friends) and what it gets back (``GenerationResult``)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, fields
+from typing import Annotated, Any, get_type_hints
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "stop" (EOS / stop token / stop string) | "length" | "cancelled"
+    ttft_ms: float  # prompt in -> first token out (tokenize + prefill + first sample)
+    decode_tok_s: float  # tokens after the first / time after the first
+    total_ms: float
+    timings: dict = field(default_factory=dict)
+    # per generated token, when requested: {"token", "logprob", "top": [(token, logprob), ...]}
+    logprobs: list[dict] | None = None
+    # under prompt_lookup: drafted / accepted tokens, acceptance, verify_calls, decode_calls,
+    # tokens_per_verify (runtime/speculative.py SpeculationStats)
+    speculation: dict | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationOptions:
+    """How one request generates: each field is a keyword argument of ``Model.generate`` /
+    ``stream`` / ``chat`` / ``stream_chat`` and ``ChatSession.send`` / ``stream``. None means
+    the bundle's generation defaults (the checkpoint's generation config) where it has one."""
+
+    max_new_tokens: Annotated[int | None, "tokens to generate at most (None: the bundle's "
+                              "default, 64 unless the checkpoint's generation config says so)"] = None
+    temperature: Annotated[float | None, "0: greedy; None: the generation config's (greedy "
+                           "without one)"] = None
+    top_k: Annotated[int | None, "sample among the k likeliest tokens (0: all)"] = None
+    top_p: Annotated[float | None, "sample among the likeliest tokens holding this probability "
+                     "mass"] = None
+    min_p: Annotated[float, "drop tokens below this fraction of the likeliest token's "
+                     "probability"] = 0.0
+    repetition_penalty: Annotated[float, "divide the logits of tokens already in the context by "
+                                  "this (HF's rule); 1: off"] = 1.0
+    penalty_window: Annotated[int, "the repetition penalty looks at the context's last this many "
+                              "ids only (0: all of them)"] = 0
+    seed: Annotated[int | None, "the sampler's seed (the same seed, the same output)"] = None
+    stop: Annotated[str | list[str] | None, "strings that end the output (it is cut before "
+                    "them)"] = None
+    stop_token_ids: Annotated[list[int] | None, "token ids that end the output, beside EOS"] = None
+    ignore_eos: Annotated[bool, "generate past EOS tokens"] = False
+    logprobs: Annotated[int | None, "report each token's logprob and this many top alternatives "
+                        "(0: the chosen token only)"] = None
+    response_format: Annotated[dict | None, "constrain the output, OpenAI-style: {'type': "
+                               "'json_schema' | 'json_object' | 'regex' | 'lark', ...}"] = None
+    constraint: Annotated[Any, "or a ready grammar processor with advance(token) and done "
+                          "(runtime/constrain.py)"] = None
+    images: Annotated[list | None, "images (paths, bytes, data: URLs) spliced at the prompt's "
+                      "placeholders (or put first)"] = None
+    audios: Annotated[list | None, "audio clips (paths, bytes, data: URLs), as images"] = None
+    prompt_lookup: Annotated[int | None, "speculative decoding: draft up to k tokens a step from "
+                             "the context and verify them in one call (the same tokens)"] = None
+    prefill_mode: Annotated[str, "'chunked': AR-N prefill graphs; 'decode': the AR-1 graph over "
+                            "the prompt"] = "chunked"
+    should_stop: Annotated[Callable[[], bool] | None, "polled every token; True cancels "
+                           "(finish_reason 'cancelled')"] = None
+
+
+def _options_doc() -> str:
+    hints = get_type_hints(GenerationOptions, include_extras=True)
+    return "\n".join(f"    {f.name}: {hints[f.name].__metadata__[0]}" for f in fields(GenerationOptions))
+
+
+def takes_generation_options(fn):
+    """``fn(self, first, options: GenerationOptions)`` -> a method called as ``fn(self, first,
+    **options)``, whose signature (``help()``, ``inspect.signature``) lists every field of
+    GenerationOptions as a typed keyword-only parameter; an unknown keyword is a TypeError."""
+    hints = get_type_hints(GenerationOptions)
+    params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                annotation=hints[f.name]) for f in fields(GenerationOptions)]
+    sig, own = inspect.signature(fn), get_type_hints(fn)
+    head = [p.replace(annotation=own.get(p.name, p.annotation)) for p in sig.parameters.values()
+            if p.name != "options"]
+
+    @functools.wraps(fn)
+    def method(self, first, **options):
+        return fn(self, first, GenerationOptions(**options))
+
+    method.__signature__ = sig.replace(parameters=[*head, *params],
+                                       return_annotation=own.get("return", sig.return_annotation))
+    method.__doc__ = f"{fn.__doc__ or ''}\n\nKeyword arguments (GenerationOptions):\n{_options_doc()}"
+    return method
+
+
+def result_of(items) -> GenerationResult:
+    """The result of ``Model._iterate``'s items (read to the end)."""
+    for _, _, result in items:
+        if result is not None:
+            return result
+    raise AssertionError("unreachable")
+
+
+def pieces_of(items) -> Iterator[str]:
+    """The text pieces of ``Model._iterate``'s items, as they come."""
+    for piece, _, result in items:
+        if result is None:
+            yield piece
