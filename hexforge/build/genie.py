@@ -246,7 +246,7 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
             res["bin"].replace(bins[0])
         else:
             bins = compile_genie_graphs(paths, folder, target.htp_arch, soc,
-                                        lambda m, t=target.name: log(f"[{t}] genie{m}"))
+                                        lambda m, t=target.name: log(f"[{t}] genie {m.strip()}"))
         for f in folder.glob("*.ctx.onnx"):
             f.unlink()
         write_bundle_files(folder, manifest, bins, root / manifest.tokenizer.dir / "tokenizer.json",

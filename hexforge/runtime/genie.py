@@ -1,7 +1,7 @@
 """Qualcomm's Genie runtime (``libGenie.so``) through ctypes: a dialog made from a
 ``genie_config.json``, queried with token ids or text, its tokens streamed through a callback.
 
-    libQnnSystem.so + libQnnHtp.so (RTLD_GLOBAL) ─▶ libGenie.so ─▶ GenieDialog ─▶ tokens
+    libQnnSystem.so + libQnnHtp.so (preloaded) ─▶ libGenie.so ─▶ GenieDialog ─▶ tokens
 
 Where the libraries come from: ``HEXFORGE_GENIE_LIB_DIR`` (a QAIRT ``lib/<abi>`` folder, or the
 folder ``adb push`` put them in on a phone), else the onnxruntime-qnn wheel, which ships
@@ -50,7 +50,7 @@ _TEXT_CB = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_preloaded: list[ctypes.CDLL] = []  # kept alive: Genie dlopens libQnnHtp.so by name
+_preloaded: list[ctypes.CDLL] = []  # kept loaded: Genie dlopens libQnnHtp.so by name
 
 
 def library_dir() -> Path:
@@ -71,8 +71,10 @@ def _so(name: str) -> str:
 
 
 def load() -> ctypes.CDLL:
-    """libGenie, after the QNN libraries it opens by name are in the process (RTLD_GLOBAL: a
-    later dlopen of the same soname finds them instead of searching LD_LIBRARY_PATH)."""
+    """libGenie, after the QNN libraries it opens by name are in the process (a later dlopen of
+    the same soname finds them, wherever LD_LIBRARY_PATH points). RTLD_LOCAL, not GLOBAL:
+    measured (x86, QNN 2.51), with libQnnHtp / libGenie global a QNN EP session made later in the
+    process segfaults; local, Genie and the EP run one after the other either way round."""
     global _lib
     with _lock:
         if _lib is not None:
@@ -81,7 +83,7 @@ def load() -> ctypes.CDLL:
         genie = folder / _so("Genie")
         if not genie.is_file():
             raise BackendError(f"no {genie.name} in {folder}; set HEXFORGE_GENIE_LIB_DIR")
-        mode = getattr(ctypes, "RTLD_GLOBAL", 0)
+        mode = getattr(ctypes, "RTLD_LOCAL", 0)
         for dep in ("QnnSystem", "QnnHtp"):
             p = folder / _so(dep)
             if p.is_file():

@@ -140,9 +140,10 @@ class GenieModel:
             if temperature is None else temperature
         top_k = sampler.get("top-k", 0) if top_k is None else top_k
         top_p = sampler.get("top-p", 1.0) if top_p is None else top_p
-        max_new = 256 if max_new_tokens is None else max_new_tokens
         t0 = time.perf_counter()
         ids = self.encode(prompt)
+        max_new = (min(256, self.context - len(ids)) if max_new_tokens is None
+                   else max_new_tokens)
         if len(ids) + max_new > self.context:
             raise ContextOverflowError(len(ids), max_new, self.context)
         dialog = self._dialog_for(temperature, top_k, top_p, seed, ignore_eos)
