@@ -57,7 +57,7 @@ def cmd_build(a) -> int:
                         image_size=a.image_size, cpu_weights=a.cpu_weights,
                         int4_per_layer_tables=a.int4_per_layer_tables,
                         verify_tokens=a.verify_tokens, eval_text=a.eval_text,
-                        eval_tokens=a.eval_tokens, keep_work=a.keep_work)
+                        eval_tokens=a.eval_tokens, keep_work=a.keep_work, genie=a.genie)
     if not a.json and sys.stderr.isatty():  # someone watches: bars with ETAs on the long stages
         from .forge.progress import BuildProgress
 
@@ -75,8 +75,13 @@ def cmd_build(a) -> int:
 def cmd_run(a) -> int:
     from . import load
 
-    model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target,
-                 allow_cpu_fallback=a.allow_cpu_fallback)
+    if a.backend == "genie":  # Qualcomm's runtime drives the bundle's Genie folder
+        from .runtime.genie_model import GenieModel
+
+        model = GenieModel(a.bundle, arch=a.arch or a.target)
+    else:
+        model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target,
+                     allow_cpu_fallback=a.allow_cpu_fallback)
     kw = _sampling(a)
     kw["response_format"] = _response_format(a)
     if a.image or a.audio:
@@ -291,6 +296,9 @@ def parser() -> argparse.ArgumentParser:
     _eval_args(b)
     b.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript",
                    help="torch.onnx exporter of the graphs")
+    b.add_argument("--genie", action="store_true",
+                   help="HTP: also write a Genie bundle per target (genie-<target>/: context "
+                        "binaries in Genie's I/O contract, genie_config.json, tokenizer.json)")
     b.add_argument("--keep-work", action="store_true",
                    help="HTP: keep _work/ (each graph's float and QDQ ONNX) in the bundle for "
                         "per-tensor accuracy probes (bench/htp_tensors.py); large")
@@ -313,7 +321,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("-n", "--max-new-tokens", dest="n", type=int, default=None,
                    help="tokens to generate at most (default: the bundle's generation defaults, "
                         "64 unless the checkpoint's generation config says otherwise)")
-    _backend_args(r)
+    _backend_args(r, genie=True)
     r.add_argument("--target", default=None, help="run this bundle target (default: by backend/arch)")
     r.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
     r.add_argument("--regex", metavar="RE", help="constrain the output to this regular expression")
@@ -401,9 +409,11 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
                         "whole prefill chunks stop sooner)")
 
 
-def _backend_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="cpu", choices=("cpu", "qnn", "qnn-sim", "auto"),
-                   help="cpu (default) | qnn (Snapdragon HTP) | qnn-sim (x86 HTP simulator) | auto")
+def _backend_args(p: argparse.ArgumentParser, genie: bool = False) -> None:
+    p.add_argument("--backend", default="cpu",
+                   choices=("cpu", "qnn", "qnn-sim", "auto") + (("genie",) if genie else ()),
+                   help="cpu (default) | qnn (Snapdragon HTP) | qnn-sim (x86 HTP simulator) | auto"
+                        + (" | genie (the bundle's --genie folder through libGenie)" if genie else ""))
     p.add_argument("--arch", default=None, help="the device's Hexagon arch, e.g. v81 (HTP backends)")
 
 

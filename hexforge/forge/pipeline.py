@@ -71,6 +71,7 @@ class BuildOptions:
     force: bool = True  # replace an existing bundle at the output path
     keep_work: bool = False  # HTP: leave _work/ (each graph's float and QDQ ONNX) in the bundle,
     # for per-tensor accuracy probes (bench/htp_tensors.py)
+    genie: bool = False  # HTP: also a Genie bundle per target, genie-<target>/ (forge/genie.py)
     timings: dict = field(default_factory=dict)
 
 
@@ -137,6 +138,12 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
     fam.check_config(ckpt.config)
     args = fam.Args.from_config(ckpt.config)
     fam.check_supported(args)
+    if opts.genie:
+        from .genie import check_options
+
+        check_options(fam, args, opts)
+        if not any(t.is_htp for t in targets):
+            raise BuildError("--genie needs an HTP --target (e.g. v81)")
     encoders = encoder_families(ckpt.config)  # vision / audio towers of a multimodal checkpoint
     _check_encoder_options(encoders, opts)
 
@@ -226,6 +233,12 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
             for tg in htp_targets:
                 manifest.targets[tg.name].graphs += compile_encoders(
                     enc_graphs, tmp, tg, tg.default_soc.soc_model, log)
+            if opts.genie:
+                from .genie import build_genie_bundles
+                from .htp import fp16_scale
+
+                build_genie_bundles(fam, hf, args, htp_targets, opts, tmp, manifest,
+                                    fp16_scale(fam, residual_peak, lambda m: None), log)
             if not opts.verify and not opts.keep_work:
                 shutil.rmtree(tmp / "_work", ignore_errors=True)
         quantize_cpu_encoders(enc_graphs, tmp, opts.cpu_weights, log)  # the HTP's are compiled

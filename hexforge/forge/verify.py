@@ -186,22 +186,24 @@ def hf_references(bundle: Path, manifest: Manifest, family, hf, targets: list[st
 
 
 class OracleCpuBackend(Backend):
-    """The cpu backend as the runtime configures it, except that every weights file is mapped once
-    and handed to each session reading it as shared initializers, unpacked: prefill and decode of
-    a shard hold one copy of its weights, not one prepacked copy each (real sizes: Gemma-4-E2B
-    fp32 graphs are 9 GB on disk). Same graphs and kernels; the oracle's memory only."""
+    """The cpu backend as the runtime configures it, except where the runtime keeps a target's
+    prefill weights unpacked (fp32 weights too large to hold a second packed copy: Gemma-4-E2B's
+    graphs are 9 GB on disk): there every weights file is mapped once and handed to each session
+    reading it as shared initializers, unpacked, so prefill and decode of a shard hold one copy.
+    Elsewhere it shares nothing: unpacked, MatMulNBits leaves its int8 kernels (an int8 SmolLM2
+    decode step took ~1.4 s in the oracle against ~30 ms packed)."""
 
     def __init__(self):
         super().__init__("cpu")
         self._maps: dict[Path, np.ndarray] = {}
         self._values: list = []  # the OrtValues must outlive the sessions
 
-    def configure_cpu_session(self, so, path: Path, graph: GraphSpec) -> None:
+    def configure_cpu_session(self, so, path: Path, graph: GraphSpec, packed: bool) -> None:
         import onnx
         import onnxruntime as ort
         from onnx.external_data_helper import ExternalDataInfo
 
-        if graph.role not in ("prefill", "decode"):
+        if packed or graph.role not in ("prefill", "decode"):
             # only a shard's prefill + decode share a weights file; and an encoder graph's
             # overridden initializers (its baked rope tables) broke a broadcast in onnxruntime
             # (Qwen3-VL vision: "Mul ... 2 by 64"), which the plain session runs fine

@@ -150,8 +150,10 @@ class Backend:
     def is_htp(self) -> bool:
         return self.name != "cpu"
 
-    def configure_cpu_session(self, so, path: Path, graph: GraphSpec) -> None:
-        """Extra cpu session options for one graph (the build's oracle maps weights once)."""
+    def configure_cpu_session(self, so, path: Path, graph: GraphSpec, packed: bool) -> None:
+        """Extra cpu session options for one graph (the build's oracle maps weights once).
+        packed: whether the runtime gives this target's prefill sessions their own packed copy
+        of the weights (``prepack_prefill``)."""
 
     def _profile(self, so, graph: GraphSpec) -> None:
         if self.profile_prefix is not None:
@@ -188,10 +190,11 @@ class Backend:
             prefill_only = graph.role == "prefill" or (graph.role == "head"
                                                        and target.decode_runs_head)
             quant = target.quant or "fp32"
-            if prefill_only and not prepack_prefill(
-                    quant, self._prefill_weight_bytes(bundle, target) if quant == "fp32" else 0):
+            packed = prepack_prefill(
+                quant, self._prefill_weight_bytes(bundle, target) if quant == "fp32" else 0)
+            if prefill_only and not packed:
                 disable_prepacking(so)
-            self.configure_cpu_session(so, path, graph)
+            self.configure_cpu_session(so, path, graph, packed)
             self._profile(so, graph)
             try:
                 sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])

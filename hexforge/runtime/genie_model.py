@@ -1,0 +1,219 @@
+"""``--backend genie``: a bundle's Genie folder run through libGenie, with the Model API's
+``generate`` / ``stream`` (runtime/genie.py is the C API; this is the bundle side).
+
+    BUNDLE/genie-v81/genie_config.json   (build --genie), or a Genie folder itself
+      └─ config, made runnable here: paths absolute, BOS off (hexforge tokenizes, its tokenizer's
+         post-processor adds the BOS), sampler / EOS from the request
+           └─ GenieDialog_tokenQuery: tokens streamed, detokenized like every backend's
+
+Genie decides everything a Model decides itself (sampler, stop at EOS, context), so the options it
+has no counterpart for (constrained output, media, prompt lookup, min-p, repetition penalty, stop
+strings) are refused, not ignored.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import platform
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import BundleError, ContextOverflowError, RequestError
+from . import genie
+from .options import GenerationResult
+from .text import ChatTemplate, TextTokenizer
+
+CONFIG = "genie_config.json"
+
+
+def find_folder(bundle: Path, target: str | None = None) -> Path:
+    """The Genie folder of a bundle (``genie-<target>``; the only one when no target is given),
+    or ``bundle`` itself when it is one."""
+    if (bundle / CONFIG).is_file():
+        return bundle
+    found = sorted(p.parent for p in bundle.glob(f"genie-*/{CONFIG}"))
+    if target is not None:
+        found = [p for p in found if p.name == f"genie-{target}"]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise BundleError(f"{bundle} has no Genie bundle" + (f" for {target}" if target else "")
+                          + ": build it with --genie")
+    raise BundleError(f"{bundle} has Genie bundles for several targets "
+                      f"({', '.join(p.name for p in found)}): pick one with --arch")
+
+
+def sampler_config(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                   seed: int | None = None) -> dict:
+    """Genie's sampler block; temperature 0 is greedy."""
+    if temperature <= 0:
+        return {"version": 1, "seed": seed if seed is not None else 42, "temp": 0.0,
+                "top-k": 1, "top-p": 1.0, "greedy": True}
+    return {"version": 1, "seed": seed if seed is not None else -1, "temp": float(temperature),
+            "top-k": int(top_k), "top-p": float(top_p)}
+
+
+def absolute_paths(config: dict, folder: Path) -> dict:
+    """A copy of ``config`` whose file paths (relative to ``folder`` in a bundle, as
+    genie-t2t-run wants them) are absolute: Genie resolves them against the working directory."""
+    cfg = copy.deepcopy(config)
+    d = cfg["dialog"]
+
+    def fix(p: str) -> str:
+        return str(folder / p) if not Path(p).is_absolute() else p
+
+    d["tokenizer"]["path"] = fix(d["tokenizer"]["path"])
+    backend = d["engine"]["backend"]
+    ext = backend.get("extensions")
+    if isinstance(ext, str):
+        backend["extensions"] = fix(ext)
+    binary = d["engine"]["model"].get("binary", {})
+    for key in ("ctx-bins", "fcb"):
+        if key in binary:
+            binary[key] = [fix(p) for p in binary[key]]
+    if "lut-path" in d.get("embedding", {}):
+        d["embedding"]["lut-path"] = fix(d["embedding"]["lut-path"])
+    return cfg
+
+
+class GenieModel:
+    """generate / stream over a Genie bundle folder; one dialog, reset before each request."""
+
+    def __init__(self, bundle: str | Path, arch: str | None = None, log_level: str = "warn"):
+        self.bundle = Path(bundle)
+        self.folder = find_folder(self.bundle, arch if arch is None or arch.startswith("v")
+                                  else f"v{arch}")
+        self.config = json.loads((self.folder / CONFIG).read_text())
+        d = self.config["dialog"]
+        self.context = int(d["context"]["size"])
+        eos = d["context"].get("eos-token", -1)
+        self.eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e >= 0]
+        self.tokenizer = TextTokenizer(self.folder)
+        tok_dir = self.bundle / "tokenizer"  # the chat template, when the folder is in a bundle
+        self.chat_template = ChatTemplate.load(tok_dir) if tok_dir.is_dir() else None
+        self.log_level = log_level
+        self._dialog: genie.Dialog | None = None
+        self._made_for: str | None = None
+
+    def _dialog_for(self, temperature: float, top_k: int, top_p: float, seed: int | None,
+                    ignore_eos: bool) -> genie.Dialog:
+        """A dialog whose sampler and EOS are the request's (Genie fixes them when the dialog is
+        made: a request that changes them makes a new one)."""
+        cfg = absolute_paths(self.config, self.folder)
+        d = cfg["dialog"]
+        d["context"]["bos-token"] = -1  # hexforge's ids carry the BOS already
+        if ignore_eos:
+            # Genie pads the last AR-N chunk with pad-token, which falls back to eos-token: a
+            # -1 there reaches the graph's gather and the HTP fails the execute (error 10)
+            d["context"].setdefault("pad-token", self.eos[0] if self.eos else 0)
+            d["context"]["eos-token"] = -1
+        d["sampler"] = sampler_config(temperature, top_k, top_p, seed)
+        if platform.machine().lower() not in ("aarch64", "arm64"):
+            # the x86 simulator: a polling thread would take a core the simulator needs
+            d["engine"]["backend"]["QnnHtp"]["poll"] = False
+        key = json.dumps(cfg, sort_keys=True)
+        if self._dialog is None or key != self._made_for:
+            self.close()
+            self._dialog = genie.Dialog(cfg, log_level=self.log_level)
+            self._made_for = key
+        else:
+            self._dialog.reset()
+        return self._dialog
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("the prompt is empty")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise RequestError("prompt must be a string or a list of token ids")
+
+    def _iterate(self, prompt, max_new_tokens=None, temperature=None, top_k=None, top_p=None,
+                 seed=None, ignore_eos=False, **unsupported
+                 ) -> Iterator[tuple[str, int | None, GenerationResult | None]]:
+        _refuse(unsupported)
+        sampler = self.config["dialog"].get("sampler", {})
+        temperature = (0.0 if sampler.get("greedy") else sampler.get("temp", 0.0)) \
+            if temperature is None else temperature
+        top_k = sampler.get("top-k", 0) if top_k is None else top_k
+        top_p = sampler.get("top-p", 1.0) if top_p is None else top_p
+        t0 = time.perf_counter()
+        ids = self.encode(prompt)
+        max_new = (min(256, self.context - len(ids)) if max_new_tokens is None
+                   else max_new_tokens)
+        if len(ids) + max_new > self.context:
+            raise ContextOverflowError(len(ids), max_new, self.context)
+        dialog = self._dialog_for(temperature, top_k, top_p, seed, ignore_eos)
+        detok = self.tokenizer.detokenizer()
+        tokens: list[int] = []
+        finish, t_first = "length", None
+        for token in dialog.generate(ids, max_new):
+            t_first = t_first or time.perf_counter()
+            if token in self.eos and not ignore_eos:  # Genie hands the EOS over, then stops
+                finish = "stop"
+                break
+            tokens.append(token)
+            piece = detok.add(token)
+            if piece:
+                yield piece, token, None
+        if finish == "length" and len(tokens) < max_new and dialog.last_status == 0:
+            finish = "stop"  # Genie stopped at an EOS it did not hand over
+        tail = detok.flush()
+        if tail:
+            yield tail, None, None
+        t_end = time.perf_counter()
+        t_first = t_first or t_end
+        n_after = max(len(tokens) - 1, 0)
+        yield "", None, GenerationResult(
+            text=self.tokenizer.decode(tokens), token_ids=tokens, prompt_tokens=len(ids),
+            finish_reason=finish, ttft_ms=(t_first - t0) * 1e3,
+            decode_tok_s=n_after / (t_end - t_first) if n_after and t_end > t_first else 0.0,
+            total_ms=(t_end - t0) * 1e3, timings={"backend": "genie"})
+
+    def generate(self, prompt: str | list[int], **kw) -> GenerationResult:
+        for _, _, result in self._iterate(prompt, **kw):
+            if result is not None:
+                return result
+        raise AssertionError("unreachable")
+
+    def stream(self, prompt: str | list[int], **kw) -> Iterator[str]:
+        for piece, _, result in self._iterate(prompt, **kw):
+            if result is None:
+                yield piece
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if self.chat_template is None:
+            raise RequestError("no chat template beside this Genie bundle: use a plain prompt")
+        return self.chat_template.render(messages, add_generation_prompt=True)
+
+    def chat(self, messages: list[dict], **kw) -> GenerationResult:
+        text = self.apply_chat_template(messages)
+        return self.generate(self.tokenizer.encode(text, add_special_tokens=False), **kw)
+
+    def stream_chat(self, messages: list[dict], **kw) -> Iterator[str]:
+        text = self.apply_chat_template(messages)
+        return self.stream(self.tokenizer.encode(text, add_special_tokens=False), **kw)
+
+    def close(self) -> None:
+        if self._dialog is not None:
+            self._dialog.close()
+            self._dialog = None
+
+
+# the Model options Genie has no counterpart for, with the value that means "not used"
+_NEUTRAL = {"min_p": 0.0, "repetition_penalty": 1.0, "penalty_window": 0, "stop": None,
+            "stop_token_ids": None, "logprobs": None, "response_format": None,
+            "constraint": None, "images": None, "audios": None, "prompt_lookup": None,
+            "prefill_mode": "chunked", "should_stop": None}
+
+
+def _refuse(options: dict) -> None:
+    for k, v in options.items():
+        if k not in _NEUTRAL:
+            raise TypeError(f"unexpected option {k!r}")
+        if v not in (_NEUTRAL[k], None):
+            raise RequestError(f"--backend genie: {k.replace('_', '-')} is not supported (Genie "
+                               "samples and stops by itself)")

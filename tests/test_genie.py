@@ -1,0 +1,111 @@
+"""Genie bundles (build --genie) run through libGenie on the x86 HTP simulator.
+
+The onnxruntime-qnn wheel ships libGenie.so beside the simulator; Genie drives the binaries itself
+(its mask, rope tables, KV cache, sampler), so matching ``--backend qnn-sim`` token for token on
+the same weights is the check that the Genie contract (build/genie.py) is the graphs' arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hexforge.cli import main
+from hexforge.errors import BuildError
+from tests.conftest import prompt_ids
+
+genie = pytest.importorskip("hexforge.runtime.genie")
+
+
+def _has_libgenie() -> bool:
+    try:
+        return (genie.library_dir() / "libGenie.so").is_file()
+    except Exception:
+        return False
+
+
+needs_genie = pytest.mark.skipif(not _has_libgenie(), reason="no libGenie.so (onnxruntime-qnn)")
+
+
+@pytest.fixture(scope="module")
+def genie_bundle(htp_bundle):
+    return htp_bundle("llama", "fp16", genie=True)
+
+
+@needs_genie
+def test_genie_bundle_has_genies_files_in_its_conventions(genie_bundle):
+    folder = genie_bundle / "genie-v81"
+    cfg = json.loads((folder / "genie_config.json").read_text())["dialog"]
+    bins = cfg["engine"]["model"]["binary"]["ctx-bins"]
+    assert bins == ["prompt_ar16_cl128_1_of_1.bin", "token_ar1_cl128_1_of_1.bin"]
+    assert all((folder / b).is_file() for b in bins)
+    assert (folder / "tokenizer.json").is_file()
+    assert cfg["context"] == {"version": 1, "size": 128, "n-vocab": 384, "bos-token": 1,
+                              "eos-token": 2}
+    assert cfg["engine"]["backend"]["QnnHtp"]["kv-dim"] == 16
+    assert cfg["engine"]["model"]["positional-encoding"] == {
+        "type": "rope", "rope-dim": 8, "rope-theta": 10000.0}
+    ext = json.loads((folder / "htp_backend_ext_config.json").read_text())
+    assert (ext["devices"][0]["soc_model"], ext["devices"][0]["dsp_arch"]) == (87, "v81")
+    assert ext["context"]["weight_sharing_enabled"] is False
+
+
+@needs_genie
+def test_genie_greedy_tokens_equal_qnn_sim(genie_bundle):
+    import hexforge
+    from hexforge.runtime.genie_model import GenieModel
+
+    ids = prompt_ids(20)  # past the AR-16 prefill: Genie chunks the prompt itself
+    want = hexforge.load(genie_bundle, backend="qnn-sim").generate(
+        ids, max_new_tokens=12, ignore_eos=True).token_ids
+    model = GenieModel(genie_bundle)
+    try:
+        got = model.generate(ids, max_new_tokens=12, ignore_eos=True)
+        again = model.generate(ids, max_new_tokens=12, ignore_eos=True)  # a reset dialog
+    finally:
+        model.close()
+    assert got.token_ids == want
+    assert again.token_ids == want
+    assert got.finish_reason == "length" and got.prompt_tokens == 20
+
+
+@needs_genie
+def test_qnn_sessions_still_work_after_genie_in_one_process(genie_bundle):
+    """libGenie loaded RTLD_GLOBAL made every later QNN EP session of the process segfault."""
+    import hexforge
+    from hexforge.runtime.genie_model import GenieModel
+
+    ids = prompt_ids(9)
+    model = GenieModel(genie_bundle)
+    try:
+        got = model.generate(ids, max_new_tokens=6, ignore_eos=True).token_ids
+    finally:
+        model.close()
+    sim = hexforge.load(genie_bundle, backend="qnn-sim")
+    assert sim.generate(ids, max_new_tokens=6, ignore_eos=True).token_ids == got
+
+
+@needs_genie
+def test_cli_runs_the_genie_backend(genie_bundle, capsys):
+    assert main(["run", str(genie_bundle), "The capital of France is", "-n", "6",
+                 "--backend", "genie", "--ignore-eos", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 6 and out["timings"]["backend"] == "genie"
+    assert main(["run", str(genie_bundle), "x", "--backend", "genie", "--min-p", "0.1"]) == 2
+    assert "min-p is not supported" in capsys.readouterr().err
+
+
+def test_genie_build_refuses_what_it_cannot_make(ckpt, tmp_path):
+    from hexforge.forge.pipeline import BuildOptions, build
+
+    for opts, words in ((dict(targets="cpu"), "needs an HTP --target"),
+                        (dict(targets="v81", quant="w8a16-qdq"), "fixed-point"),
+                        (dict(targets="v81", prefill_len=1), "prefill-len")):
+        with pytest.raises(BuildError, match=words):
+            build(ckpt("llama"), tmp_path / "b", BuildOptions(genie=True, context=128, **opts),
+                  log=lambda m: None)
+    with pytest.raises(BuildError, match="not a dense single-cache decoder"):
+        build(ckpt("gemma4"), tmp_path / "g", BuildOptions(targets="v81", quant="fp16",
+                                                           genie=True, context=128),
+              log=lambda m: None)
