@@ -47,7 +47,9 @@ def test_fp32_cpu_is_greedy_exact_with_kl_below_1e_6(fp32_bundle, name):
         assert r["text"]["tokens"] == LONG_EVAL - 1 > 512
 
 
-@pytest.mark.parametrize("name", MODELS)
+# Gemma-3's int8 / int4 rows (and the rest of the table) are bench/quality_table.py's, in
+# docs/quality.md: the suite builds each real model's fp32 bundle and SmolLM2's quantized ones.
+@pytest.mark.parametrize("name", ["smollm2"])
 def test_int8_cpu_kl_at_most_0_01(real_bundle, name):
     _, report = real_bundle(name, cpu_weights="int8")
     r = report["cpu"]
@@ -55,7 +57,7 @@ def test_int8_cpu_kl_at_most_0_01(real_bundle, name):
     assert r["text"]["kl_mean"] <= 0.01 and r["text"]["top1"] >= 0.9, r["text"]
 
 
-@pytest.mark.parametrize("name,weights", [("smollm2", "int4"), ("gemma3", "int4")])
+@pytest.mark.parametrize("name,weights", [("smollm2", "int4")])
 def test_int4_cpu_at_or_below_hfs_round_to_nearest_floor(real_bundle, real_hf, name, weights):
     """KL <= 1.2x the KL HF itself reaches with its decoder's Linear weights rounded to nearest
     at the same block (the embedding and head left in fp32)."""
@@ -122,6 +124,8 @@ def test_a_file_that_is_not_gguf_is_refused_in_one_line(tmp_path, capsys):
 # 16-row prefill chunks, 8 teacher-forced / greedy tokens, 32 held-out tokens. The full table
 # (128 held-out tokens, w8a16, w4a16, v79) is bench/quality_table.py's, in docs/htp.md.
 HTP = dict(context=128, prefill_len=16, verify_tokens=8, eval_tokens=32)
+# Gemma-3's 262,144-row head makes each simulated step several times SmolLM2's
+HTP_GEMMA3 = {**HTP, "verify_tokens": 4, "eval_tokens": 16}
 
 
 def test_regression_smollm2_on_the_htp_was_garbage(real_bundle):
@@ -139,7 +143,7 @@ def test_regression_gemma3_fp16_residual_overflowed_fp16(real_bundle):
     """Gemma-3-270M's BOS row reaches ~100,000 in the residual stream, past fp16's 65,504: the
     fp16 graphs carry it at 1/16 (exact: pre-norms ignore a global scale), and meet the fp16
     bar on held-out text."""
-    bundle, report = real_bundle("gemma3", targets="v81", quant="fp16", **HTP)
+    bundle, report = real_bundle("gemma3", targets="v81", quant="fp16", **HTP_GEMMA3)
     r = report["v81"]
     assert r["passed"], r["failures"]
     assert r["text"]["kl_mean"] <= 0.002 and r["text"]["top1"] >= 0.98, r["text"]

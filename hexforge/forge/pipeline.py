@@ -235,7 +235,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                     enc_graphs, tmp, tg, tg.default_soc.soc_model, log)
             if opts.genie:
                 from .genie import build_genie_bundles
-                from .htp import fp16_scale
+                from .htp.stage import fp16_scale
 
                 build_genie_bundles(fam, hf, args, htp_targets, opts, tmp, manifest,
                                     fp16_scale(fam, residual_peak, lambda m: None), log)
