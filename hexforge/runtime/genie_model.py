@@ -23,7 +23,7 @@ from pathlib import Path
 from ..errors import BundleError, ContextOverflowError, RequestError
 from . import genie
 from .options import GenerationResult
-from .text import ChatTemplate, TextTokenizer
+from .text import ChatTemplate, TextTokenizer, encode_prompt
 
 CONFIG = "genie_config.json"
 
@@ -123,13 +123,7 @@ class GenieModel:
         return self._dialog
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("the prompt is empty")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        raise RequestError("prompt must be a string or a list of token ids")
+        return encode_prompt(self.tokenizer, prompt)
 
     def _iterate(self, prompt, max_new_tokens=None, temperature=None, top_k=None, top_p=None,
                  seed=None, ignore_eos=False, **unsupported

@@ -17,7 +17,7 @@ from .options import GenerationOptions, GenerationResult, pieces_of, result_of, 
 from .sampling import make_sampler
 from .session import ChatSession
 from .speculative import PromptLookup
-from .text import ChatTemplate, TextTokenizer
+from .text import ChatTemplate, TextTokenizer, encode_prompt
 
 
 def pick_target(manifest: Manifest, backend: Backend, target: str | None = None) -> str:
@@ -133,13 +133,7 @@ class Model:
         return ChatSession(self, system)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("the prompt is empty")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        raise RequestError("prompt must be a string or a list of token ids")
+        return encode_prompt(self.tokenizer, prompt)
 
     def _iterate(self, prompt, o: GenerationOptions, steps=None
                  ) -> Iterator[tuple[str, int | None, GenerationResult | None]]:

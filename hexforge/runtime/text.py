@@ -7,6 +7,17 @@ from pathlib import Path
 from ..errors import BundleError, RequestError
 
 
+def encode_prompt(tokenizer: TextTokenizer, prompt: str | list[int]) -> list[int]:
+    """A request's prompt -> token ids: text through the tokenizer, ids as they are."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    raise RequestError("prompt must be a string or a list of token ids")
+
+
 class TextTokenizer:
     def __init__(self, tokenizer_dir: Path):
         from tokenizers import Tokenizer
