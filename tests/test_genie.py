@@ -2,7 +2,7 @@
 
 The onnxruntime-qnn wheel ships libGenie.so beside the simulator; Genie drives the binaries itself
 (its mask, rope tables, KV cache, sampler), so matching ``--backend qnn-sim`` token for token on
-the same weights is the check that the Genie contract (build/genie.py) is the graphs' arithmetic.
+the same weights is the check that the Genie contract (forge/genie.py) is the graphs' arithmetic.
 """
 
 from __future__ import annotations
@@ -15,25 +15,12 @@ from hexforge.cli import main
 from hexforge.errors import BuildError
 from tests.conftest import prompt_ids
 
-genie = pytest.importorskip("hexforge.runtime.genie")
-
-
-def _has_libgenie() -> bool:
-    try:
-        return (genie.library_dir() / "libGenie.so").is_file()
-    except Exception:
-        return False
-
-
-needs_genie = pytest.mark.skipif(not _has_libgenie(), reason="no libGenie.so (onnxruntime-qnn)")
-
 
 @pytest.fixture(scope="module")
 def genie_bundle(htp_bundle):
     return htp_bundle("llama", "fp16", genie=True)
 
 
-@needs_genie
 def test_genie_bundle_has_genies_files_in_its_conventions(genie_bundle):
     folder = genie_bundle / "genie-v81"
     cfg = json.loads((folder / "genie_config.json").read_text())["dialog"]
@@ -51,7 +38,6 @@ def test_genie_bundle_has_genies_files_in_its_conventions(genie_bundle):
     assert ext["context"]["weight_sharing_enabled"] is False
 
 
-@needs_genie
 def test_genie_greedy_tokens_equal_qnn_sim(genie_bundle):
     import hexforge
     from hexforge.runtime.genie_model import GenieModel
@@ -70,7 +56,6 @@ def test_genie_greedy_tokens_equal_qnn_sim(genie_bundle):
     assert got.finish_reason == "length" and got.prompt_tokens == 20
 
 
-@needs_genie
 def test_qnn_sessions_still_work_after_genie_in_one_process(genie_bundle):
     """libGenie loaded RTLD_GLOBAL made every later QNN EP session of the process segfault."""
     import hexforge
@@ -86,7 +71,6 @@ def test_qnn_sessions_still_work_after_genie_in_one_process(genie_bundle):
     assert sim.generate(ids, max_new_tokens=6, ignore_eos=True).token_ids == got
 
 
-@needs_genie
 def test_cli_runs_the_genie_backend(genie_bundle, capsys):
     assert main(["run", str(genie_bundle), "The capital of France is", "-n", "6",
                  "--backend", "genie", "--ignore-eos", "--json"]) == 0
