@@ -56,6 +56,44 @@ SHAPES: dict[str, dict] = {
         rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
                              mrope_interleaved=True, mrope_section=[11, 11, 10]),
     ),
+    # the seeds' own models at real size (issue: real-size builds on 24 GB). Values from the
+    # published configs as copied in public code and cross-checked against the checkpoints'
+    # safetensors sizes (Qwen3-VL-2B: 2.128B params = 4.26 GB bf16; Qwen3.5-4B: 4.54B) and, for
+    # Gemma-4-E4B, transformers' convert_gemma4_weights.py (_VARIANTS["gemma-4-e4b"])
+    # Qwen/Qwen3-VL-2B-Instruct text_config
+    "qwen3-vl-2b": dict(
+        model_type="qwen3_vl_text", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_interleaved=True,
+                             mrope_section=[24, 20, 20]),
+    ),
+    # Qwen/Qwen3.5-4B text_config: 32 layers = 8 x (3 Gated DeltaNet + 1 gated full attention)
+    "qwen3.5-4b": dict(
+        model_type="qwen3_5_text", hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=256, vocab_size=248320,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        attn_output_gate=True, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        max_position_embeddings=262144,
+        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                             mrope_interleaved=True, mrope_section=[11, 11, 10]),
+    ),
+    # google/gemma-4-E4B text_config: 42 layers (5 sliding : 1 full), the last 18 KV-shared,
+    # single-width MLPs (E2B's are double-wide), per-layer embeddings 262144 x 42*256
+    "gemma-4-e4b": dict(
+        model_type="gemma4_text", hidden_size=2560, intermediate_size=10240, num_hidden_layers=42,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, global_head_dim=512,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7,
+        sliding_window=512, num_kv_shared_layers=18, use_double_wide_mlp=False,
+        hidden_size_per_layer_input=256, vocab_size=262144, vocab_size_per_layer_input=262144,
+        final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+        max_position_embeddings=131072, tie_word_embeddings=True, attention_k_eq_v=False,
+        rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                rope_theta=1000000.0)),
+    ),
 }
 SHAPES["qwen3.5-0.8b-vl"] = SHAPES["qwen3.5-0.8b"]
 # shape -> (the composite's model_type, its vision_config): Qwen/Qwen3.5-0.8B vision_config
@@ -63,7 +101,18 @@ TOWERS: dict[str, tuple[str, dict]] = {
     "qwen3.5-0.8b-vl": ("qwen3_5", dict(
         depth=12, hidden_size=768, intermediate_size=3072, num_heads=12, out_hidden_size=1024,
         patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304)),
+    # Qwen/Qwen3-VL-2B-Instruct vision_config (deepstack mergers after blocks 5, 11, 17)
+    "qwen3-vl-2b-vl": ("qwen3_vl", dict(
+        depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
+        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+        deepstack_visual_indexes=[5, 11, 17])),
+    # Qwen/Qwen3.5-4B vision_config
+    "qwen3.5-4b-vl": ("qwen3_5", dict(
+        depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560,
+        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304)),
 }
+SHAPES["qwen3-vl-2b-vl"] = SHAPES["qwen3-vl-2b"]
+SHAPES["qwen3.5-4b-vl"] = SHAPES["qwen3.5-4b"]
 
 
 def _cut(cfg: dict, layers: int) -> dict:

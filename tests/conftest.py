@@ -29,34 +29,56 @@ CONTEXT = 256
 
 
 @pytest.fixture(scope="session")
-def ckpt(tmp_path_factory):
-    """ckpt("llama") -> path of a tiny checkpoint, made once per session."""
-    from hexforge.tiny import make_tiny_checkpoint
+def once(tmp_path_factory):
+    """once(key, make) -> the folder ``make(folder)`` filled, made once per run: under xdist by
+    the first worker that asks, the other waiting for it (a bundle two test files build, in
+    two workers, was built twice: a Gemma-4 HTP build is ~2 min)."""
+    import hashlib
+    import shutil
 
-    made: dict[str, Path] = {}
+    from filelock import FileLock
 
-    def get(family: str) -> Path:
-        if family not in made:
-            made[family] = make_tiny_checkpoint(family, tmp_path_factory.mktemp(f"ckpt-{family}"))
-        return made[family]
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's basetemp, above each worker's own
+    root = root / "once"
+    root.mkdir(exist_ok=True)
+    seen: dict[str, Path] = {}
+
+    def get(key, make) -> Path:
+        name = hashlib.sha1(repr(key).encode()).hexdigest()[:16]
+        if name not in seen:
+            folder = root / name
+            with FileLock(str(folder) + ".lock"):
+                if not (folder / ".made").is_file():
+                    shutil.rmtree(folder, ignore_errors=True)
+                    folder.mkdir()
+                    make(folder)
+                    (folder / ".made").touch()
+            seen[name] = folder
+        return seen[name]
 
     return get
 
 
 @pytest.fixture(scope="session")
-def bundle(ckpt, tmp_path_factory):
+def ckpt(once):
+    """ckpt("llama") -> path of a tiny checkpoint, made once per run."""
+    from hexforge.tiny import make_tiny_checkpoint
+
+    return lambda family: once(("ckpt", family),
+                               lambda d: make_tiny_checkpoint(family, d / "ckpt")) / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def bundle(ckpt, once):
     """bundle("llama", max_shard_bytes=...) -> a built cpu bundle, built once per option set."""
     from hexforge.forge.pipeline import BuildOptions, build
 
-    built: dict[tuple, Path] = {}
-
     def get(family: str, **kw) -> Path:
-        key = (family, tuple(sorted(kw.items())))
-        if key not in built:
-            opts = BuildOptions(context=CONTEXT, prefill_len=N, **kw)
-            out = tmp_path_factory.mktemp(f"bundle-{family}") / "b"
-            built[key] = build(ckpt(family), out, opts, log=lambda m: None)
-        return built[key]
+        opts = BuildOptions(context=CONTEXT, prefill_len=N, **kw)
+        return once(("bundle", family, repr(sorted(kw.items()))),
+                    lambda d: build(ckpt(family), d / "b", opts, log=lambda m: None)) / "b"
 
     return get
 
@@ -119,20 +141,15 @@ def text_with_tokens(tokenizer_dir: Path, n: int) -> str:
 
 
 @pytest.fixture(scope="session")
-def htp_bundle(ckpt, tmp_path_factory):
+def htp_bundle(ckpt, once):
     """htp_bundle("llama", "w8a16", "v81", **opts) -> a bundle with HTP targets, built once."""
     from hexforge.forge.pipeline import BuildOptions, build
 
-    built: dict[tuple, Path] = {}
-
     def get(family: str, quant: str, targets: str = "v81", **kw) -> Path:
-        key = (family, quant, targets, repr(sorted(kw.items())))
-        if key not in built:
-            opts = BuildOptions(targets=targets, quant=quant, context=HTP_CONTEXT,
-                                prefill_len=HTP_N, **kw)
-            out = tmp_path_factory.mktemp(f"htp-{family}-{quant}") / "b"
-            built[key] = build(ckpt(family), out, opts, log=lambda m: None)
-        return built[key]
+        opts = BuildOptions(targets=targets, quant=quant, context=HTP_CONTEXT,
+                            prefill_len=HTP_N, **kw)
+        return once(("htp", family, quant, targets, repr(sorted(kw.items()))),
+                    lambda d: build(ckpt(family), d / "b", opts, log=lambda m: None)) / "b"
 
     return get
 

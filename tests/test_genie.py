@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from hexforge.cli import main
@@ -54,6 +55,44 @@ def test_genie_greedy_tokens_equal_qnn_sim(genie_bundle):
     assert got.token_ids == want
     assert again.token_ids == want
     assert got.finish_reason == "length" and got.prompt_tokens == 20
+
+
+def test_the_oracle_scores_the_genie_binaries_fed_as_genie_feeds_them(genie_bundle):
+    """Genie returns tokens, not logits: the build runs the Genie binaries itself (forge/
+    genie_verify.py: Genie's mask, rope tables from genie_config.json, its KV appends) and
+    scores them on the held-out text like a target. Same arithmetic as the v81 target's graphs,
+    so the same KL to a few percent."""
+    r = json.loads((genie_bundle / "report.json").read_text())
+    genie, v81 = r["genie-v81"], r["v81"]
+    assert genie["passed"], genie["failures"]
+    assert genie["text"]["tokens"] == v81["text"]["tokens"]
+    assert genie["text"]["kl_mean"] == pytest.approx(v81["text"]["kl_mean"], rel=0.2)
+    assert genie["teacher_forced"]["top1"] == v81["teacher_forced"]["top1"]
+
+
+@pytest.mark.parametrize("scaling", [
+    None, {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64}])
+def test_genie_rope_from_its_config_equals_hfs(scaling):
+    """The oracle's rope tables come from genie_config.json as Genie computes them: the config
+    hexforge writes must give HF's inv_freq."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from hexforge.forge.genie_bundle import rope_config
+    from hexforge.forge.genie_verify import genie_inv_freq
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, rope_theta=50000.0,
+                      max_position_embeddings=256, rope_scaling=scaling)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        want = 1.0 / 50000.0 ** (torch.arange(0, 32, 2).double() / 32)
+    else:
+        want, _ = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+    got = genie_inv_freq(rope_config(cfg.to_dict(), 32))
+    np.testing.assert_allclose(got, want.double().numpy(), rtol=1e-6)
 
 
 def test_qnn_sessions_still_work_after_genie_in_one_process(genie_bundle):

@@ -51,13 +51,19 @@ def export_module(module, path: Path, exporter: str = "dynamo") -> tuple[list[Te
         raise
     except Exception as e:
         raise BuildError(f"ONNX export of {path.name} failed: {type(e).__name__}: {e}") from e
-    _check_io(path, in_names, out_names)
-    gather_side_files(path)
-    fold_initializer_identities(path)
+    import onnx
+
+    m = onnx.load(str(path), load_external_data=False)  # once: a 262k-row head is ~1 s a load
+    _check_io(m, path, in_names, out_names)
+    if gather_side_files(path, m):
+        fold_initializer_identities(path)  # the file was rewritten
+    elif _fold_identities(m):
+        onnx.save(m, str(path))
+    del m
     return io.specs(list(args), "inputs"), io.specs(list(outs), "outputs")
 
 
-def gather_side_files(path: Path) -> int:
+def gather_side_files(path: Path, model=None) -> int:
     """A graph over protobuf's 2 GB leaves the exporter's weights as one file per tensor beside
     it (names like ``onnx__MatMul_5298``, which the next export may reuse for another tensor), the
     values of large Constant nodes too (``_shard_shard_layers.3_mixer_Constant_18_attr__value``):
@@ -66,7 +72,7 @@ def gather_side_files(path: Path) -> int:
     import onnx
     from onnx.external_data_helper import ExternalDataInfo
 
-    m = onnx.load(str(path), load_external_data=False)
+    m = model if model is not None else onnx.load(str(path), load_external_data=False)
     side = {ExternalDataInfo(t).location for t in _tensors(m.graph)
             if t.data_location == onnx.TensorProto.EXTERNAL}
     side.discard(path.name + ".data")
@@ -105,6 +111,13 @@ def fold_initializer_identities(path: Path) -> int:
     import onnx
 
     m = onnx.load(str(path), load_external_data=False)
+    n = _fold_identities(m)
+    if n:
+        onnx.save(m, str(path))
+    return n
+
+
+def _fold_identities(m) -> int:
     inits = {t.name for t in m.graph.initializer}
     outputs = {o.name for o in m.graph.output}
     alias = {n.output[0]: n.input[0] for n in m.graph.node
@@ -116,14 +129,10 @@ def fold_initializer_identities(path: Path) -> int:
         n.input[:] = [alias.get(x, x) for x in n.input]
     del m.graph.node[:]
     m.graph.node.extend(keep)
-    onnx.save(m, str(path))
     return len(alias)
 
 
-def _check_io(path: Path, in_names: list[str], out_names: list[str]) -> None:
-    import onnx
-
-    m = onnx.load(str(path), load_external_data=False)
+def _check_io(m, path: Path, in_names: list[str], out_names: list[str]) -> None:
     got_in = [i.name for i in m.graph.input]
     got_out = [o.name for o in m.graph.output]
     if got_in != in_names or got_out != out_names:

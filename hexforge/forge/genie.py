@@ -165,22 +165,36 @@ def export_genie_graphs(fam, hf, args, host, folder: Path, prefill_len: int, con
     return paths
 
 
-def compile_genie_graphs(paths: list[Path], out: Path, htp_arch: int, soc_model: int,
-                         log) -> list[Path]:
-    """Each graph to its own context binary ``out/<name>.bin`` (Genie's ctx-bins list)."""
+def compile_genie_graphs(paths: list[Path], work: Path, out: Path | None, htp_arch: int,
+                         soc_model: int, log) -> list[Path]:
+    """Each graph to its own context binary in ``work`` (beside the EPContext model the oracle
+    loads it by, ``genie_verify``), linked into ``out/<name>.bin`` (Genie's ctx-bins list) unless
+    ``out`` is None (the unshared twins of a weight-shared bundle). -> the binaries in ``out``."""
     from .htp.compile import compile_graph
 
-    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     bins = []
     for src in paths:
         name = src.name.split(".")[0]  # prompt_ar16_cl128_1_of_1(.wo).onnx
-        res = compile_graph(src, out / f"{name}.ctx.onnx", htp_arch, soc_model, fp16=True)
-        binary = out / f"{name}.bin"
-        res["bin"].replace(binary)
-        res["ctx"].unlink()  # Genie reads the binary alone
-        log(f"  compiled {binary.name}: {binary.stat().st_size:,} B ({res['seconds']:.1f}s)")
-        bins.append(binary)
+        res = compile_graph(src, work / f"{name}.ctx.onnx", htp_arch, soc_model, fp16=True)
+        log(f"  compiled {name}: {res['bin_bytes']:,} B ({res['seconds']:.1f}s)")
+        if out is not None:
+            binary = out / f"{name}.bin"
+            _link(res["bin"], binary)
+            bins.append(binary)
     return bins
+
+
+def _link(src: Path, dst: Path) -> None:
+    """``dst`` the same bytes as ``src`` (a hard link where the filesystem allows)."""
+    import os
+    import shutil
+
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def check_family(fam, args) -> None:
@@ -235,20 +249,21 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
                 paths = _weight_only(paths, recipe, args.vocab_size)
             log(f"[genie] exported {len(paths)} graphs ({time.perf_counter() - t:.1f}s)")
         folder = root / folder_name(target.name)
+        folder.mkdir()
         soc = target.default_soc.soc_model
+        say = (lambda m, t=target.name: log(f"[{t}] genie {m.strip()}"))  # noqa: E731
         if opts.share_weights:  # devices: one context for both variants (Genie's usual bundle)
             from .htp.compile import compile_shared
 
-            folder.mkdir()
             res = compile_shared([(p, work / f"{target.name}-{p.stem}.ctx.onnx") for p in paths],
                                  target.htp_arch, soc, fp16=True)
             bins = [folder / "decoder_1_of_1.bin"]
             res["bin"].replace(bins[0])
+            if opts.verify:  # the simulator loads no shared context: the oracle's twins
+                compile_genie_graphs(paths, work / target.name, None, target.htp_arch, soc, say)
         else:
-            bins = compile_genie_graphs(paths, folder, target.htp_arch, soc,
-                                        lambda m, t=target.name: log(f"[{t}] genie {m.strip()}"))
-        for f in folder.glob("*.ctx.onnx"):
-            f.unlink()
+            bins = compile_genie_graphs(paths, work / target.name, folder, target.htp_arch, soc,
+                                        say)
         write_bundle_files(folder, manifest, bins, root / manifest.tokenizer.dir / "tokenizer.json",
                            soc, target.htp_arch, args.head_dim, weight_sharing=opts.share_weights)
         log(f"[{target.name}] Genie bundle {folder.name}/ ({len(bins)} context binaries)")

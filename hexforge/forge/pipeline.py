@@ -261,6 +261,11 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                 hf = None
             report = verify_bundle(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens,
                                    references=refs, qdq_twins=qdq, evaluation=evaluation)
+            if opts.genie:  # Genie returns no logits: its graphs, fed as Genie feeds them
+                from .genie_verify import verify_genie_bundles
+
+                report |= verify_genie_bundles(tmp, manifest, args, refs, opts.verify_tokens,
+                                               evaluation.name)
             if not opts.keep_work:
                 shutil.rmtree(tmp / "_work", ignore_errors=True)
             opts.timings["verify_s"] = time.perf_counter() - t

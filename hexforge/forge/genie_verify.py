@@ -1,0 +1,203 @@
+"""The oracle of a Genie bundle: its compiled graphs, fed as Genie feeds them, against HF.
+
+Genie hands back tokens, never logits, so a run through ``libGenie`` can be compared with
+``--backend qnn-sim`` token for token (tests/test_genie.py) but not scored. The build scores the
+Genie graphs itself: each variant's context binary (the unshared twin where the bundle shares
+weights) runs on the HTP — the x86 simulator here — through onnxruntime's QNN EP, driven the way
+Genie's SMART_MASK KV manager drives it (docs/genie.md, measured with ``dump-tensors``):
+
+    cache   past_key_{L}   [KVH, 1, D, CL]   rows 0..n-1 hold the tokens so far (host side)
+    AR-N    a prompt in chunks of N, the last right-padded (pad rows masked, not kept)
+    AR-1    one token a step once the prompt is in
+    feeds   input_ids [1, AR] int32; past_*_in = the cache's first CL - AR rows;
+            attention_mask [1, 1, AR, CL]: 0 on the n valid past rows and causally on the
+            AR new ones, -1000 elsewhere; position_ids_cos/sin [1, 1, AR, D/2] = cos/sin of
+            (n + i) * inv_freq, inv_freq from genie_config.json's positional-encoding
+    after   the first T rows of past_*_out appended at n
+
+and judged as every target is (``verify.verify_target``'s measures and GATES): the held-out
+text through the AR-N graph (every row's logits), the oracle prompt through AR-N and HF's greedy
+tokens through AR-1 (teacher-forced), then greedy tokens of its own.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BuildError
+
+MASKED = -1000.0  # what Genie writes into a float32 mask (docs/genie.md)
+
+
+def genie_inv_freq(positional_encoding: dict) -> np.ndarray:
+    """inv_freq [D/2] as Genie computes it from the config's positional-encoding block (the rope
+    types ``genie_bundle.rope_config`` writes: default, linear, llama3)."""
+    half = int(positional_encoding["rope-dim"])
+    theta = float(positional_encoding["rope-theta"])
+    inv = 1.0 / theta ** (np.arange(half, dtype=np.float64) * 2 / (2 * half))
+    scaling = positional_encoding.get("rope-scaling")
+    if scaling is None:
+        return inv
+    kind = scaling["rope-type"]
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":  # HF's _compute_llama3_parameters
+        factor, lo, hi = scaling["factor"], scaling["low-freq-factor"], scaling["high-freq-factor"]
+        old = scaling["original-max-position-embeddings"]
+        wavelen = 2 * np.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        return np.where(wavelen > old / lo, inv / factor,
+                        np.where(wavelen < old / hi, inv, mid))
+    raise BuildError(f"genie oracle: rope-type {kind!r} is not one genie_bundle writes")
+
+
+class GenieGraphs:
+    """The Genie variants of one bundle (AR -> session) and the KV cache Genie would keep."""
+
+    def __init__(self, sessions: dict[int, object], context: int, layers: int, kv_heads: int,
+                 head_dim: int, inv_freq: np.ndarray, pad_id: int):
+        self.sessions, self.C, self.L = sessions, context, layers
+        self.KV, self.D, self.inv_freq, self.pad = kv_heads, head_dim, inv_freq, pad_id
+        self.N = max(sessions)
+        self.reset()
+
+    def reset(self) -> None:
+        self.k = np.zeros((self.L, self.KV, 1, self.D, self.C), np.float32)
+        self.v = np.zeros((self.L, self.KV, 1, self.C, self.D), np.float32)
+        self.n = 0
+
+    def run(self, ids: list[int]) -> np.ndarray:
+        """``ids`` through AR-1 (one id) or AR-N (2..N ids, padded) -> their logits [T, V]."""
+        T = len(ids)
+        AR = 1 if T == 1 else self.N
+        if not 1 <= T <= AR or self.n + AR > self.C:
+            raise BuildError(f"genie oracle: {T} tokens after {self.n} do not fit AR-{AR} / "
+                             f"CL-{self.C}")
+        S = self.C - AR
+        mask = np.full((1, 1, AR, self.C), MASKED, np.float32)
+        mask[..., :self.n] = 0.0
+        for i in range(AR):
+            mask[0, 0, i, S:S + i + 1] = 0.0
+        angles = (self.n + np.arange(AR, dtype=np.float64))[:, None] * self.inv_freq[None]
+        feeds = {"input_ids": np.array([ids + [self.pad] * (AR - T)], np.int32),
+                 "attention_mask": mask,
+                 "position_ids_cos": np.cos(angles).astype(np.float32)[None, None],
+                 "position_ids_sin": np.sin(angles).astype(np.float32)[None, None]}
+        for i in range(self.L):
+            feeds[f"past_key_{i}_in"] = self.k[i, ..., :S]
+            feeds[f"past_value_{i}_in"] = self.v[i, :, :, :S]
+        sess = self.sessions[AR]
+        out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
+        for i in range(self.L):
+            self.k[i, ..., self.n:self.n + T] = out[f"past_key_{i}_out"][..., :T]
+            self.v[i, :, :, self.n:self.n + T] = out[f"past_value_{i}_out"][:, :, :T]
+        self.n += T
+        return out["logits"][0, :T].astype(np.float32)
+
+    def prompt(self, ids: list[int]) -> np.ndarray:
+        """A prompt in AR-N chunks, as Genie runs one -> every position's logits [n, V]."""
+        return np.concatenate([self.run(ids[i:i + self.N]) for i in range(0, len(ids), self.N)])
+
+
+def open_genie_graphs(ctx_files: dict[int, Path], genie_folder: Path, htp_arch: int,
+                      soc_model: int, layers: int, kv_heads: int, head_dim: int) -> GenieGraphs:
+    import onnxruntime as ort
+
+    from ..runtime import qnn
+
+    cfg = json.loads((genie_folder / "genie_config.json").read_text())["dialog"]
+    so = qnn.session_options(qnn.provider_options(htp_arch, soc_model, True), {})
+    sessions = {}
+    for ar, path in ctx_files.items():
+        with qnn.native_stdout_to_stderr():
+            sessions[ar] = ort.InferenceSession(str(path), so)
+    eos = cfg["context"]["eos-token"]
+    pad = cfg["context"].get("pad-token", eos[0] if isinstance(eos, list) else eos)
+    return GenieGraphs(sessions, cfg["context"]["size"], layers, kv_heads, head_dim,
+                       genie_inv_freq(cfg["engine"]["model"]["positional-encoding"]),
+                       max(int(pad), 0))
+
+
+def verify_genie(graphs: GenieGraphs, ref: dict, quant: str, new_tokens: int,
+                 text_name: str) -> dict:
+    """The Genie graphs judged like a target (``verify.verify_target``'s measures and gates)."""
+    from dataclasses import asdict
+
+    from .quality import compare, log_softmax
+    from .verify import GATES
+
+    prompt, tokens = ref["prompt"], ref["tokens"]
+    graphs.reset()
+    got = [graphs.prompt(prompt)[-1]]
+    for token in tokens[:-1]:
+        got.append(graphs.run([token])[0])
+    want = ref["logits"][len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+    lp_got, lp_want = log_softmax(np.stack(got)), log_softmax(want)
+    kl_tf = (np.exp(lp_want) * (lp_want - lp_got)).sum(-1)
+    tf = {"kl_mean": float(kl_tf.mean()), "kl_max": float(kl_tf.max()),
+          "top1": float((lp_got.argmax(-1) == lp_want.argmax(-1)).mean())}
+
+    graphs.reset()
+    ids = ref["eval_ids"][:graphs.C]
+    text = {"text": text_name, **compare(ref["eval_logits"], graphs.prompt(ids), ids)}
+
+    graphs.reset()
+    own, logits = [], graphs.prompt(prompt)[-1]
+    for _ in range(min(new_tokens, graphs.C - len(prompt))):
+        own.append(int(logits.argmax()))
+        logits = graphs.run([own[-1]])[0]
+    match = next((i for i, (a, b) in enumerate(zip(own, tokens, strict=False)) if a != b),
+                 len(own))
+
+    gate = GATES[quant]
+    failures = []
+    for what, r in (("teacher-forced", tf), ("held-out text", text)):
+        if r["kl_mean"] > gate.kl:
+            failures.append(f"{what} KL {r['kl_mean']:.4g} > {gate.kl:g}")
+        if r["top1"] < gate.top1:
+            failures.append(f"{what} top-1 {r['top1']:.3f} < {gate.top1}")
+    return {"quant": quant, "gate": asdict(gate), "runs": "genie graphs, Genie's feeds",
+            "prompt_tokens": len(prompt), "teacher_forced": tf, "text": text,
+            "greedy": {"new_tokens": len(own), "matching_prefix": match,
+                       "exact": match == len(tokens), "hf": tokens, "bundle": own},
+            "passed": not failures, "failures": failures}
+
+
+def genie_ctx_files(work: Path, target: str, context: int) -> dict[int, Path]:
+    """AR -> the EPContext model of a target's unshared Genie binary in the build's _work/
+    (``genie.compile_genie_graphs``; named ``genie.graph_name``)."""
+    import re
+
+    files = {int(re.search(r"_ar(\d+)_", p.name).group(1)): p
+             for p in (work / target).glob(f"*_ar*_cl{context}_1_of_1.ctx.onnx")}
+    if 1 not in files or len(files) != 2:
+        raise BuildError(f"genie oracle: no prefill + decode EPContext models in {work / target}")
+    return files
+
+
+def verify_genie_bundles(root: Path, manifest, args, refs: dict[str, dict], new_tokens: int,
+                         text_name: str) -> dict[str, dict]:
+    """Each HTP target's Genie bundle (``genie-<target>/``) judged on the HTP -> {folder: report},
+    beside the targets' own in report.json."""
+    from .genie_bundle import folder_name
+    from .progress import stage
+
+    out = {}
+    work = root / "_work" / "genie"
+    for name, spec in manifest.targets.items():
+        if spec.htp_arch is None:
+            continue
+        with stage(f"oracle {folder_name(name)}", 1) as advance:
+            graphs = open_genie_graphs(
+                genie_ctx_files(work, name, manifest.context),
+                root / folder_name(name), spec.htp_arch, spec.soc_model,
+                args.num_hidden_layers, args.num_key_value_heads, args.head_dim)
+            out[folder_name(name)] = verify_genie(graphs, refs[name], spec.quant, new_tokens,
+                                                  text_name)
+            del graphs
+            advance()
+    return out
