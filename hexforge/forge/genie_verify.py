@@ -128,7 +128,7 @@ def verify_genie(graphs: GenieGraphs, ref: dict, quant: str, new_tokens: int,
     from dataclasses import asdict
 
     from .quality import compare, log_softmax
-    from .verify import GATES
+    from .verify import GATES, kl_failures
 
     prompt, tokens = ref["prompt"], ref["tokens"]
     graphs.reset()
@@ -154,12 +154,7 @@ def verify_genie(graphs: GenieGraphs, ref: dict, quant: str, new_tokens: int,
                  len(own))
 
     gate = GATES[quant]
-    failures = []
-    for what, r in (("teacher-forced", tf), ("held-out text", text)):
-        if r["kl_mean"] > gate.kl:
-            failures.append(f"{what} KL {r['kl_mean']:.4g} > {gate.kl:g}")
-        if r["top1"] < gate.top1:
-            failures.append(f"{what} top-1 {r['top1']:.3f} < {gate.top1}")
+    failures = kl_failures(gate, tf, text)
     return {"quant": quant, "gate": asdict(gate), "runs": "genie graphs, Genie's feeds",
             "prompt_tokens": len(prompt), "teacher_forced": tf, "text": text,
             "greedy": {"new_tokens": len(own), "matching_prefix": match,

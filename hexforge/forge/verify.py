@@ -302,11 +302,7 @@ def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Mani
     failures = [f"{n}: cos {g['cos_min']:.6f} < {gate.graph_cos}" for n, g in graphs.items()
                 if gate.graph_cos is not None and g["cos_min"] < gate.graph_cos and n != "head"
                 and not n.endswith(":logits")]
-    for what, r in (("teacher-forced", tfs), ("held-out text", text)):
-        if r["kl_mean"] > gate.kl:
-            failures.append(f"{what} KL {r['kl_mean']:.4g} > {gate.kl:g}")
-        if r["top1"] < gate.top1:
-            failures.append(f"{what} top-1 {r['top1']:.3f} < {gate.top1}")
+    failures += kl_failures(gate, tfs, text)
     if gate.greedy_exact and match < len(ref["tokens"]):
         failures.append(f"greedy tokens differ from HF at step {match} of {len(ref['tokens'])}")
     return {
@@ -316,6 +312,17 @@ def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Mani
                    "exact": match == len(ref["tokens"]), "hf": ref["tokens"], "bundle": got},
         "passed": not failures, "failures": failures,
     }
+
+
+def kl_failures(gate: Gate, teacher_forced: dict, text: dict) -> list[str]:
+    """The gate's KL and top-1 bars on the teacher-forced prompt and the held-out text."""
+    failures = []
+    for what, r in (("teacher-forced", teacher_forced), ("held-out text", text)):
+        if r["kl_mean"] > gate.kl:
+            failures.append(f"{what} KL {r['kl_mean']:.4g} > {gate.kl:g}")
+        if r["top1"] < gate.top1:
+            failures.append(f"{what} top-1 {r['top1']:.3f} < {gate.top1}")
+    return failures
 
 
 def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[str] | None = None,
