@@ -15,9 +15,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("HEXFORGE_CPU_SPIN", "0")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# the longest file first: with `-n 2 --dist loadfile` (the README's command) one worker takes the
-# real trained models (~20 min) while the other runs the rest, instead of starting them last
-HEAVY_FIRST = ("test_real_models.py",)
+# the longest files first: with `-n 2 --dist loadfile` (the README's command) the two workers start
+# on the real trained models' cpu and HTP files (~10 min each), instead of one of them last
+HEAVY_FIRST = ("test_real_models.py", "test_real_models_htp.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -26,6 +26,16 @@ def pytest_collection_modifyitems(items):
 
 N = 8  # prefill AR-N of the test bundles: small, so chunk-boundary prompts stay cheap
 CONTEXT = 256
+
+
+def run_folder(tmp_path_factory, name: str) -> Path:
+    """A folder of this run that every xdist worker sees (the run's basetemp is above each
+    worker's own)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    (root / name).mkdir(exist_ok=True)
+    return root / name
 
 
 @pytest.fixture(scope="session")
@@ -38,11 +48,7 @@ def once(tmp_path_factory):
 
     from filelock import FileLock
 
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the run's basetemp, above each worker's own
-    root = root / "once"
-    root.mkdir(exist_ok=True)
+    root = run_folder(tmp_path_factory, "once")
     seen: dict[str, Path] = {}
 
     def get(key, make) -> Path:
@@ -167,8 +173,9 @@ REAL_N = 64
 
 @pytest.fixture(scope="session", autouse=True)
 def _gguf_cache(tmp_path_factory):
-    """GGUF conversions go to a cache of this run: each real model is converted once."""
-    os.environ["HEXFORGE_CACHE"] = str(tmp_path_factory.mktemp("hexforge-cache"))
+    """GGUF conversions go to a cache of this run: each real model is converted once (two
+    workers converting one file at once both finish: forge/gguf.py renames into place)."""
+    os.environ["HEXFORGE_CACHE"] = str(run_folder(tmp_path_factory, "hexforge-cache"))
 
 
 @pytest.fixture(scope="session")

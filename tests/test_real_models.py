@@ -1,7 +1,8 @@
 """Real trained models, built from their GGUF files, judged on real text against the HF oracle.
 
 SmolLM2-135M-Instruct (llama) and Gemma-3-270M (gemma3_text), each converted once per run. The
-held-out text is forge/quality.py's (no build calibrates on it). Numbers: docs/quality.md.
+held-out text is forge/quality.py's (no build calibrates on it). Numbers: docs/quality.md. The
+HTP targets: tests/test_real_models_htp.py.
 """
 
 from __future__ import annotations
@@ -117,62 +118,3 @@ def test_a_file_that_is_not_gguf_is_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "not a GGUF file" in err
     assert not (tmp_path / "b").exists()
-
-
-# The HTP on real weights, on the x86 simulator: a SmolLM2 fp16 decode step takes ~5 s there,
-# a w8a16 one ~30 s (it emulates MatMulNBits), so the suite runs fp16 with a small oracle —
-# 16-row prefill chunks, 8 teacher-forced / greedy tokens, 32 held-out tokens. The full table
-# (128 held-out tokens, w8a16, w4a16, v79) is bench/quality_table.py's, in docs/htp.md.
-HTP = dict(context=128, prefill_len=16, verify_tokens=8, eval_tokens=32)
-SMOLLM2_HTP = {**HTP, "genie": True}  # its Genie bundle too (docs/genie.md)
-# Gemma-3's 262,144-row head makes each simulated step several times SmolLM2's
-HTP_GEMMA3 = {**HTP, "verify_tokens": 4, "eval_tokens": 16}
-
-
-def test_regression_smollm2_on_the_htp_was_garbage(real_bundle):
-    """SmolLM2's first row carries 22,500 in one residual channel: the decomposed RMSNorm's x*x
-    overflowed fp16 (v81 teacher-forced top-1 0.25). Fused norms and the residual at 1/4: the
-    fp16 bar, KL <= 0.002 and top-1 >= 0.98, on held-out text and teacher-forced."""
-    _, report = real_bundle("smollm2", targets="v81", quant="fp16", **SMOLLM2_HTP)
-    r = report["v81"]
-    assert r["passed"], r["failures"]
-    assert r["text"]["kl_mean"] <= 0.002 and r["text"]["top1"] >= 0.98, r["text"]
-    assert r["teacher_forced"]["top1"] >= 0.98 and r["greedy"]["exact"]
-
-
-def test_regression_gemma3_fp16_residual_overflowed_fp16(real_bundle):
-    """Gemma-3-270M's BOS row reaches ~100,000 in the residual stream, past fp16's 65,504: the
-    fp16 graphs carry it at 1/16 (exact: pre-norms ignore a global scale), and meet the fp16
-    bar on held-out text."""
-    bundle, report = real_bundle("gemma3", targets="v81", quant="fp16", **HTP_GEMMA3)
-    r = report["v81"]
-    assert r["passed"], r["failures"]
-    assert r["text"]["kl_mean"] <= 0.002 and r["text"]["top1"] >= 0.98, r["text"]
-    assert json.loads((bundle / "manifest.json").read_text())["targets"]["v81"][
-        "hidden_scale"] == 1 / 16
-
-
-def test_smollm2_answers_on_the_simulator(real_bundle):
-    """The demo's question, on the v81 simulator: through hexforge's runtime, and through
-    Qualcomm's Genie runtime (libGenie) driving the bundle's Genie binaries, token for token."""
-    import hexforge
-    from hexforge.runtime.genie_model import GenieModel
-
-    bundle, _ = real_bundle("smollm2", targets="v81", quant="fp16", **SMOLLM2_HTP)
-    question = [{"role": "user", "content": "What is the capital of France?"}]
-    out = hexforge.load(bundle, backend="qnn-sim").chat(question, max_new_tokens=12)
-    assert "Paris" in out.text
-    genie = GenieModel(bundle)
-    try:
-        assert genie.chat(question, max_new_tokens=12).token_ids == out.token_ids
-    finally:
-        genie.close()
-
-
-def test_smollm2_genie_binaries_meet_the_fp16_bar(real_bundle):
-    """Genie returns no logits: the build scores its binaries fed as Genie feeds them
-    (forge/genie_verify.py) on the held-out text, at the fp16 bar."""
-    _, report = real_bundle("smollm2", targets="v81", quant="fp16", **SMOLLM2_HTP)
-    r = report["genie-v81"]
-    assert r["passed"], r["failures"]
-    assert r["text"]["kl_mean"] <= 0.002 and r["text"]["top1"] >= 0.98, r["text"]
