@@ -15,14 +15,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("HEXFORGE_CPU_SPIN", "0")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# the longest files first: with `-n 2 --dist loadfile` (the README's command) the two workers start
-# on the real trained models' cpu and HTP files (~10 min each), instead of one of them last
-HEAVY_FIRST = ("test_real_models.py", "test_real_models_htp.py")
-
-
-def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.path.name not in HEAVY_FIRST)  # stable: the rest in order
-
 
 N = 8  # prefill AR-N of the test bundles: small, so chunk-boundary prompts stay cheap
 CONTEXT = 256
