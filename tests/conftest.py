@@ -195,24 +195,30 @@ def real_gguf(tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_bundle(real_gguf, tmp_path_factory):
     """real_bundle("smollm2", cpu_weights="int4", **opts) -> (bundle, its report.json), built
-    from the GGUF once per option set; the build's own gates must pass."""
+    from the GGUF; the build's own gates must pass. A real bundle is up to ~2 GB on disk, so
+    only the last one asked for is kept: building another deletes it (the tests that share a
+    bundle sit next to each other in their file)."""
     import json
+    import shutil
 
     from hexforge.forge.pipeline import BuildOptions, build
 
-    built: dict[tuple, tuple[Path, dict]] = {}
+    last: dict[tuple, tuple[Path, dict]] = {}
 
     def get(name: str, **kw) -> tuple[Path, dict]:
         key = (name, tuple(sorted(kw.items())))
-        if key not in built:
+        if key not in last:
+            for out, _ in last.values():
+                shutil.rmtree(out.parent, ignore_errors=True)
+            last.clear()
             # no AR-k verify graph: speculative decoding has its own tests, and a Gemma-3 one
             # (its 262,144-row head included) is ~40 s of export per build
             opts = BuildOptions(**{"context": REAL_CONTEXT, "prefill_len": REAL_N,
                                    "verify_len": 0, **kw})
             out = tmp_path_factory.mktemp(f"real-{name}") / "b"
             build(real_gguf(name), out, opts, log=lambda m: None)
-            built[key] = (out, json.loads((out / "report.json").read_text()) if opts.verify else {})
-        return built[key]
+            last[key] = (out, json.loads((out / "report.json").read_text()) if opts.verify else {})
+        return last[key]
 
     return get
 

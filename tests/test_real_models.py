@@ -36,6 +36,39 @@ def fp32_bundle(real_bundle, tmp_path_factory):
     return get
 
 
+# the tests that share SmolLM2's fp32 bundle first and together (conftest keeps one real bundle)
+def test_smollm2_chat_answers_from_its_gguf_chat_template(fp32_bundle):
+    import hexforge
+
+    bundle, _ = fp32_bundle("smollm2")
+    model = hexforge.load(bundle)
+    out = model.chat([{"role": "user", "content": "What is the capital of France?"}],
+                     max_new_tokens=16)
+    assert "Paris" in out.text
+
+
+def test_gguf_converts_once_and_verify_reports_kl_perplexity_and_top1(fp32_bundle, real_gguf,
+                                                                      capsys):
+    """`hexforge verify B --reference MODEL.gguf --json`: the cached conversion, the oracle's
+    real-text numbers; `hexforge inspect --json` carries them from report.json."""
+    from hexforge.cli import main
+    from hexforge.forge.gguf import cache_root
+
+    bundle, _ = fp32_bundle("smollm2")
+    converted = list(cache_root().iterdir())
+    assert main(["verify", str(bundle), "--reference", str(real_gguf("smollm2")), "--json",
+                 "-n", "8", "--eval-tokens", "64"]) == 0
+    assert list(cache_root().iterdir()) == converted  # no second conversion
+    r = json.loads(capsys.readouterr().out)["cpu"]
+    assert r["passed"] and r["text"]["tokens"] == 63
+    for k in ("kl_mean", "kl_p99", "top1", "ppl", "ppl_hf"):
+        assert k in r["text"]
+    assert r["text"]["kl_mean"] < 1e-6
+    assert main(["inspect", str(bundle), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["report"]["cpu"]["text"]["tokens"] == 255
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_fp32_cpu_is_greedy_exact_with_kl_below_1e_6(fp32_bundle, name):
     _, report = fp32_bundle(name)
@@ -75,38 +108,6 @@ def test_int4_cpu_at_or_below_hfs_round_to_nearest_floor(real_bundle, real_hf, n
     floor = fake_quant_floor(hf, 4, CPU_WEIGHTS[weights][1], ids, hf_logits(hf, ids),
                              fam.reference_layers(hf))
     assert r["text"]["kl_mean"] <= 1.2 * floor["kl_mean"], (r["text"], floor)
-
-
-def test_smollm2_chat_answers_from_its_gguf_chat_template(fp32_bundle):
-    import hexforge
-
-    bundle, _ = fp32_bundle("smollm2")
-    model = hexforge.load(bundle)
-    out = model.chat([{"role": "user", "content": "What is the capital of France?"}],
-                     max_new_tokens=16)
-    assert "Paris" in out.text
-
-
-def test_gguf_converts_once_and_verify_reports_kl_perplexity_and_top1(fp32_bundle, real_gguf,
-                                                                      capsys):
-    """`hexforge verify B --reference MODEL.gguf --json`: the cached conversion, the oracle's
-    real-text numbers; `hexforge inspect --json` carries them from report.json."""
-    from hexforge.cli import main
-    from hexforge.forge.gguf import cache_root
-
-    bundle, _ = fp32_bundle("smollm2")
-    converted = list(cache_root().iterdir())
-    assert main(["verify", str(bundle), "--reference", str(real_gguf("smollm2")), "--json",
-                 "-n", "8", "--eval-tokens", "64"]) == 0
-    assert list(cache_root().iterdir()) == converted  # no second conversion
-    r = json.loads(capsys.readouterr().out)["cpu"]
-    assert r["passed"] and r["text"]["tokens"] == 63
-    for k in ("kl_mean", "kl_p99", "top1", "ppl", "ppl_hf"):
-        assert k in r["text"]
-    assert r["text"]["kl_mean"] < 1e-6
-    assert main(["inspect", str(bundle), "--json"]) == 0
-    info = json.loads(capsys.readouterr().out)
-    assert info["report"]["cpu"]["text"]["tokens"] == 255
 
 
 def test_a_file_that_is_not_gguf_is_refused_in_one_line(tmp_path, capsys):
