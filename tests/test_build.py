@@ -121,6 +121,37 @@ def test_regression_exporter_side_files_were_left_in_the_bundle(tmp_path):
     assert gather_side_files(path) == 0  # already gathered: nothing to do
 
 
+def test_share_weights_streams_the_exporters_external_weights_into_one_deduplicated_file(tmp_path):
+    """Without a transform, share_weights reads each externally stored weight by itself (a
+    real-size HTP shard's fp32 graph loaded whole was the build's peak memory); the prefill and
+    decode graphs' equal weights are stored once and both graphs compute as before."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    from hexforge.forge.export import share_weights
+
+    rng = np.random.default_rng(1)
+    w, b = rng.standard_normal((64, 64)).astype(np.float32), rng.standard_normal(64).astype(np.float32)
+    graphs = [tmp_path / "s0.prefill.onnx", tmp_path / "s0.decode.onnx"]
+    for path, rows in zip(graphs, (4, 1), strict=True):
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["y"])],
+            "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [rows, 64])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [rows, 64])],
+            [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+        onnx.save(helper.make_model(graph), str(path), save_as_external_data=True,
+                  location=path.name + ".data", size_threshold=0)  # as export_module leaves it
+    written = share_weights(graphs, "s0.weights")
+    assert written == w.nbytes  # once; b (256 B) back inline in each graph
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "s0.decode.onnx", "s0.prefill.onnx", "s0.weights"]
+    for g, rows in zip(graphs, (4, 1), strict=True):
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        y = ort.InferenceSession(str(g), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        np.testing.assert_allclose(y, x @ w + b, rtol=1e-5, atol=1e-5)
+
+
 def test_regression_constant_value_side_files_were_left_in_the_bundle(tmp_path):
     """The exporter also writes a large Constant node's value as a file of its own
     (``_shard_shard_layers.3_mixer_Constant_18_attr__value``, 128 KiB, two per real-size Qwen3.5

@@ -68,24 +68,60 @@ def gather_side_files(path: Path, model=None) -> int:
     it (names like ``onnx__MatMul_5298``, which the next export may reuse for another tensor), the
     values of large Constant nodes too (``_shard_shard_layers.3_mixer_Constant_18_attr__value``):
     move the weights into ``<graph>.data`` at once, which ``share_weights`` then takes in, and the
-    Constants' values into the graph. -> files."""
+    Constants' values into the graph — a tensor at a time (a real-size shard is GBs). -> files."""
     import onnx
     from onnx.external_data_helper import ExternalDataInfo
 
     m = model if model is not None else onnx.load(str(path), load_external_data=False)
+    data = path.name + ".data"
     side = {ExternalDataInfo(t).location for t in _tensors(m.graph)
             if t.data_location == onnx.TensorProto.EXTERNAL}
-    side.discard(path.name + ".data")
+    side.discard(data)
     if not side:
         return 0
-    m = onnx.load(str(path))  # every tensor's data, attribute values included, now inline
-    (path.parent / (path.name + ".data")).unlink(missing_ok=True)  # onnx appends to a file
-    # initializers only: attribute values stay in the graph (onnx's convert_attribute=False)
-    onnx.save(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=path.name + ".data", size_threshold=MIN_EXTERNAL_BYTES)
+    inits = {id(t) for t in m.graph.initializer}
+    with open(path.parent / data, "ab") as f:
+        for t in _tensors(m.graph):
+            info = ExternalDataInfo(t) if t.data_location == onnx.TensorProto.EXTERNAL else None
+            if info is None or info.location == data:
+                continue
+            raw = read_external(t, path.parent)
+            if id(t) in inits:  # initializers stay outside the graph, now in <graph>.data
+                f.write(b"\0" * ((-f.tell()) % ALIGN))
+                _point_at(t, data, f.tell(), len(raw))
+                f.write(raw)
+            else:  # attribute values inline (onnx's convert_attribute=False)
+                del t.external_data[:]
+                t.data_location = onnx.TensorProto.DEFAULT
+                t.raw_data = raw
+    onnx.save(m, str(path))
     for loc in side:
         (path.parent / loc).unlink(missing_ok=True)
     return len(side)
+
+
+def read_external(t, folder: Path) -> bytes:
+    """The bytes of externally stored tensor ``t`` (its location is relative to ``folder``)."""
+    from onnx.external_data_helper import ExternalDataInfo
+
+    info = ExternalDataInfo(t)
+    with open(folder / info.location, "rb") as f:
+        f.seek(info.offset or 0)
+        return f.read(info.length) if info.length else f.read()
+
+
+def _point_at(t, location: str, offset: int, length: int) -> None:
+    """Make ``t`` read ``length`` bytes at ``offset`` of ``location``: onnx's set_external_data,
+    without its demand that raw_data be set (a second copy of every weight in the message)."""
+    import onnx
+
+    for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data"):
+        t.ClearField(field)
+    del t.external_data[:]
+    for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = k, v
+    t.data_location = onnx.TensorProto.EXTERNAL
 
 
 def _tensors(graph):
@@ -144,6 +180,8 @@ def share_weights(graph_files: list[Path], weights_name: str,
                   transform: Callable[[object], object] | None = None) -> int:
     """Move initializers of ``graph_files`` into one de-duplicated external file next to them;
     ``transform`` (e.g. ``fuse.fuse_cpu_graph``) edits each loaded model first, weights in hand.
+    Without one, the weights are streamed a tensor at a time (a real-size HTP shard's fp32 graph
+    is GBs: loaded whole, it was the build's peak memory).
 
     Returns the bytes written. All graph files must be in the same directory.
     """
@@ -154,11 +192,15 @@ def share_weights(graph_files: list[Path], weights_name: str,
     offsets: dict[str, tuple[int, int]] = {}
     with open(wpath, "wb") as f:
         for gf in graph_files:
-            model = onnx.load(str(gf))  # loads any external data the exporter wrote
             if transform is not None:
+                model = onnx.load(str(gf))  # loads any external data the exporter wrote
                 transform(model)
+            else:
+                model = onnx.load(str(gf), load_external_data=False)
             for t in model.graph.initializer:
-                _move_out(t, f, weights_name, offsets)
+                external = t.data_location == onnx.TensorProto.EXTERNAL
+                _move_out(t, f, weights_name, offsets,
+                          read_external(t, folder) if external else None)
             for stale in folder.glob(gf.name + ".data"):  # exporter side files, now merged
                 stale.unlink()
             onnx.save(model, str(gf))
@@ -169,14 +211,19 @@ def share_weights(graph_files: list[Path], weights_name: str,
         return f.tell()
 
 
-def _move_out(t, f, location: str, offsets: dict[str, tuple[int, int]]) -> None:
-    """Initializer ``t``'s bytes to ``f`` (unless equal bytes are there already) and ``t`` made to
-    read them from there; small ones stay inline."""
-    import onnx
+def _move_out(t, f, location: str, offsets: dict[str, tuple[int, int]],
+              raw: bytes | None = None) -> None:
+    """Initializer ``t``'s bytes (``raw``, where they are not in ``t``) to ``f`` (unless equal
+    bytes are there already) and ``t`` made to read them from there; small ones stay inline."""
     from onnx import numpy_helper
 
-    raw = t.raw_data or numpy_helper.to_array(t).tobytes()
+    if raw is None:
+        raw = t.raw_data or numpy_helper.to_array(t).tobytes()
     if len(raw) < MIN_EXTERNAL_BYTES:
+        if t.data_location:  # a small tensor the exporter stored outside: inline again
+            del t.external_data[:]
+            t.data_location = 0
+            t.raw_data = raw
         return
     key = hashlib.sha1(raw).hexdigest() + f":{t.data_type}"
     if key not in offsets:
@@ -184,13 +231,4 @@ def _move_out(t, f, location: str, offsets: dict[str, tuple[int, int]]) -> None:
         offsets[key] = (f.tell(), len(raw))
         f.write(raw)
     del raw
-    # onnx's set_external_data, without its demand that raw_data be set: a second copy of
-    # every weight in the message
-    for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data"):
-        t.ClearField(field)
-    del t.external_data[:]
-    offset, length = offsets[key]
-    for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
-        entry = t.external_data.add()
-        entry.key, entry.value = k, v
-    t.data_location = onnx.TensorProto.EXTERNAL
+    _point_at(t, location, *offsets[key])

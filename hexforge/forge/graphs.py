@@ -72,6 +72,8 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
                     if s == last:  # every row's logits: each checks the draft after it
                         verify = WithHead(verify, use_cpu_kernels(fam.head_module(hf, args)))
                     ver = export(f"s{s}.verify", "verify", verify, (a, b))
+                # the modules hold the shard's fp32 copies: gone before its weights are shared
+                decode = verify = None
             graphs += [g for g in (pre, dec, ver) if g is not None]
             plan.append(ShardPlan(layers=(a, b), prefill=pre.name, decode=dec.name,
                                   verify=ver and ver.name))
