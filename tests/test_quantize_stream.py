@@ -374,3 +374,50 @@ def test_w4a16_rtn_rounds_every_weight_where_w4a16_keeps_gptq(tmp_path):
     assert store.gptq_kept == [0, 1]  # w4a16 solved GPTQ once and kept it
     assert (got["w4a16-qdq-rtn"] == rq.astype(np.int8)).all()
     assert (got["w4a16-qdq"] != rq.astype(np.int8)).mean() > 0.05
+
+
+def test_weight_only_quantizes_one_weight_at_a_time_as_ort_does_the_whole_graph(tmp_path):
+    """quantize_cpu_graph reads, quantizes and writes one weight at a time (a real-size HTP
+    shard's fp32 graph loaded whole for onnxruntime's quantizer was ~7 GB); its graph computes
+    exactly what the quantizer run on the whole graph gives: the head in its own format, a
+    0/1 operator and a K that is no whole number of blocks left float."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    from hexforge.forge.export import share_weights
+    from hexforge.forge.nbits import _matmul_nbits, cpu_head_format, quantize_cpu_graph
+
+    rng = np.random.default_rng(3)
+    vocab = 96
+    w = {"w_up": rng.standard_normal((64, 128)), "w_tri": np.triu(np.ones((128, 128))),
+         "w_mid": rng.standard_normal((128, 40)), "w_odd": rng.standard_normal((40, 64)),
+         "w_head": rng.standard_normal((64, vocab))}
+    w = {k: v.astype(np.float32) for k, v in w.items()}
+    nodes = [helper.make_node("MatMul", ["x", "w_up"], ["h1"], name="up"),
+             helper.make_node("MatMul", ["h1", "w_tri"], ["h2"], name="tri"),
+             helper.make_node("MatMul", ["h2", "w_mid"], ["h3"], name="mid"),
+             helper.make_node("MatMul", ["h3", "w_odd"], ["h4"], name="odd"),
+             helper.make_node("MatMul", ["h4", "w_head"], ["logits"], name="head")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, [1, 2, 64])],
+                              [helper.make_tensor_value_info("logits", 1, [1, 2, vocab])],
+                              [numpy_helper.from_array(v, k) for k, v in w.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    path = tmp_path / "g.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, location="float.weights",
+              size_threshold=0)  # where the build's float graphs keep theirs
+    assert quantize_cpu_graph(path, 4, 32, vocab_size=vocab, whole_blocks=True) == 3
+    share_weights([path], "g.weights")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["float.weights", "g.onnx", "g.weights"]
+    got = onnx.load(str(path))
+    assert [n.op_type for n in got.graph.node] == [
+        "MatMulNBits", "MatMul", "MatMulNBits", "MatMul", "MatMulNBits"]
+
+    ref = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    ref = _matmul_nbits(ref, 4, 32, 4, exclude=["tri", "odd", "head"])
+    ref = _matmul_nbits(ref, *cpu_head_format(4, 32), 4, exclude=["tri", "odd"])
+    x = rng.standard_normal((1, 2, 64)).astype(np.float32)
+    run = [ort.InferenceSession(m.SerializeToString() if not isinstance(m, str) else m,
+                                providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+           for m in (str(path), ref)]
+    np.testing.assert_array_equal(run[0], run[1])

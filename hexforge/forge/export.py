@@ -88,7 +88,7 @@ def gather_side_files(path: Path, model=None) -> int:
             raw = read_external(t, path.parent)
             if id(t) in inits:  # initializers stay outside the graph, now in <graph>.data
                 f.write(b"\0" * ((-f.tell()) % ALIGN))
-                _point_at(t, data, f.tell(), len(raw))
+                point_at(t, data, f.tell(), len(raw))
                 f.write(raw)
             else:  # attribute values inline (onnx's convert_attribute=False)
                 del t.external_data[:]
@@ -110,7 +110,7 @@ def read_external(t, folder: Path) -> bytes:
         return f.read(info.length) if info.length else f.read()
 
 
-def _point_at(t, location: str, offset: int, length: int) -> None:
+def point_at(t, location: str, offset: int, length: int) -> None:
     """Make ``t`` read ``length`` bytes at ``offset`` of ``location``: onnx's set_external_data,
     without its demand that raw_data be set (a second copy of every weight in the message)."""
     import onnx
@@ -187,10 +187,15 @@ def share_weights(graph_files: list[Path], weights_name: str,
     """
     import onnx
 
+    import os
+
     folder = graph_files[0].parent
     wpath = folder / weights_name
+    # written beside, then renamed: the graphs may still read weights from a file of that name
+    # (weight-only graphs keep their float norms where the float graphs had them)
+    tmp = wpath.with_name(weights_name + ".partial")
     offsets: dict[str, tuple[int, int]] = {}
-    with open(wpath, "wb") as f:
+    with open(tmp, "wb") as f:
         for gf in graph_files:
             if transform is not None:
                 model = onnx.load(str(gf))  # loads any external data the exporter wrote
@@ -208,7 +213,9 @@ def share_weights(graph_files: list[Path], weights_name: str,
             # next graph loads only once this one is gone (E2B cpu, last shard + head: both
             # graphs' weights were alive at once)
             del model
-        return f.tell()
+        written = f.tell()
+    os.replace(tmp, wpath)
+    return written
 
 
 def _move_out(t, f, location: str, offsets: dict[str, tuple[int, int]],
@@ -231,4 +238,4 @@ def _move_out(t, f, location: str, offsets: dict[str, tuple[int, int]],
         offsets[key] = (f.tell(), len(raw))
         f.write(raw)
     del raw
-    _point_at(t, location, *offsets[key])
+    point_at(t, location, *offsets[key])

@@ -66,74 +66,96 @@ def host_table_formats(weights: str, embed: str, extras: list[str], tensors: dic
     return out
 
 
-def structural_matmuls(model) -> list[str]:
-    """MatMuls whose constant operand holds only 0s and 1s: an operator written as a matrix
+def is_structural(w: np.ndarray) -> bool:
+    """A constant MatMul operand holding only 0s and 1s: an operator written as a matrix
     (Qwen3.5's chunked delta rule takes the cumsum of its log decays as ``g @ upper``, a
     triangle of ones), not a learned weight. MatMulNBits stores 0/1 exactly, but at accuracy
     level 4 it reads the activation at int8 per 32-block: the decays' cumsum, which every later
     decay of the chunk multiplies, off by up to 0.14% of its range (a 64-token triangle). On the
     real-width random Qwen3.5 4-layer cut the int4 gate's numbers did not move (logits cos
-    0.883455 either way): the weights' own rounding dominates there. -> node names."""
-    from onnx import numpy_helper
-
-    inits = {t.name: t for t in model.graph.initializer}
-    out = []
-    for i, n in enumerate(model.graph.node):
-        t = inits.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) == 2 else None
-        if t is None:
-            continue
-        w = numpy_helper.to_array(t)
-        # a learned weight fails on its first values: the full pass runs on masks only
-        if np.isin(w.reshape(-1)[:256], (0, 1)).all() and np.isin(w, (0, 1)).all():
-            n.name = n.name or f"structural_matmul_{i}"  # the quantizer excludes by name
-            out.append(n.name)
-    return out
-
-
-def partial_block_matmuls(model, block_size: int) -> list[str]:
-    """MatMuls whose constant weight [K, N] has K not a multiple of ``block_size``: node names."""
-    inits = {t.name: t for t in model.graph.initializer}
-    out = []
-    for i, n in enumerate(model.graph.node):
-        t = inits.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) == 2 else None
-        if t is not None and len(t.dims) == 2 and t.dims[0] % block_size:
-            n.name = n.name or f"partial_block_matmul_{i}"
-            out.append(n.name)
-    return out
-
-
-def head_matmuls(model, vocab_size: int) -> list[str]:
-    """MatMuls whose constant weight [K, vocab] makes the logits: the lm_head (in the head graph
-    and in a decode graph that runs it). -> node names (named where the export left them blank)."""
-    inits = {t.name: t for t in model.graph.initializer}
-    out = []
-    for i, n in enumerate(model.graph.node):
-        t = inits.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) == 2 else None
-        if t is not None and len(t.dims) == 2 and t.dims[1] == vocab_size:
-            n.name = n.name or f"head_matmul_{i}"
-            out.append(n.name)
-    return out
+    0.883455 either way): the weights' own rounding dominates there."""
+    # a learned weight fails on its first values: the full pass runs on masks only
+    return bool(np.isin(w.reshape(-1)[:256], (0, 1)).all() and np.isin(w, (0, 1)).all())
 
 
 def quantize_cpu_graph(path: Path, bits: int, block_size: int, vocab_size: int | None = None,
                        accuracy_level: int = CPU_ACCURACY_LEVEL, whole_blocks: bool = False) -> int:
-    """Every MatMul with an initializer weight (not ``structural_matmuls``) -> com.microsoft
+    """Every MatMul with a 2-D initializer weight (not ``is_structural``) -> com.microsoft
     MatMulNBits (symmetric, blocks of ``block_size`` along K), in place; the head's (the MatMuls
     to ``vocab_size`` columns) in ``cpu_head_format``. ``whole_blocks``: weights whose K is not
     a multiple of the block stay float (the HTP refuses a padded MatMulNBits: tiny Gemma-4's
-    per-layer projection, K = 8). The result is saved with its weights inline (the caller moves
-    them out again with ``share_weights``). -> MatMuls quantized."""
-    import onnx
+    per-layer projection, K = 8).
 
-    model = onnx.load(str(path))  # with its external weights: one graph at a time in memory
-    structural = structural_matmuls(model) + (partial_block_matmuls(model, block_size)
-                                              if whole_blocks else [])
-    head = head_matmuls(model, vocab_size) if vocab_size else []
-    model = _matmul_nbits(model, bits, block_size, accuracy_level, exclude=structural + head)
-    if head:
-        model = _matmul_nbits(model, *cpu_head_format(bits, block_size), accuracy_level,
-                              exclude=structural)
-    n = sum(1 for node in model.graph.node if node.op_type == "MatMulNBits")
+    One weight in memory at a time (a real-size HTP shard's fp32 graph is ~7 GB): each is read
+    from where the graph keeps it, quantized by onnxruntime's MatMulNBitsQuantizer alone in a
+    one-node model, and its packed bytes appended to ``<graph>.data``, which the caller's
+    ``share_weights`` takes in. -> MatMuls quantized."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from .export import point_at, read_external
+
+    model = onnx.load(str(path), load_external_data=False)
+    folder, data = path.parent, path.name + ".data"
+    inits = {t.name: t for t in model.graph.initializer}
+    uses: dict[str, int] = {}
+    for node in model.graph.node:
+        for x in node.input:
+            uses[x] = uses.get(x, 0) + 1
+
+    def weight(t) -> np.ndarray:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            return numpy_helper.to_array(t)
+        raw = read_external(t, folder)
+        return np.frombuffer(raw, dtype=helper.tensor_dtype_to_np_dtype(t.data_type)).reshape(
+            tuple(t.dims))
+
+    if any(t.data_location == onnx.TensorProto.EXTERNAL and
+           any(e.key == "location" and e.value == data for e in t.external_data)
+           for t in model.graph.initializer):
+        raise BuildError(f"{path.name}: its weights are in {data}, which quantizing rewrites")
+    nodes, added, done = [], [], {}
+    n = 0
+    with open(folder / data, "wb") as f:
+        for i, node in enumerate(model.graph.node):
+            t = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 \
+                else None
+            if t is None or len(t.dims) != 2 or t.data_type != onnx.TensorProto.FLOAT or \
+                    (whole_blocks and t.dims[0] % block_size):
+                nodes.append(node)
+                continue
+            fmt = cpu_head_format(bits, block_size) if vocab_size and t.dims[1] == vocab_size \
+                else (bits, block_size)
+            w = weight(t)
+            if is_structural(w):
+                nodes.append(node)
+                continue
+            node.name = node.name or f"matmul_{i}"
+            one = helper.make_model(helper.make_graph(
+                [node], "one", [helper.make_tensor_value_info(node.input[0], t.data_type, None)],
+                [helper.make_tensor_value_info(node.output[0], t.data_type, None)],
+                [numpy_helper.from_array(w, t.name)]), opset_imports=model.opset_import)
+            del w
+            q = _matmul_nbits(one, *fmt, accuracy_level, exclude=[]).graph
+            nodes.extend(q.node)
+            for qt in q.initializer:
+                if qt.name in done:
+                    continue
+                raw = qt.raw_data or numpy_helper.to_array(qt).tobytes()
+                f.write(b"\0" * ((-f.tell()) % 64))
+                point_at(qt, data, f.tell(), len(raw))
+                f.write(raw)
+                done[qt.name] = qt
+                added.append(qt)
+            uses[t.name] -= 1
+            n += 1
+    keep = [t for t in model.graph.initializer if uses.get(t.name, 0) > 0]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep + added)
+    if n and not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.save(model, str(path))
     return n
 
