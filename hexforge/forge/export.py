@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -186,8 +187,6 @@ def share_weights(graph_files: list[Path], weights_name: str,
     Returns the bytes written. All graph files must be in the same directory.
     """
     import onnx
-
-    import os
 
     folder = graph_files[0].parent
     wpath = folder / weights_name
