@@ -60,8 +60,9 @@ SHAPES: dict[str, dict] = {
     # published configs as copied in public code and cross-checked against the checkpoints'
     # safetensors sizes (Qwen3-VL-2B: 2.128B params = 4.26 GB bf16; Qwen3.5-4B: 4.54B) and, for
     # Gemma-4-E4B, transformers' convert_gemma4_weights.py (_VARIANTS["gemma-4-e4b"])
-    # Qwen/Qwen3-VL-2B-Instruct text_config
-    "qwen3-vl-2b": dict(
+    # Qwen/Qwen3-VL-2B-Instruct text_config (transformers has no causal-LM class for
+    # qwen3_vl_text alone: the checkpoint is always the composite, qwen3-vl-2b-vl)
+    "qwen3-vl-2b-text": dict(
         model_type="qwen3_vl_text", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
         max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True,
@@ -111,7 +112,7 @@ TOWERS: dict[str, tuple[str, dict]] = {
         depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560,
         patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304)),
 }
-SHAPES["qwen3-vl-2b-vl"] = SHAPES["qwen3-vl-2b"]
+SHAPES["qwen3-vl-2b-vl"] = SHAPES.pop("qwen3-vl-2b-text")
 SHAPES["qwen3.5-4b-vl"] = SHAPES["qwen3.5-4b"]
 
 

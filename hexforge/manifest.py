@@ -87,6 +87,9 @@ class GraphSpec(_Model):
     outputs: list[TensorSpec]
     bytes: int = 0  # graph + external weight bytes on disk (shared weights counted once per file)
     verify_file: RelPath | None = None  # build-time only: the unshared twin the simulator can run
+    # where no oracle ran (--no-verify): one call on the HTP vs the float graph on the CPU
+    # (forge/htp/graphcheck.py): worst output relative error, cosine, max|Δ|; simulator seconds
+    htp_check: dict[str, float] | None = None
 
 
 class StateSpec(_Model):

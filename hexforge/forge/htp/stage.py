@@ -193,6 +193,7 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
     prepared: dict[tuple, tuple[list[GraphSpec], RunPlan, Path]] = {}
     specs: dict[str, TargetSpec] = {}
     qdq: dict[str, dict[str, str]] = {}
+    checked: dict[tuple, dict] = {}  # per float export: the graphs' captured calls
     for target in targets:
         shards = plan_target(fam, hf, target, opts, log)
         key = tuple(shards)
@@ -250,6 +251,9 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
                     "file": f"{target.name}/{g.name}.ctx.onnx",
                     "bytes": res["bin_bytes"] + res["ctx"].stat().st_size}))
                 advance()
+        if not opts.verify:  # no oracle (real sizes): each graph once on the HTP vs its float
+            compiled = _check_compiled(root, manifest, graphs, plan, compiled, target, soc, sdk,
+                                       recipe, opts, checked.setdefault(key, {}), log)
         if opts.share_weights:
             compiled = _share(compiled, plan, srcs, folder, target, soc.soc_model, recipe, log)
         specs[target.name] = TargetSpec(
@@ -261,6 +265,38 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
         if f.is_file() and not f.name.endswith(keep) and not opts.keep_work:
             f.unlink()
     return specs, qdq
+
+
+def _check_compiled(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: RunPlan,
+                    compiled: list[GraphSpec], target: Target, soc, sdk: str,
+                    recipe: QuantRecipe, opts, calls: dict, log) -> list[GraphSpec]:
+    """forge/htp/graphcheck.py on one target's compiled graphs (``calls``: the float graphs'
+    captured calls, filled on the first target of a float export); -> the graphs with their
+    ``htp_check``. A graph over the error bar fails the build."""
+    from ...errors import ParityGateError
+    from . import graphcheck
+
+    if not calls:
+        t = time.perf_counter()
+        calls.update(graphcheck.capture_calls(root, manifest, graphs, plan, recipe.mask_value,
+                                              calibration_text(opts.calib),
+                                              _calibration_backend()))
+        log(f"  captured each float graph's check call on the CPU "
+            f"({time.perf_counter() - t:.1f}s)")
+        release_mapped_pages(root)
+    spec = TargetSpec(name=target.name, htp_arch=target.htp_arch, soc_model=soc.soc_model,
+                      qnn_sdk=sdk, quant=recipe.name, mask_value=recipe.mask_value,
+                      graphs=compiled, plan=plan)
+    report = graphcheck.check_target(root, spec, calls, log)
+    failed = {n: r for n, r in report.items() if not r["passed"]}
+    if failed:
+        detail = ", ".join(f"{n}: relative error {graphcheck.summary(r)['rel_err']:.3g}"
+                           for n, r in failed.items())
+        raise ParityGateError(f"[{target.name}] compiled graphs compute wrong on the HTP against "
+                              f"their float graphs ({detail}; the bar is "
+                              f"{graphcheck.MAX_REL_ERR}); the bundle was not written")
+    return [g.model_copy(update={"htp_check": graphcheck.summary(report[g.name])})
+            if g.name in report else g for g in compiled]
 
 
 def weight_only(plan: RunPlan, folder: Path, recipe: QuantRecipe, vocab_size: int) -> None:

@@ -1,0 +1,74 @@
+"""The seeds' models at real size, from nothing: published config -> random-weight bf16
+checkpoint -> bundle, with each build stage's wall time and peak memory.
+
+    python bench/realsize.py qwen3-vl-2b WORK [--quant w8a16] [--json FILE]
+
+Random weights change nothing about size, memory or compile time (the accuracy of a real-size
+build is the real models' business: docs/quality.md). Each model builds for the targets and
+the encoder resolution the bundles this project replaces were built with:
+
+    qwen3-vl-2b   v79,v81  Qwen3-VL-2B-Instruct with its 24-block ViT at 512x512 (256 tokens)
+    qwen3.5-4b    v81      Qwen3.5-4B with its vision tower
+    gemma-4-e4b   v81      Gemma-4-E4B's text decoder
+
+The checkpoint is made once under WORK/<model> (minutes; skipped if present); the bundle is
+WORK/<model>-<quant>. Prints the stage table (bench/build_profile.py) and writes it as JSON.
+Results: docs/realsize.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from build_profile import profile_build, status_kb
+from realshape import make_checkpoint
+
+MODELS: dict[str, dict] = {
+    "qwen3-vl-2b": dict(shape="qwen3-vl-2b-vl", targets="v79,v81", image_size=(512, 512)),
+    "qwen3.5-4b": dict(shape="qwen3.5-4b-vl", targets="v81", image_size=(512, 512)),
+    "gemma-4-e4b": dict(shape="gemma-4-e4b", targets="v81"),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", choices=sorted(MODELS))
+    ap.add_argument("work")
+    ap.add_argument("--quant", default="w8a16", choices=("w8a16", "w4a16", "fp16"))
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--prefill-len", type=int, default=64)
+    ap.add_argument("--share-weights", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+
+    from hexforge.forge.pipeline import BuildOptions
+
+    spec = MODELS[a.model]
+    work = Path(a.work)
+    ckpt = work / a.model
+    made = None
+    if not (ckpt / "config.json").is_file():
+        t = time.perf_counter()
+        make_checkpoint(spec["shape"], ckpt)
+        made = {"wall_s": round(time.perf_counter() - t, 1),
+                "peak_rss_gb": round(status_kb("VmHWM") / 2**20, 2)}
+        print(f"checkpoint {ckpt}: {made}", file=sys.stderr)
+    opts = BuildOptions(targets=spec["targets"],
+                        quant=a.quant, context=a.context, prefill_len=a.prefill_len,
+                        verify=False, share_weights=a.share_weights,
+                        image_size=spec.get("image_size"))
+    out = profile_build(str(ckpt), str(work / f"{a.model}-{a.quant}"), opts)
+    out["model"], out["checkpoint_made"] = a.model, made
+    print(json.dumps(out, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Each compiled graph run once on the HTP against its float graph on the CPU.
+
+A build without the oracle (``--no-verify``: real sizes, where the full-length HF comparison
+takes hours on the simulator) still learns whether a graph that compiled computes right:
+
+    float graphs (_work/) ── engine on the CPU EP over the calibration text's first rows
+        │                      (prefill graphs: the 2nd AR-N chunk; decode graphs and the head:
+        │                       the 9th token, so attention reads a filled cache)
+        ├─▶ each graph's last call: its feeds and float outputs
+        └─▶ the compiled graph, same feeds, on the HTP (the simulator on x86) ─▶ per output:
+                             relative error ‖htp − float‖ / ‖float‖, cosine, max|Δ|, max|float|
+
+What it covers: one call of every graph, with the build's own I/O (fp16 residual scale, weight
+formats) and a real KV cache; not a generation, not long positions (rope past the text's rows,
+the sliding ring's wrap), not sampling — the oracle's job where the size allows it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ...manifest import GraphSpec, Manifest, RunPlan, TargetSpec, confine
+from ...runtime import qnn
+from ...runtime.backends import Backend
+from ...runtime.engine import Engine
+from ...runtime.text import TextTokenizer
+
+DECODE_STEP = 8  # the decode call checked: 8 cached rows before it
+# a graph whose output is this far from its float graph's computes wrong, whatever its recipe:
+# a sign, a scale, an overflow or a broken kernel reads ~1 or more; rounding (w4a16 included)
+# reads tenths at most. Relative error, not cosine alone: a scaled output keeps cosine 1.
+MAX_REL_ERR = 0.5
+
+
+def capture_calls(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: RunPlan,
+                  mask_value: float, text: str, backend: Backend | None = None
+                  ) -> dict[str, tuple[dict, dict]]:
+    """Graph name -> (feeds, float outputs) of its last call: the float graphs on the CPU EP,
+    prefill over two AR-N chunks of ``text``, decode over its first DECODE_STEP + 1 tokens."""
+    spec = TargetSpec(name="_check", graphs=graphs, plan=plan, mask_value=mask_value)
+    m = manifest.model_copy(deep=True)
+    m.targets = {"_check": spec}
+    engine = Engine(root, m, "_check", backend or Backend("cpu"))
+    calls: dict[str, tuple[dict, dict]] = {}
+
+    def record(g, feeds, outputs, _positions):
+        calls[g.name] = ({k: np.array(v) for k, v in feeds.items()},
+                         {o.name: np.array(outputs[o.bind]) for o in g.outputs})
+
+    tok = TextTokenizer(confine(root, manifest.tokenizer.dir))
+    ids = tok.encode(text)[: manifest.context - 1]
+    engine.observer = record
+    try:
+        engine.prefill(ids[: 2 * plan.prefill_len], mode="chunked")
+        engine.reset()
+        engine.prefill(ids[: DECODE_STEP + 1], mode="decode")
+    finally:
+        engine.observer = None
+    return calls
+
+
+def compare(got: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, dict]:
+    """Per float output: relative error, cosine, max|Δ| and max|ref|."""
+    out = {}
+    for name, r in ref.items():
+        if name not in got or r.dtype.kind != "f":
+            continue
+        a, b = got[name].astype(np.float64).ravel(), r.astype(np.float64).ravel()
+        na, nb, diff = np.linalg.norm(a), np.linalg.norm(b), np.linalg.norm(a - b)
+        rel = diff / nb if nb else (0.0 if diff < 1e-3 else float("inf"))
+        cos = a @ b / (na * nb) if na and nb else float(na == nb)
+        out[name] = {"rel_err": float(rel), "cosine": round(float(cos), 6),
+                     "max_abs_diff": float(np.abs(a - b).max()), "max_abs": float(np.abs(b).max())}
+    return out
+
+
+def check_target(root: Path, spec: TargetSpec, calls: dict[str, tuple[dict, dict]],
+                 log) -> dict[str, dict]:
+    """Every compiled decoder graph of ``spec`` on the HTP with its captured feeds; -> graph name
+    -> {outputs: {name: cosine, max|Δ|, max|float|}, seconds, passed}."""
+    from .probe import _run
+    from .recipes import get_recipe
+
+    so = qnn.session_options(qnn.provider_options(spec.htp_arch, spec.soc_model,
+                                                  fp16=get_recipe(spec.quant).activations is None), {})
+    report = {}
+    for g in spec.graphs:
+        if g.name not in calls:
+            continue  # the encoders: checked against HF by their own gate
+        feeds, ref = calls[g.name]
+        t = time.perf_counter()
+        got = _run(root / g.file, feeds, so)
+        rows = compare(got, ref)
+        report[g.name] = r = {"outputs": rows, "seconds": round(time.perf_counter() - t, 1)}
+        sm = summary(r)
+        r["passed"] = sm["rel_err"] <= MAX_REL_ERR
+        log(f"[{spec.name}] checked {g.name} on the HTP: relative error {sm['rel_err']:.2e}, "
+            f"cosine {sm['cosine']:.6f}, max|Δ| {sm['max_abs_diff']:.3g} ({r['seconds']:.1f}s)")
+    return report
+
+
+def summary(r: dict) -> dict[str, float]:
+    """What the manifest keeps of a graph's check: its outputs' worst relative error, cosine
+    and max|Δ|, and the simulator's seconds."""
+    outs = list(r["outputs"].values())
+    return {"rel_err": max((o["rel_err"] for o in outs), default=float("inf")),
+            "cosine": min((o["cosine"] for o in outs), default=0.0),
+            "max_abs_diff": max((o["max_abs_diff"] for o in outs), default=0.0),
+            "seconds": r["seconds"]}
