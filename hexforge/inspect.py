@@ -107,7 +107,8 @@ def inspect_bundle(bundle: Path) -> dict:
                        for s in t.plan.shards],
             "graphs": [{"name": g.name, "role": g.role, "seq_len": g.seq_len,
                         "layers": list(g.layers) if g.layers else None, "file": g.file,
-                        "bytes": g.bytes, "inputs": len(g.inputs), "outputs": len(g.outputs)}
+                        "bytes": g.bytes, "inputs": len(g.inputs), "outputs": len(g.outputs),
+                        "htp_check": g.htp_check}
                        for g in t.graphs],
         }
     report = None
@@ -152,11 +153,16 @@ def print_inspection(info: dict) -> None:
         arch = f"v{t['htp_arch']} soc {t['soc_model']} QNN {t['qnn_sdk']}" if t["htp_arch"] else "CPU EP"
         tab = Table(title=f"target {name}: {arch}, {t['quant']}, AR-{t['prefill_len']} prefill, "
                           f"{len(t['shards'])} shard(s), {t['bytes'] / 1e6:.2f} MB")
-        for col in ("graph", "role", "T", "layers", "bytes", "file"):
+        checked = any(g["htp_check"] for g in t["graphs"])
+        for col in ("graph", "role", "T", "layers", "bytes", "file") + (
+                ("HTP vs float (rel. error)",) if checked else ()):
             tab.add_column(col)
         for g in t["graphs"]:
-            tab.add_row(g["name"], g["role"], str(g["seq_len"]),
-                        str(g["layers"]) if g["layers"] else "-", f"{g['bytes']:,}", g["file"])
+            row = [g["name"], g["role"], str(g["seq_len"]),
+                   str(g["layers"]) if g["layers"] else "-", f"{g['bytes']:,}", g["file"]]
+            if checked:
+                row.append(f"{g['htp_check']['rel_err']:.2e}" if g["htp_check"] else "-")
+            tab.add_row(*row)
         c.print(tab)
         line = f"  decode reads {t['decode_weight_bytes_per_token']:,} weight B/token"
         if t["roofline_tok_s"]:  # HTP targets: per SoC (a cpu's bandwidth: bench/compare.py)

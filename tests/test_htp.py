@@ -301,6 +301,10 @@ def test_a_build_without_the_oracle_checks_each_compiled_graph_on_the_htp(ckpt, 
     for g in graphs:
         assert g.htp_check["rel_err"] < 0.01 and g.htp_check["cosine"] > 0.9999, (g.name, g.htp_check)
     assert sum("checked" in m and "on the HTP" in m for m in logs) == 3
+    from hexforge.inspect import inspect_bundle
+
+    info = inspect_bundle(out)["targets"]["v81"]["graphs"]
+    assert all(g["htp_check"]["rel_err"] < 0.01 for g in info)
 
 
 def test_regression_a_graph_compiled_wrong_passed_a_build_without_the_oracle(ckpt, tmp_path,
