@@ -152,6 +152,33 @@ def test_share_weights_streams_the_exporters_external_weights_into_one_deduplica
         np.testing.assert_allclose(y, x @ w + b, rtol=1e-5, atol=1e-5)
 
 
+def test_regression_gathered_weights_were_inlined_past_protobufs_2_gb(tmp_path):
+    """Gathering the exporter's side files told initializers from attribute values by the id()
+    of protobuf's Python wrappers, which are made anew on each access: every weight was taken
+    for an attribute and put inline, and a real-size shard (6.8 GB fp32) failed to save
+    ("Failed to serialize proto"). Each weight must stay outside the graph, in <graph>.data."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from hexforge.forge.export import gather_side_files
+
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [], "x"
+    for i in range(64):
+        inits.append(numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), f"w{i}"))
+        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"h{i}"]))
+        x = f"h{i}"
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, [1, 16])],
+                              [helper.make_tensor_value_info(x, 1, [1, 16])], inits)
+    path = tmp_path / "g.onnx"
+    onnx.save(helper.make_model(graph), str(path), save_as_external_data=True,
+              all_tensors_to_one_file=False, size_threshold=0)
+    assert gather_side_files(path) == 64
+    m = onnx.load(str(path), load_external_data=False)
+    assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in m.graph.initializer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.onnx", "g.onnx.data"]
+
+
 def test_regression_constant_value_side_files_were_left_in_the_bundle(tmp_path):
     """The exporter also writes a large Constant node's value as a file of its own
     (``_shard_shard_layers.3_mixer_Constant_18_attr__value``, 128 KiB, two per real-size Qwen3.5

@@ -80,21 +80,22 @@ def gather_side_files(path: Path, model=None) -> int:
     side.discard(data)
     if not side:
         return 0
-    inits = {id(t) for t in m.graph.initializer}
+    def outside(t) -> bool:  # stored in a file other than <graph>.data
+        return t.data_location == onnx.TensorProto.EXTERNAL and ExternalDataInfo(t).location != data
+
     with open(path.parent / data, "ab") as f:
-        for t in _tensors(m.graph):
-            info = ExternalDataInfo(t) if t.data_location == onnx.TensorProto.EXTERNAL else None
-            if info is None or info.location == data:
-                continue
-            raw = read_external(t, path.parent)
-            if id(t) in inits:  # initializers stay outside the graph, now in <graph>.data
+        for t in m.graph.initializer:  # the weights stay outside the graph, now in <graph>.data
+            if outside(t):
+                raw = read_external(t, path.parent)
                 f.write(b"\0" * ((-f.tell()) % ALIGN))
                 point_at(t, data, f.tell(), len(raw))
                 f.write(raw)
-            else:  # attribute values inline (onnx's convert_attribute=False)
-                del t.external_data[:]
-                t.data_location = onnx.TensorProto.DEFAULT
-                t.raw_data = raw
+    for t in _attribute_tensors(m.graph):  # attribute values inline (onnx's convert_attribute=False)
+        if outside(t):
+            raw = read_external(t, path.parent)
+            del t.external_data[:]
+            t.data_location = onnx.TensorProto.DEFAULT
+            t.raw_data = raw
     onnx.save(m, str(path))
     for loc in side:
         (path.parent / loc).unlink(missing_ok=True)
@@ -128,9 +129,13 @@ def point_at(t, location: str, offset: int, length: int) -> None:
 def _tensors(graph):
     """The graph's initializers and its nodes' tensor attribute values (our graphs have no
     subgraphs)."""
+    yield from graph.initializer
+    yield from _attribute_tensors(graph)
+
+
+def _attribute_tensors(graph):
     from onnx import AttributeProto
 
-    yield from graph.initializer
     for node in graph.node:
         for a in node.attribute:
             if a.type == AttributeProto.TENSOR:
