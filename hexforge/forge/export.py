@@ -86,10 +86,7 @@ def gather_side_files(path: Path, model=None) -> int:
     with open(path.parent / data, "ab") as f:
         for t in m.graph.initializer:  # the weights stay outside the graph, now in <graph>.data
             if outside(t):
-                raw = read_external(t, path.parent)
-                f.write(b"\0" * ((-f.tell()) % ALIGN))
-                point_at(t, data, f.tell(), len(raw))
-                f.write(raw)
+                append_external(f, t, data, read_external(t, path.parent))
     for t in _attribute_tensors(m.graph):  # attribute values inline (onnx's convert_attribute=False)
         if outside(t):
             raw = read_external(t, path.parent)
@@ -110,6 +107,14 @@ def read_external(t, folder: Path) -> bytes:
     with open(folder / info.location, "rb") as f:
         f.seek(info.offset or 0)
         return f.read(info.length) if info.length else f.read()
+
+
+def append_external(f, t, location: str, raw: bytes) -> None:
+    """``raw`` appended to ``f`` (the file ``location``) at the next ALIGN boundary, and ``t``
+    made to read it from there."""
+    f.write(b"\0" * ((-f.tell()) % ALIGN))
+    point_at(t, location, f.tell(), len(raw))
+    f.write(raw)
 
 
 def point_at(t, location: str, offset: int, length: int) -> None:

@@ -93,7 +93,7 @@ def quantize_cpu_graph(path: Path, bits: int, block_size: int, vocab_size: int |
     import onnx
     from onnx import helper, numpy_helper
 
-    from .export import point_at, read_external
+    from .export import append_external, read_external
 
     model = onnx.load(str(path), load_external_data=False)
     folder, data = path.parent, path.name + ".data"
@@ -141,10 +141,7 @@ def quantize_cpu_graph(path: Path, bits: int, block_size: int, vocab_size: int |
             for qt in q.initializer:
                 if qt.name in done:
                     continue
-                raw = qt.raw_data or numpy_helper.to_array(qt).tobytes()
-                f.write(b"\0" * ((-f.tell()) % 64))
-                point_at(qt, data, f.tell(), len(raw))
-                f.write(raw)
+                append_external(f, qt, data, qt.raw_data or numpy_helper.to_array(qt).tobytes())
                 done[qt.name] = qt
                 added.append(qt)
             uses[t.name] -= 1
