@@ -50,11 +50,21 @@ def _family(path):
 
 
 def _fp32_twin(path):
-    """What the old load made: the bf16 values in an fp32 model."""
-    from transformers import AutoModelForCausalLM
+    """What the old load made: the bf16 values in an fp32 model (with its towers: a VLM)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+    vlm = "vision_config" in json.loads((path / "config.json").read_text())
+    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    return auto.from_pretrained(str(path), dtype=torch.float32,
+                                attn_implementation="eager").eval()
+
+
+def _encoders(fam, hf, path):
+    """[(encoder family, spec)] of a multimodal checkpoint's towers; [] for text-only ones."""
+    from hexforge.families import encoder_families
+
+    config = json.loads((path / "config.json").read_text())
+    return [(e, e.spec(hf, config)) for e in encoder_families(config)]
 
 
 def test_stored_dtype_is_read_from_the_safetensors(ckpt, bf16_ckpt):
@@ -64,7 +74,7 @@ def test_stored_dtype_is_read_from_the_safetensors(ckpt, bf16_ckpt):
     assert stored_lowp_dtype(bf16_ckpt("gemma4")) == "bfloat16"
 
 
-@pytest.mark.parametrize("family", ["gemma4", "llama"])
+@pytest.mark.parametrize("family", ["gemma4", "llama", "qwen3_vl", "gemma4_mm"])
 @pytest.mark.parametrize("big_table", [None, 1])  # 1: every embedding table takes the gather path
 def test_float32_forward_is_bit_identical_to_the_fp32_model(bf16_ckpt, family, big_table,
                                                             monkeypatch):
@@ -86,6 +96,15 @@ def test_float32_forward_is_bit_identical_to_the_fp32_model(bf16_ckpt, family, b
         with fam.float32_forward(hf):
             got = hf(ids).logits
         assert got.dtype == torch.float32 and torch.equal(got, want)
+    for enc, spec in _encoders(fam, hf, path):  # the towers: fp32 while they run
+        from hexforge.forge.encoders import example_feeds
+
+        feeds = example_feeds(enc, spec)
+        with fam.float32_forward(hf):
+            got = enc.reference(hf, feeds)
+        want = enc.reference(ref, feeds)
+        assert got.keys() == want.keys() and all(
+            got[k].dtype == want[k].dtype and (got[k] == want[k]).all() for k in want)
     from hexforge.forge.verify import hf_greedy_tokens
 
     with fam.float32_forward(hf):

@@ -72,17 +72,6 @@ class Qwen3VLFamily(Qwen3Family):
                 f"Qwen3-VL has {args.num_deepstack} deepstack features for "
                 f"{args.num_hidden_layers} text layers")
 
-    def load_hf(self, ckpt_dir):
-        from transformers import AutoModelForImageTextToText
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        # the whole VLM: the vision tower is exported from the same model (qwen3_vl_vision.py)
-        model = AutoModelForImageTextToText.from_pretrained(
-            str(ckpt_dir), dtype=torch.float32, use_safetensors=True, attn_implementation="eager")
-        return model.eval()
-
     def host_recipe(self, hf, args: Args) -> HostRecipe:
         rot = self.text_model(hf).rotary_emb
         return HostRecipe(
