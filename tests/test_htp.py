@@ -288,52 +288,57 @@ def test_regression_fused_norm_with_a_leading_dim_zeroed_rows_on_the_htp(tmp_pat
 
 def test_a_build_without_the_oracle_checks_each_compiled_graph_on_the_htp(ckpt, tmp_path):
     """--no-verify (real sizes): every compiled decoder graph runs once on the simulator with a
-    call captured from its float graph (2nd prefill chunk, 9th decode token) and its error is
-    in the manifest."""
+    call captured from its float graph (2nd prefill chunk, 9th decode token), the vision tower
+    with its example image, and each error is in the manifest."""
     from hexforge.forge.pipeline import BuildOptions, build
     from hexforge.manifest import load_manifest
 
     logs = []
-    out = build(ckpt("llama"), tmp_path / "b", BuildOptions(
+    out = build(ckpt("qwen3_vl"), tmp_path / "b", BuildOptions(
         targets="v81", quant="fp16", context=64, prefill_len=8, verify=False), log=logs.append)
     graphs = load_manifest(out).targets["v81"].graphs
-    assert {g.name for g in graphs} == {"s0.prefill", "s0.decode", "head"}
+    assert {g.name for g in graphs} == {"s0.prefill", "s0.decode", "head", "vision"}
     for g in graphs:
         assert g.htp_check["rel_err"] < 0.01 and g.htp_check["cosine"] > 0.9999, (g.name, g.htp_check)
-    assert sum("checked" in m and "on the HTP" in m for m in logs) == 3
+    assert sum("checked" in m and "on the HTP" in m for m in logs) == 4
     from hexforge.inspect import inspect_bundle
 
     info = inspect_bundle(out)["targets"]["v81"]["graphs"]
     assert all(g["htp_check"]["rel_err"] < 0.01 for g in info)
 
 
+@pytest.mark.parametrize("family,graph", [("llama", "s0.decode"), ("qwen3_vl", "vision")])
 def test_regression_a_graph_compiled_wrong_passed_a_build_without_the_oracle(ckpt, tmp_path,
-                                                                             monkeypatch):
-    """Without the oracle nothing ran the compiled graphs: a decode graph that compiled but
-    computes wrong (here its output scaled by 3, which keeps the cosine at 1) was shipped."""
+                                                                             monkeypatch, family,
+                                                                             graph):
+    """Without the oracle nothing ran the compiled graphs: a decode graph (or a vision tower)
+    that compiled but computes wrong (here its output scaled by 3, which keeps the cosine at 1)
+    was shipped."""
     import onnx
     from onnx import helper
 
     from hexforge.errors import ParityGateError
+    from hexforge.forge.htp import compile as htp_compile
     from hexforge.forge.htp import stage
     from hexforge.forge.pipeline import BuildOptions, build
 
-    real = stage.compile_graph
+    real = htp_compile.compile_graph
 
     def miscompile(src, dst, *a, **kw):
-        if src.name == "s0.decode.onnx":
-            m = onnx.load(str(src), load_external_data=False)
+        if src.name == f"{graph}.onnx":
+            m = onnx.load(str(src))
             out = m.graph.output[0].name
             for n in m.graph.node:
                 n.output[:] = [f"{x}.raw" if x == out else x for x in n.output]
             m.graph.initializer.append(helper.make_tensor("three", onnx.TensorProto.FLOAT, [], [3.0]))
             m.graph.node.append(helper.make_node("Mul", [f"{out}.raw", "three"], [out]))
-            src = src.with_name("s0.decode.wrong.onnx")
+            src = dst.with_name(f"{graph}.wrong.onnx")
             onnx.save(m, str(src))
         return real(src, dst, *a, **kw)
 
     monkeypatch.setattr(stage, "compile_graph", miscompile)
-    with pytest.raises(ParityGateError, match=r"s0\.decode: relative error 2"):
-        build(ckpt("llama"), tmp_path / "b", BuildOptions(
+    monkeypatch.setattr(htp_compile, "compile_graph", miscompile)
+    with pytest.raises(ParityGateError, match=rf"{graph}: relative error 2"):
+        build(ckpt(family), tmp_path / "b", BuildOptions(
             targets="v81", quant="fp16", context=64, prefill_len=8, verify=False), log=lambda m: None)
     assert not (tmp_path / "b").exists()

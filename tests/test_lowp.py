@@ -116,6 +116,27 @@ def test_float32_forward_is_bit_identical_to_the_fp32_model(bf16_ckpt, family, b
                    for m in hf.modules())
 
 
+def test_a_decoder_shards_export_leaves_the_encoder_towers_as_stored(bf16_ckpt):
+    """towers=False (every decoder shard and head export): the shard's layers and the text
+    model's small tensors fp32, the vision / audio towers (0.4-0.9 B parameters at real size)
+    left bf16; towers=True (the encoders' own export) upcasts them."""
+    path = bf16_ckpt("gemma4_mm")
+    fam = _family(path)
+    hf = fam.load_hf(path)
+    text = {id(p) for p in fam.text_model(hf).parameters()}
+    towers = [p for p in hf.parameters() if id(p) not in text and p is not hf.lm_head.weight]
+    layers = fam.reference_layers(hf)
+    assert towers
+    with fam.float32(hf, layers=(0, 1), towers=False):
+        assert {p.dtype for p in layers[0].parameters()} == {torch.float32}
+        assert {p.dtype for p in layers[1].parameters()} == {torch.bfloat16}
+        assert fam.text_model(hf).norm.weight.dtype == torch.float32
+        assert {p.dtype for p in towers} == {torch.bfloat16}
+    with fam.float32(hf):
+        assert {p.dtype for p in towers} == {torch.float32}
+    assert {p.dtype for p in hf.parameters()} == {torch.bfloat16}
+
+
 def test_bf16_checkpoint_builds_greedy_exact_with_bf16_resident_weights(bf16_ckpt, tmp_path,
                                                                         monkeypatch):
     """Three shards; at every export only that shard's decoder layers are fp32 (the old fp32 load

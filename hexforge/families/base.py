@@ -144,11 +144,15 @@ class DecoderFamily:
         return model.eval()
 
     # ---- fp32 on use (a bf16/fp16-loaded model; no-ops on an fp32 one) ----
-    def float32(self, hf, layers: tuple[int, int] | None = None, head: bool = False):
+    def float32(self, hf, layers: tuple[int, int] | None = None, head: bool = False,
+                towers: bool = True):
         """Context: decoder layers [a, b), the small tensors outside them (norms, projections,
-        encoder towers) and with ``head`` the lm_head in fp32 (the bf16/fp16 values upcast, which
-        is exact), for building + exporting modules from them; the originals come back after."""
-        return lowp.float32_parts(hf, self.reference_layers(hf), layers, head)
+        and with ``towers`` the encoder towers: a decoder shard's export leaves them bf16, they
+        are 0.4-0.9 B parameters at real size) and with ``head`` the lm_head in fp32 (the
+        bf16/fp16 values upcast, which is exact), for building + exporting modules from them;
+        the originals come back after."""
+        return lowp.float32_parts(hf, self.reference_layers(hf), layers, head,
+                                  None if towers else self.text_model(hf))
 
     def float32_forward(self, hf):
         """Context: HF forward passes compute exactly as an fp32 model holding the same values

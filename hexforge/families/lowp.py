@@ -168,12 +168,17 @@ def _gather_fp32(table):
     return gather
 
 
-def float32_parts(hf, reference_layers, layers: tuple[int, int] | None = None, head: bool = False):
-    """Context: decoder layers [a, b) of ``reference_layers``, the small tensors outside them and
-    with ``head`` the lm_head in fp32; a no-op on an fp32-loaded model (``DecoderFamily.float32``)."""
+def float32_parts(hf, reference_layers, layers: tuple[int, int] | None = None, head: bool = False,
+                  scope=None):
+    """Context: decoder layers [a, b) of ``reference_layers``, the small tensors outside them (of
+    module ``scope`` only, if given) and with ``head`` the lm_head in fp32; a no-op on an
+    fp32-loaded model (``DecoderFamily.float32``)."""
     if not is_lowp(hf):
         return nullcontext()
     params = _small_params(hf, reference_layers)
+    if scope is not None:
+        inside = {id(p) for p in scope.parameters()}
+        params = [p for p in params if id(p) in inside]
     if layers is not None:
         for layer in reference_layers[layers[0]:layers[1]]:
             params += list(layer.parameters())

@@ -71,8 +71,14 @@ def export_encoders(encoders: list, specs: list[EncoderSpec], hf, root: Path, re
 
 
 def compile_encoders(float_graphs: list[GraphSpec], root: Path, target, soc_model: int,
-                     log) -> list[GraphSpec]:
-    """The float encoder graphs compiled for one HTP target with fp16 precision."""
+                     log, check_items: list[dict[str, np.ndarray]] | None = None
+                     ) -> list[GraphSpec]:
+    """The float encoder graphs compiled for one HTP target with fp16 precision. With
+    ``check_items`` (a build without the oracle: one example item per encoder) each compiled
+    graph runs once on the HTP against its float graph (htp/graphcheck.py), whose error bar
+    fails the build."""
+    from ..runtime import qnn
+    from .htp import graphcheck
     from .htp.compile import compile_graph
 
     out = []
@@ -83,6 +89,10 @@ def compile_encoders(float_graphs: list[GraphSpec], root: Path, target, soc_mode
             f"({res['seconds']:.1f}s)")
         out.append(g.model_copy(update={"file": f"{target.name}/{g.name}.ctx.onnx",
                                         "bytes": res["bin_bytes"] + ctx.stat().st_size}))
+    if check_items is not None:
+        so = qnn.session_options(qnn.provider_options(target.htp_arch, soc_model, fp16=True), {})
+        out = graphcheck.gate(target.name, out, graphcheck.check_encoders(
+            root, target.name, so, float_graphs, out, check_items, log))
     return out
 
 

@@ -153,7 +153,7 @@ def export_genie_graphs(fam, hf, args, host, folder: Path, prefill_len: int, con
 
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    with fam.float32(hf, layers=(0, args.num_hidden_layers), head=True):
+    with fam.float32(hf, layers=(0, args.num_hidden_layers), head=True, towers=False):
         for T in dict.fromkeys((prefill_len, 1)):
             module = genie_step(fam, hf, args, host, T, context, form, residual_scale)
             path = folder / f"{graph_name(T, context)}.onnx"

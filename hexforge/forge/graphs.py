@@ -58,7 +58,7 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
         last = len(shards) - 1
         for s, (a, b) in enumerate(shards):
             # a bf16 model: only this shard's layers (and the head it runs) in fp32
-            with fam.float32(hf, layers=(a, b), head=cpu and s == last):
+            with fam.float32(hf, layers=(a, b), head=cpu and s == last, towers=False):
                 step = fam.cpu_step_module if cpu else fam.decoder_module
                 pre = export(f"s{s}.prefill", "prefill",
                              step(hf, args, (a, b), opts.prefill_len, opts.context), (a, b))
@@ -81,7 +81,7 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
                 share_weights([folder / f"{n}.onnx" for n in plan[-1].names()], f"s{s}.weights",
                               fuse)
             release_mapped_pages(hf.name_or_path)  # the checkpoint pages this shard was read from
-        with fam.float32(hf, head=True):
+        with fam.float32(hf, head=True, towers=False):
             head_module = fam.head_module(hf, args)
             head = export("head", "head", use_cpu_kernels(head_module) if cpu else head_module)
         graphs.append(head)

@@ -34,7 +34,13 @@ from ..manifest import (
 )
 from ..targets import Target, parse_targets
 from .checkpoint import read_checkpoint, release_mapped_pages
-from .encoders import calibrate_encoder_norms, compile_encoders, export_encoders, quantize_cpu_encoders
+from .encoders import (
+    calibrate_encoder_norms,
+    compile_encoders,
+    example_feeds,
+    export_encoders,
+    quantize_cpu_encoders,
+)
 from .export import share_weights
 from .fuse import fuse_cpu_graph
 from .graphs import export_float, plan_target, weight_groups, weights_file
@@ -226,13 +232,14 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         if htp_targets:
             from .htp.stage import build_htp_targets
 
-            with fam.float32_forward(hf):  # calibration runs the towers on media prompts
-                specs, qdq = build_htp_targets(fam, hf, args, htp_targets, opts, tmp, manifest,
-                                               residual_peak, log)
-                manifest.targets.update(specs)
+            specs, qdq = build_htp_targets(fam, hf, args, htp_targets, opts, tmp, manifest,
+                                           residual_peak, log)
+            manifest.targets.update(specs)
+            items = None if opts.verify else [  # no oracle: each tower checked on the HTP
+                example_feeds(e, spec) for e, spec in zip(encoders, enc_specs, strict=True)]
             for tg in htp_targets:
                 manifest.targets[tg.name].graphs += compile_encoders(
-                    enc_graphs, tmp, tg, tg.default_soc.soc_model, log)
+                    enc_graphs, tmp, tg, tg.default_soc.soc_model, log, items)
             if opts.genie:
                 from .genie import build_genie_bundles
                 from .htp.stage import fp16_scale

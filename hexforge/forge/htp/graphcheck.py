@@ -10,9 +10,13 @@ takes hours on the simulator) still learns whether a graph that compiled compute
         └─▶ the compiled graph, same feeds, on the HTP (the simulator on x86) ─▶ per output:
                              relative error ‖htp − float‖ / ‖float‖, cosine, max|Δ|, max|float|
 
+    encoder graphs (vision, audio) ── the family's example item (its synthetic image / clip)
+        through the float graph on the CPU and the compiled graph on the HTP, compared the same way
+
 What it covers: one call of every graph, with the build's own I/O (fp16 residual scale, weight
 formats) and a real KV cache; not a generation, not long positions (rope past the text's rows,
-the sliding ring's wrap), not sampling — the oracle's job where the size allows it.
+the sliding ring's wrap), not sampling, not an encoder against HF's tower (the float graph is
+the reference) — the oracle's job where the size allows it.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ...errors import ParityGateError
 from ...manifest import GraphSpec, Manifest, RunPlan, TargetSpec, confine
 from ...runtime import qnn
 from ...runtime.backends import Backend
 from ...runtime.engine import Engine
+from ...runtime.state import NP_DTYPES
 from ...runtime.text import TextTokenizer
 
 DECODE_STEP = 8  # the decode call checked: 8 cached rows before it
@@ -81,7 +87,6 @@ def check_target(root: Path, spec: TargetSpec, calls: dict[str, tuple[dict, dict
                  log) -> dict[str, dict]:
     """Every compiled decoder graph of ``spec`` on the HTP with its captured feeds; -> graph name
     -> {outputs: {name: cosine, max|Δ|, max|float|}, seconds, passed}."""
-    from .probe import _run
     from .recipes import get_recipe
 
     so = qnn.session_options(qnn.provider_options(spec.htp_arch, spec.soc_model,
@@ -89,17 +94,54 @@ def check_target(root: Path, spec: TargetSpec, calls: dict[str, tuple[dict, dict
     report = {}
     for g in spec.graphs:
         if g.name not in calls:
-            continue  # the encoders: checked against HF by their own gate
+            continue  # the encoders: check_encoders
         feeds, ref = calls[g.name]
-        t = time.perf_counter()
-        got = _run(root / g.file, feeds, so)
-        rows = compare(got, ref)
-        report[g.name] = r = {"outputs": rows, "seconds": round(time.perf_counter() - t, 1)}
-        sm = summary(r)
-        r["passed"] = sm["rel_err"] <= MAX_REL_ERR
-        log(f"[{spec.name}] checked {g.name} on the HTP: relative error {sm['rel_err']:.2e}, "
-            f"cosine {sm['cosine']:.6f}, max|Δ| {sm['max_abs_diff']:.3g} ({r['seconds']:.1f}s)")
+        report[g.name] = _check(root / g.file, feeds, ref, so, f"[{spec.name}] checked {g.name}",
+                                log)
     return report
+
+
+def check_encoders(root: Path, target: str, so, float_graphs: list[GraphSpec],
+                   compiled: list[GraphSpec], items: list[dict[str, np.ndarray]], log
+                   ) -> dict[str, dict]:
+    """Each compiled encoder graph with its example item (``items``: preprocessed inputs, as
+    ``Engine.encode`` takes them) vs its float graph on the CPU; -> graph name -> report."""
+    from .probe import _run
+
+    report = {}
+    for f, g, item in zip(float_graphs, compiled, items, strict=True):
+        feeds = {i.name: item[i.bind.removeprefix("media:")].astype(NP_DTYPES[i.dtype], copy=False)
+                 for i in f.inputs}
+        ref = _run(root / f.file, feeds)
+        report[g.name] = _check(root / g.file, feeds, ref, so, f"[{target}] checked {g.name}", log)
+    return report
+
+
+def _check(path: Path, feeds: dict, ref: dict, so, what: str, log) -> dict:
+    from .probe import _run
+
+    t = time.perf_counter()
+    got = _run(path, feeds, so)
+    r = {"outputs": compare(got, ref), "seconds": round(time.perf_counter() - t, 1)}
+    sm = summary(r)
+    r["passed"] = sm["rel_err"] <= MAX_REL_ERR
+    log(f"{what} on the HTP: relative error {sm['rel_err']:.2e}, cosine {sm['cosine']:.6f}, "
+        f"max|Δ| {sm['max_abs_diff']:.3g} ({r['seconds']:.1f}s)")
+    return r
+
+
+def gate(target: str, compiled: list[GraphSpec], report: dict[str, dict]) -> list[GraphSpec]:
+    """Fail the build if a checked graph is over the error bar; -> the graphs with their
+    ``htp_check`` (the manifest's record of it)."""
+    failed = {n: r for n, r in report.items() if not r["passed"]}
+    if failed:
+        detail = ", ".join(f"{n}: relative error {summary(r)['rel_err']:.3g}"
+                           for n, r in failed.items())
+        raise ParityGateError(f"[{target}] compiled graphs compute wrong on the HTP against "
+                              f"their float graphs ({detail}; the bar is {MAX_REL_ERR}); the "
+                              "bundle was not written")
+    return [g.model_copy(update={"htp_check": summary(report[g.name])}) if g.name in report
+            else g for g in compiled]
 
 
 def summary(r: dict) -> dict[str, float]:
