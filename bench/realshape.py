@@ -1,6 +1,6 @@
 """Real-shape random-weight checkpoints (speed does not depend on the weights' values).
 
-    python bench/realshape.py qwen3-0.6b|qwen3.5-0.8b|qwen3.5-0.8b-vl|gemma-4-e2b OUT_DIR
+    python bench/realshape.py SHAPE OUT_DIR
         [--dtype bfloat16|float32] [--layers N]
 
 Shapes are the published configs' numbers (hidden, layers, heads, head_dim, intermediate, vocab,
@@ -97,23 +97,40 @@ SHAPES: dict[str, dict] = {
     ),
 }
 SHAPES["qwen3.5-0.8b-vl"] = SHAPES["qwen3.5-0.8b"]
-# shape -> (the composite's model_type, its vision_config): Qwen/Qwen3.5-0.8B vision_config
+# shape -> (the composite's model_type, its tower sub-configs)
 TOWERS: dict[str, tuple[str, dict]] = {
-    "qwen3.5-0.8b-vl": ("qwen3_5", dict(
+    # Qwen/Qwen3.5-0.8B vision_config
+    "qwen3.5-0.8b-vl": ("qwen3_5", dict(vision_config=dict(
         depth=12, hidden_size=768, intermediate_size=3072, num_heads=12, out_hidden_size=1024,
-        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304)),
+        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304))),
     # Qwen/Qwen3-VL-2B-Instruct vision_config (deepstack mergers after blocks 5, 11, 17)
-    "qwen3-vl-2b-vl": ("qwen3_vl", dict(
+    "qwen3-vl-2b-vl": ("qwen3_vl", dict(vision_config=dict(
         depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
         patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
-        deepstack_visual_indexes=[5, 11, 17])),
+        deepstack_visual_indexes=[5, 11, 17]))),
     # Qwen/Qwen3.5-4B vision_config
-    "qwen3.5-4b-vl": ("qwen3_5", dict(
+    "qwen3.5-4b-vl": ("qwen3_5", dict(vision_config=dict(
         depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560,
-        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304)),
+        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304))),
+    # google/gemma-4-E4B: transformers' convert_gemma4_weights.py _VARIANTS["gemma-4-e4b"] (the
+    # on-device vision config E2B shares: 16 layers, pooled 3x3 to at most 280 soft tokens from
+    # 2,520 patches; the default 12-layer audio conformer). 7.94 B parameters in all.
+    "gemma-4-e4b-mm": ("gemma4", dict(
+        vision_config=dict(
+            hidden_size=768, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=12,
+            num_key_value_heads=12, head_dim=64, patch_size=16, pooling_kernel_size=3,
+            position_embedding_size=10240, use_clipped_linears=True),
+        audio_config=dict(
+            hidden_size=1024, num_hidden_layers=12, num_attention_heads=8,
+            subsampling_conv_channels=[128, 32], conv_kernel_size=5, attention_chunk_size=12,
+            attention_context_left=13, attention_context_right=0, output_proj_dims=1536),
+        vision_soft_tokens_per_image=280)),
 }
 SHAPES["qwen3-vl-2b-vl"] = SHAPES.pop("qwen3-vl-2b-text")
 SHAPES["qwen3.5-4b-vl"] = SHAPES["qwen3.5-4b"]
+SHAPES["gemma-4-e4b-mm"] = SHAPES["gemma-4-e4b"]
+# the image processor E4B ships (processor_config.json): 16 px patches, <= 280 soft tokens
+GEMMA4_IMAGE = dict(patch_size=16, max_soft_tokens=280, pooling_kernel_size=3)
 
 
 def _cut(cfg: dict, layers: int) -> dict:
@@ -144,21 +161,34 @@ def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: 
         GenerationConfig,
     )
 
-    from hexforge.tiny import condition_weights, make_tokenizer
+    from hexforge.tiny import (
+        MM_TOKENS,
+        condition_gemma4_vision,
+        condition_weights,
+        make_tokenizer,
+        save_gemma4_processor_config,
+    )
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = dict(SHAPES[shape])
-    tok = make_tokenizer(out, add_bos=False)
     model_type = cfg.pop("model_type")
+    gemma = model_type.startswith("gemma")
+    # Gemma-4's composite names its media tokens by id: the tiny tokenizer gets them as specials
+    tok = make_tokenizer(out, add_bos=False,
+                         extra_specials=list(MM_TOKENS.values()) if shape in TOWERS and gemma else [])
     if layers:
         cfg.update(_cut(cfg, layers))
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                pad_token_id=tok.pad_token_id)
     auto = AutoModelForCausalLM
     if shape in TOWERS:
-        model_type, vision = TOWERS[shape]
-        config = AutoConfig.for_model(model_type, text_config={**cfg, **ids}, vision_config=vision,
+        model_type, towers = TOWERS[shape]
+        media = {}
+        if gemma:
+            media = {k: tok.convert_tokens_to_ids(t) for k, t in MM_TOKENS.items()}
+            media["eoa_token_index"] = media["eoa_token_id"]
+        config = AutoConfig.for_model(model_type, text_config={**cfg, **ids}, **towers, **media,
                                       tie_word_embeddings=cfg["tie_word_embeddings"], **ids)
         auto = AutoModelForImageTextToText
     else:
@@ -168,8 +198,11 @@ def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: 
     # made directly in the saved dtype: never two full copies
     model = auto.from_config(config, dtype=getattr(torch, dtype))
     # norms perturbed; Gemma-4 conditioned as a trained model is (else it is chaotic at depth)
-    condition_weights(model, model_type.removesuffix("_text"))
+    condition_weights(model, model_type.removesuffix("_text"),
+                      condition_gemma4_vision if gemma and shape in TOWERS else None)
     model.save_pretrained(str(out), safe_serialization=True)
+    if gemma and shape in TOWERS:
+        save_gemma4_processor_config(out, **GEMMA4_IMAGE)
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                      pad_token_id=tok.pad_token_id).save_pretrained(str(out))
     n = sum(p.numel() for p in model.parameters())

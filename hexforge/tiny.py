@@ -189,7 +189,7 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 384, add_bos: bool = True,
     return fast
 
 
-def _condition_gemma4_vision(model) -> None:
+def condition_gemma4_vision(model) -> None:
     """from_config leaves the vision position table at ones (every patch gets the same position
     embedding) and input_proj at std 0.02: the tower's output then barely depends on the image or
     the positions (HF's soft-token rows are cos >= 0.996 to one another; dropping RoPE still
@@ -203,13 +203,15 @@ def _condition_gemma4_vision(model) -> None:
     pe.input_proj.weight.mul_(10.0)
 
 
-def _save_gemma4_processor_config(out: Path) -> None:
-    """processor_config.json as the Gemma-4 repos carry it: image processor (70 soft tokens at
-    most, patch 4 to match the tiny vision tower) + audio feature extractor settings."""
+def save_gemma4_processor_config(out: Path, patch_size: int = 4, max_soft_tokens: int = 70,
+                                 pooling_kernel_size: int = 3) -> None:
+    """processor_config.json as the Gemma-4 repos carry it: image processor (the tiny's: 70 soft
+    tokens at most, patch 4 to match the tiny vision tower) + audio feature extractor settings."""
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    image = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=3)
+    image = Gemma4ImageProcessorPil(patch_size=patch_size, max_soft_tokens=max_soft_tokens,
+                                    pooling_kernel_size=pooling_kernel_size)
     (out / "processor_config.json").write_text(json.dumps({
         "processor_class": "Gemma4Processor", "audio_ms_per_token": 40,
         "image_processor": image.to_dict(),
@@ -300,10 +302,10 @@ def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **over
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     condition_weights(model, family.removesuffix("_mm"),
-                      _condition_gemma4_vision if family == "gemma4_mm" else None)
+                      condition_gemma4_vision if family == "gemma4_mm" else None)
     model.save_pretrained(str(out), safe_serialization=True)
     if family == "gemma4_mm":
-        _save_gemma4_processor_config(out)
+        save_gemma4_processor_config(out)
     if family in FAMILY_MM_TOKENS:
         _save_qwen2vl_processor_config(out, cfg_kwargs["vision_config"])
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
