@@ -21,6 +21,24 @@ def test_planner_packs_contiguous_layers_under_ceiling():
         plan_shards([10, 30], 20)
 
 
+def test_regression_a_heads_fp32_bytes_over_the_cpu_ceiling_failed_the_build(ckpt, tmp_path,
+                                                                               monkeypatch):
+    """Qwen3.5-4B's tied 248,320 x 2,560 head is 2.5 GB in fp32, over the cpu target's 2 GB
+    shard ceiling: the build stopped there, though a head has no layers to split and the cpu
+    target's weights are external files. The ceiling binds the head on HTP targets only."""
+    from hexforge.families.llama import FAMILY
+    from hexforge.forge.graphs import plan_target
+    from hexforge.targets import get_target
+
+    monkeypatch.setattr(type(FAMILY), "head_weight_bytes", lambda self, hf, bpw: 3 * 10**9)
+    out = build(ckpt("llama"), tmp_path / "b", BuildOptions(context=64, prefill_len=8),
+                log=lambda m: None)
+    assert json.loads((out / "report.json").read_text())["cpu"]["greedy"]["exact"]
+    hf = FAMILY.load_hf(ckpt("llama"))
+    with pytest.raises(BuildError, match="the head holds 3,000,000,000 weight bytes"):
+        plan_target(FAMILY, hf, get_target("v81"), BuildOptions(), lambda m: None)
+
+
 def test_no_verify_skips_the_oracle(ckpt, tmp_path):
     out = build(ckpt("llama"), tmp_path / "b", BuildOptions(context=64, prefill_len=8, verify=False),
                 log=lambda m: None)
