@@ -16,6 +16,25 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+# The files that run longest (CI's --durations), started first, so the two workers end close
+# together: xdist's own order (--loadscope-reorder, off in the README's command) puts files with
+# few tests last, and those are the real-model ones (15 min and 12 min of builds on the HTP
+# simulator), so one worker ran them alone at the end of the run.
+LONGEST_FIRST = ("test_real_models_htp.py", "test_real_models.py", "test_htp.py",
+                 "test_speculative.py", "test_gemma4_mm.py", "test_gemma4.py", "test_qwen3_5.py",
+                 "test_qwen3_5_vl.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files in LONGEST_FIRST order, then the rest by their number of tests (xdist's order)."""
+    from collections import Counter
+
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    count = Counter(item.path.name for item in items)
+    items.sort(key=lambda it: (rank.get(it.path.name, len(rank)), -count[it.path.name],
+                               it.path.name))  # stable: each file's tests keep their order
+
+
 N = 8  # prefill AR-N of the test bundles: small, so chunk-boundary prompts stay cheap
 CONTEXT = 256
 
