@@ -99,3 +99,47 @@ def test_report_has_per_graph_cosine_and_greedy(bundle):
     for g in report["graphs"].values():
         assert g["cos_min"] > 0.99999 and g["rows"] > 0
     assert report["teacher_forced"]["top1"] == 1.0
+
+
+def test_the_oracles_greedy_tokens_are_read_off_teacher_forcing_until_a_miss(bundle, hf_model,
+                                                                              monkeypatch):
+    """While the bundle's argmax agrees with HF's greedy token, its greedy run would feed the
+    teacher-forced run's tokens through the same graphs: it is not run again (half the oracle's
+    decode steps, on the simulator minutes). A miss runs it, and reports the bundle's own tokens."""
+    from hexforge.families import load_family
+    from hexforge.forge.verify import OracleCpuBackend, oracle_prompt, verify_target
+    from hexforge.manifest import load_manifest
+    from hexforge.runtime.engine import Engine
+    from hexforge.runtime.text import TextTokenizer
+
+    b = bundle("llama")
+    manifest = load_manifest(b)
+    family, hf = load_family(manifest.model_type).FAMILY, hf_model("llama")
+    tok = TextTokenizer(b / "tokenizer")
+    runs = []
+    real_generate = Engine.generate_step
+    monkeypatch.setattr(Engine, "generate_step",
+                        lambda self, *a, **k: runs.append(a) or real_generate(self, *a, **k))
+
+    def oracle(bias_at=None, token=None):
+        engine = Engine(b, manifest, "cpu", OracleCpuBackend())
+        if bias_at is not None:  # a wrong bundle: from one position on, `token` wins
+            decode = engine.decode
+
+            def biased(t, copy=True):
+                at, logits = engine.pos, decode(t, copy=True)
+                logits[token] += 1e4 * (at == bias_at)
+                return logits
+            engine.decode = biased
+        return verify_target(family, hf, engine, tok, manifest, "cpu", "fp32", new_tokens=16)
+
+    r = oracle()
+    assert r["passed"] and r["greedy"]["exact"] and r["greedy"]["bundle"] == r["greedy"]["hf"]
+    assert runs == []  # read off the teacher-forced logits
+    hf_tokens = r["greedy"]["hf"]
+    prompt = oracle_prompt(tok, N, manifest.context, 16)
+    wrong = (hf_tokens[3] + 1) % manifest.vocab_size
+    r = oracle(bias_at=len(prompt) + 2, token=wrong)  # the step that samples token 3
+    assert len(runs) == 1 and not r["passed"]
+    assert r["greedy"]["matching_prefix"] == 3 and r["greedy"]["bundle"][:4] == [
+        *hf_tokens[:3], wrong] and len(r["greedy"]["bundle"]) == 16

@@ -128,7 +128,7 @@ def verify_genie(graphs: GenieGraphs, ref: dict, quant: str, new_tokens: int,
     from dataclasses import asdict
 
     from .quality import compare, log_softmax
-    from .verify import GATES, kl_failures
+    from .verify import GATES, first_miss, greedy_as_forced, kl_failures
 
     prompt, tokens = ref["prompt"], ref["tokens"]
     graphs.reset()
@@ -145,13 +145,16 @@ def verify_genie(graphs: GenieGraphs, ref: dict, quant: str, new_tokens: int,
     ids = ref["eval_ids"][:graphs.C]
     text = {"text": text_name, **compare(ref["eval_logits"], graphs.prompt(ids), ids)}
 
-    graphs.reset()
-    own, logits = [], graphs.prompt(prompt)[-1]
-    for _ in range(min(new_tokens, graphs.C - len(prompt))):
-        own.append(int(logits.argmax()))
-        logits = graphs.run([own[-1]])[0]
-    match = next((i for i, (a, b) in enumerate(zip(own, tokens, strict=False)) if a != b),
-                 len(own))
+    n = min(new_tokens, graphs.C - len(prompt))
+    own = greedy_as_forced(got[:n], tokens[:n])
+    if own is None:  # a miss: Genie's own greedy tokens from there on
+        graphs.reset()
+        own, logits = [], graphs.prompt(prompt)[-1]
+        for i in range(n):
+            own.append(int(logits.argmax()))
+            if i + 1 < n:
+                logits = graphs.run([own[-1]])[0]
+    match = first_miss(own, tokens)
 
     gate = GATES[quant]
     failures = kl_failures(gate, tf, text)

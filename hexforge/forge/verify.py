@@ -228,6 +228,22 @@ class OracleCpuBackend(Backend):
             disable_prepacking(so)
 
 
+def first_miss(got: list[int], want: list[int]) -> int:
+    """The first step where the bundle's greedy tokens leave HF's (len(got) if none does)."""
+    return next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), len(got))
+
+
+def greedy_as_forced(rows: list[np.ndarray], tokens: list[int]) -> list[int] | None:
+    """The bundle's greedy tokens read off its teacher-forced logits, or None at a miss.
+
+    rows[i] are the logits after the prompt and HF's greedy tokens[:i]. While the bundle's
+    argmax agrees with HF's token, its own greedy run feeds exactly those tokens through the
+    same graphs (prefill the prompt, then one decode step a token): the same logits, so it need
+    not run. At the first miss the runs part, and only the greedy run says what follows."""
+    got = [int(np.argmax(row)) for row in rows]
+    return got if got == list(tokens) else None
+
+
 def oracle_prompt(tok: TextTokenizer, prefill_len: int, context: int, new_tokens: int) -> list[int]:
     """The oracle's prompt: longer than one AR-N chunk, so prefill chains chunks."""
     N = prefill_len
@@ -289,11 +305,11 @@ def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Mani
                 **compare(ref["eval_logits"], bundle_logits(engine, ids), ids)}
         advance()
 
-        got = []
-        for token, _ in engine.generate_step(prompt, greedy, new_tokens):
-            got.append(token)
-            advance()
-    match = next((i for i, (a, b) in enumerate(zip(got, ref["tokens"], strict=False)) if a != b), len(got))
+        got = greedy_as_forced(got_rows, ref["tokens"])
+        if got is None:  # a miss: the bundle's own tokens from there on are the greedy run's
+            got = [token for token, _ in engine.generate_step(prompt, greedy, new_tokens)]
+        advance(new_tokens)
+    match = first_miss(got, ref["tokens"])
 
     gate = GATES[quant]
     graphs = {name: t.summary() for name, t in tallies.items()}
