@@ -240,7 +240,7 @@ def greedy_as_forced(rows: list[np.ndarray], tokens: list[int]) -> list[int] | N
     argmax agrees with HF's token, its own greedy run feeds exactly those tokens through the
     same graphs (prefill the prompt, then one decode step a token): the same logits, so it need
     not run. At the first miss the runs part, and only the greedy run says what follows."""
-    got = [int(np.argmax(row)) for row in rows]
+    got = [greedy(row) for row in rows]  # the greedy run's own sampler
     return got if got == list(tokens) else None
 
 
