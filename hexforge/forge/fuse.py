@@ -26,6 +26,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from .shapeinfer import static_shapes
+
 MS = "com.microsoft"
 
 
@@ -53,7 +55,7 @@ def fuse_skip_norms(model) -> int:
             pairs.append((add, norm))
     if not pairs:  # e.g. the int8/int4 re-share of graphs fused at export: no shape inference
         return 0
-    shapes = _shapes(model)
+    shapes = static_shapes(model)
     fused: dict[int, object] = {}  # id(norm node) -> its replacement
     dead: set[int] = set()  # ids of the Adds taken in
     for add, norm in pairs:
@@ -145,76 +147,6 @@ def pack_sibling_matmuls(model, min_group: int = 3) -> int:
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-
-
-def _shapes(model) -> dict[str, list]:
-    """Static shapes of every tensor in ``model`` (onnxruntime's symbolic inference, which knows
-    the com.microsoft ops), run on a skeleton: the weights enter as typed graph inputs, so no
-    weight bytes are copied."""
-    from onnx import helper
-
-    g = model.graph
-    small = [t for t in g.initializer if _nbytes(t) < 4096]  # shape constants and the like
-    big = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
-           for t in g.initializer if _nbytes(t) >= 4096]
-    skel = helper.make_graph(list(g.node), g.name, list(g.input) + big, list(g.output),
-                             initializer=small)
-    sk = helper.make_model(skel, opset_imports=list(model.opset_import),
-                           ir_version=model.ir_version)
-    inference = _shape_inference_class()(2**31 - 1, True, False, 0)  # int_max, auto_merge
-    inference._preprocess(sk)
-    done = False
-    while inference.run_:
-        done = inference._infer_impl()
-    if not done:  # a bug in an export, never user input
-        raise ValueError(f"{g.name}: incomplete shape inference")
-    inference._update_output_from_vi()
-    inferred = inference.out_mp_
-    out = {}
-    for v in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
-        dims = v.type.tensor_type.shape.dim
-        if all(d.HasField("dim_value") for d in dims):
-            out[v.name] = [d.dim_value for d in dims]
-    for t in g.initializer:
-        out[t.name] = list(t.dims)
-    return out
-
-
-def _shape_inference_class():
-    from onnx import helper
-    from onnxruntime.tools.symbolic_shape_infer import (
-        SymbolicShapeInference,
-        get_elem_type_from_type_proto,
-    )
-
-    from ..families.ortops import OUTPUT_LIKES
-
-    class ShapeInference(SymbolicShapeInference):
-        """onnxruntime's symbolic inference, plus the contrib ops ``families/ortops.py`` emits
-        that it does not know (GatedDeltaNet's): each output has one input's type and shape.
-        Driven as its own ``infer_shapes`` drives it (those private members are what its
-        subclass hook is), less the sym_shape_infer_temp.onnx that one writes into the working
-        directory when it fails."""
-
-        def __init__(self, *args):
-            super().__init__(*args)
-            for op in OUTPUT_LIKES:
-                self.dispatcher_[op] = self._like_inputs
-
-        def _like_inputs(self, node):
-            for out, i in zip(node.output, OUTPUT_LIKES[node.op_type], strict=False):
-                elem = get_elem_type_from_type_proto(self.known_vi_[node.input[i]].type)
-                self.known_vi_[out].CopyFrom(
-                    helper.make_tensor_value_info(out, elem, self._get_shape(node, i)))
-
-    return ShapeInference
-
-
-def _nbytes(t) -> int:
-    from onnx import helper
-
-    n = int(np.prod(t.dims)) if len(t.dims) else 1
-    return n * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
 
 
 def _replace_nodes(g, nodes) -> None:

@@ -158,7 +158,7 @@ def export_genie_graphs(fam, hf, args, host, folder: Path, prefill_len: int, con
             module = genie_step(fam, hf, args, host, T, context, form, residual_scale)
             path = folder / f"{graph_name(T, context)}.onnx"
             t = time.perf_counter()
-            export_module(module, path, exporter)
+            export_module(module, path, exporter, fold=True)
             log(f"  exported {path.name} ({time.perf_counter() - t:.1f}s)")
             paths.append(path)
     share_weights(paths, "genie.weights")

@@ -47,7 +47,7 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
             module = use_fp16_form(module, fp16_residual_scale)
         path = folder / f"{name}.onnx"
         t = time.perf_counter()
-        ins, outs = export_module(module, path, opts.exporter)
+        ins, outs = export_module(module, path, opts.exporter, fold=True)
         log(f"  exported {rel_folder}/{name} ({time.perf_counter() - t:.1f}s)")
         advance()
         return GraphSpec(name=name, role=role, file=f"{rel_folder}/{name}.onnx",
