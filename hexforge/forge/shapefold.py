@@ -26,21 +26,22 @@ MAX_ELEMENTS = 4096  # folded values are shape arithmetic, never weights or mask
 
 def fold_shapes(model) -> int:
     """Fold ``model`` (an onnx ModelProto, external data not loaded) in place; -> nodes folded."""
+    # a tensor's shape does not change when its producer folds to a constant: inferred once
+    shapes = static_shapes(model, complete=False)
     total = 0
-    while n := _fold_once(model):
+    while n := _fold_once(model, shapes):
         total += n
     _drop_unread(model)
     return total + _clip_scalar_bounds(model)
 
 
-def _fold_once(model) -> int:
+def _fold_once(model, shapes: dict[str, list[int]]) -> int:
     import onnx
     from onnx import helper, numpy_helper
     from onnx.reference import ReferenceEvaluator
 
     g = model.graph
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-    shapes = static_shapes(model, complete=False)
     values: dict[str, np.ndarray] = {}
     for t in g.initializer:
         if t.data_location != onnx.TensorProto.EXTERNAL and int(np.prod(t.dims)) <= MAX_ELEMENTS:
