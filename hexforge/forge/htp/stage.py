@@ -350,10 +350,9 @@ def _share(compiled: list[GraphSpec], plan: RunPlan, srcs: Path, folder: Path, t
     kept under ``<target>/verify/`` until the build's oracle is done, then removed."""
     twins = folder / "verify"
     twins.mkdir()
-    by_name = {g.name: g for g in compiled}
-    out = []
-    for g in compiled:  # move the unshared twins aside; the oracle reads them from there
-        ctx = folder / f"{g.name}.ctx.onnx"
+    shared = {n for shard in plan.shards for n in (shard.prefill, shard.decode)}
+    for name in shared:  # move the unshared twins aside; the oracle reads them from there
+        ctx = folder / f"{name}.ctx.onnx"
         for f in (ctx, ctx.with_name(ctx.stem + "_qnn.bin")):
             f.rename(twins / f.name)
     suffix = compiled_suffix(recipe)
@@ -361,12 +360,11 @@ def _share(compiled: list[GraphSpec], plan: RunPlan, srcs: Path, folder: Path, t
         group = [(srcs / f"{n}{suffix}", folder / f"{n}.ctx.onnx") for n in (shard.prefill, shard.decode)]
         res = compile_shared(group, target.htp_arch, soc_model, fp16=recipe.activations is None)
         log(f"[{target.name}] weight-shared {shard.prefill} + {shard.decode}: {res['bin_bytes']:,} B")
-    head = by_name[plan.head]
-    compile_graph(srcs / f"{head.name}{suffix}", folder / f"{head.name}.ctx.onnx", target.htp_arch,
-                  soc_model, fp16=recipe.activations is None)
-    for g in compiled:
+    out = []
+    for g in compiled:  # the head shares nothing: its context is its own twin
         ctx = folder / f"{g.name}.ctx.onnx"
         binary = qnn.context_binary_of(ctx)
+        twin = f"{target.name}/verify/{g.name}.ctx.onnx" if g.name in shared else g.file
         out.append(g.model_copy(update={"bytes": ctx.stat().st_size + binary.stat().st_size,
-                                        "verify_file": f"{target.name}/verify/{g.name}.ctx.onnx"}))
+                                        "verify_file": twin}))
     return out
