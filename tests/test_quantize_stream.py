@@ -421,3 +421,41 @@ def test_weight_only_quantizes_one_weight_at_a_time_as_ort_does_the_whole_graph(
                                 providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
            for m in (str(path), ref)]
     np.testing.assert_array_equal(run[0], run[1])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_weight_over_protobufs_2gb_is_quantized_in_column_slices_bit_for_bit(tmp_path,
+                                                                              monkeypatch, bits):
+    """Qwen3.5-4B's tied head (248,320 x 2,560 fp32, 2.5 GB) could not be put in a one-node model
+    for onnxruntime's quantizer (protobuf serializes under 2 GB): a weight over ONE_NODE_BYTES
+    is quantized in column slices whose packed blocks and scales stack along N. Here slices of
+    24 columns (96 = 4 slices, 40 = 1 slice and a rest) give the whole weight's bytes."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    import hexforge.forge.nbits as nbits
+
+    rng = np.random.default_rng(4)
+    w = {"w_a": rng.standard_normal((64, 96)), "w_b": rng.standard_normal((64, 40))}
+    nodes = [helper.make_node("MatMul", ["x", "w_a"], ["a"], name="a"),
+             helper.make_node("MatMul", ["x", "w_b"], ["b"], name="b")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, [1, 2, 64])],
+                              [helper.make_tensor_value_info(o, 1, None) for o in "ab"],
+                              [numpy_helper.from_array(v.astype(np.float32), k)
+                               for k, v in w.items()])
+    got = {}
+    for sliced in (False, True):
+        if sliced:
+            monkeypatch.setattr(nbits, "ONE_NODE_BYTES", 64 * 4 * 24)
+        d = tmp_path / str(sliced)
+        d.mkdir()
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]),
+                  str(d / "g.onnx"), save_as_external_data=True, location="float.weights",
+                  size_threshold=0)
+        assert nbits.quantize_cpu_graph(d / "g.onnx", bits, 32) == 2
+        m = onnx.load(str(d / "g.onnx"))
+        got[sliced] = ([(n.op_type, list(n.input), sorted(
+            (a.name, helper.get_attribute_value(a)) for a in n.attribute)) for n in m.graph.node],
+            {t.name: numpy_helper.to_array(t).tobytes() for t in m.graph.initializer})
+    assert got[True][0] == got[False][0]
+    assert got[True][1] == got[False][1]

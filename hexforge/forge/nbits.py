@@ -26,6 +26,9 @@ from ..errors import BuildError
 CPU_WEIGHTS: dict[str, tuple[int, int] | None] = {
     "fp32": None, "int8": (8, 32), "int8-b128": (8, 128), "int4": (4, 32), "int4-b128": (4, 128)}
 CPU_ACCURACY_LEVEL = 4
+# the most fp32 weight bytes quantized in one one-node model: protobuf cannot serialize 2 GB, and
+# a real-size tied head is over it (Qwen3.5-4B's 248,320 x 2,560: 2.5 GB)
+ONE_NODE_BYTES = 1 << 30
 # the media towers' weights under each --cpu-weights: int8 under int4 too, as an int4 tower's soft
 # tokens moved far from fp32's for no speed (docs/measurements.md)
 CPU_ENCODER_WEIGHTS: dict[str, str] = {"fp32": "fp32", "int8": "int8", "int8-b128": "int8",
@@ -131,12 +134,8 @@ def quantize_cpu_graph(path: Path, bits: int, block_size: int, vocab_size: int |
                 nodes.append(node)
                 continue
             node.name = node.name or f"matmul_{i}"
-            one = helper.make_model(helper.make_graph(
-                [node], "one", [helper.make_tensor_value_info(node.input[0], t.data_type, None)],
-                [helper.make_tensor_value_info(node.output[0], t.data_type, None)],
-                [numpy_helper.from_array(w, t.name)]), opset_imports=model.opset_import)
+            q = _quantize_matmul(node, t, w, fmt, accuracy_level, model.opset_import)
             del w
-            q = _matmul_nbits(one, *fmt, accuracy_level, exclude=[]).graph
             nodes.extend(q.node)
             for qt in q.initializer:
                 if qt.name in done:
@@ -155,6 +154,38 @@ def quantize_cpu_graph(path: Path, bits: int, block_size: int, vocab_size: int |
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.save(model, str(path))
     return n
+
+
+def _quantize_matmul(node, t, w: np.ndarray, fmt: tuple[int, int], accuracy_level: int,
+                     opset_import):
+    """One MatMul (weight ``t`` with values ``w`` [K, N]) -> onnxruntime's MatMulNBits graph for it.
+    A weight over ONE_NODE_BYTES is quantized in column slices and the slices' packed weights and
+    scales stacked along N: each output column's blocks are its own, so the result is the
+    whole weight's, bit for bit (tests/test_quantize_stream.py)."""
+    from onnx import helper, numpy_helper
+
+    cols = max(1, ONE_NODE_BYTES // (w.shape[0] * w.itemsize))
+    parts = []
+    for c in range(0, w.shape[1], cols):
+        one = helper.make_model(helper.make_graph(
+            [node], "one", [helper.make_tensor_value_info(node.input[0], t.data_type, None)],
+            [helper.make_tensor_value_info(node.output[0], t.data_type, None)],
+            [numpy_helper.from_array(np.ascontiguousarray(w[:, c:c + cols]), t.name)]),
+            opset_imports=opset_import)
+        parts.append(_matmul_nbits(one, *fmt, accuracy_level, exclude=[]).graph)
+    if len(parts) == 1:
+        return parts[0]
+    q = parts[0]
+    (mm,) = q.node  # one MatMulNBits, inputs (x, B, scales[, zero points])
+    stacked = {name: np.concatenate([numpy_helper.to_array(
+        next(i for i in p.initializer if i.name == name)) for p in parts], axis=0)
+        for name in mm.input[1:] if name}
+    del q.initializer[:]
+    q.initializer.extend(numpy_helper.from_array(v, name) for name, v in stacked.items())
+    for a in mm.attribute:
+        if a.name == "N":
+            a.i = w.shape[1]
+    return q
 
 
 def cpu_head_format(bits: int, block_size: int) -> tuple[int, int]:
