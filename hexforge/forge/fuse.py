@@ -142,7 +142,7 @@ def pack_sibling_matmuls(model, min_group: int = 3) -> int:
         elif id(n) not in dead:
             out.append(n)
     _replace_nodes(g, out)
-    _drop_unused_initializers(g)
+    drop_unused_initializers(g)
     return len(dead)
 
 
@@ -179,7 +179,8 @@ def _replace_nodes(g, nodes) -> None:
     g.node.extend(order)
 
 
-def _drop_unused_initializers(g) -> None:
+def drop_unused_initializers(g) -> None:
+    """Remove the initializers no node and no graph output reads (also forge/shapefold.py)."""
     used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
     keep = [t for t in g.initializer if t.name in used]
     del g.initializer[:]

@@ -106,6 +106,8 @@ def _clip_scalar_bounds(model) -> int:
 
 
 def _drop_unread(model) -> None:
+    from .fuse import drop_unused_initializers
+
     g = model.graph
     outputs = {o.name for o in g.output}
     nodes = list(g.node)
@@ -115,10 +117,7 @@ def _drop_unread(model) -> None:
         if len(alive) == len(nodes):
             break
         nodes = alive
-    read = {i for n in nodes for i in n.input} | outputs
     if len(nodes) != len(g.node):
         del g.node[:]
         g.node.extend(nodes)
-    unread = [t for t in g.initializer if t.name not in read]
-    for t in unread:
-        g.initializer.remove(t)
+    drop_unused_initializers(g)
