@@ -182,9 +182,11 @@ def _replace_nodes(g, nodes) -> None:
 def drop_unused_initializers(g) -> None:
     """Remove the initializers no node and no graph output reads (also forge/shapefold.py)."""
     used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
-    keep = [t for t in g.initializer if t.name in used]
-    del g.initializer[:]
-    g.initializer.extend(keep)
+    # in place: clearing the field and extending it with the kept ones copies every kept
+    # weight (a real-size graph's inline GBs, beside the originals until the model is freed)
+    for i in reversed(range(len(g.initializer))):
+        if g.initializer[i].name not in used:
+            del g.initializer[i]
 
 
 def _ensure_opset(model, domain: str, version: int = 1) -> None:

@@ -38,7 +38,6 @@ def fold_shapes(model) -> int:
 def _fold_once(model, shapes: dict[str, list[int]]) -> int:
     import onnx
     from onnx import helper, numpy_helper
-    from onnx.reference import ReferenceEvaluator
 
     g = model.graph
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
@@ -52,7 +51,7 @@ def _fold_once(model, shapes: dict[str, list[int]]) -> int:
         if node.domain not in ("", "ai.onnx"):
             pass
         elif node.op_type == "Constant":
-            v = np.asarray(ReferenceEvaluator(node, opsets={"": opset}).run(None, {})[0])
+            v = np.asarray(_evaluate(node, opset, {})[0])
             if v.size <= MAX_ELEMENTS:
                 values[node.output[0]] = v
         elif node.op_type == "Shape" and node.input[0] in shapes:
@@ -61,8 +60,8 @@ def _fold_once(model, shapes: dict[str, list[int]]) -> int:
             out = [s[a.get("start", 0):a.get("end", len(s))]]
         elif node.input and all(
                 i == "" or i in values for i in node.input):
-            out = [np.asarray(v) for v in ReferenceEvaluator(node, opsets={"": opset}).run(
-                None, {i: values[i] for i in node.input if i})]
+            out = [np.asarray(v) for v in _evaluate(
+                node, opset, {i: values[i] for i in node.input if i})]
             if any(v.size > MAX_ELEMENTS for v in out):
                 out = None
         if out is None:
@@ -103,6 +102,17 @@ def _clip_scalar_bounds(model) -> int:
                 "Clip", [x, *bounds], list(node.output), name=node.name))
             n += 1
     return n
+
+
+def _evaluate(node, opset: int, feeds: dict) -> list:
+    """``node``'s outputs by onnx's reference evaluator, given a copy of the node: an evaluator
+    is a reference cycle (freed by the cyclic gc only), and a node of the graph keeps the whole
+    model's protobuf memory alive (a real-size build held each export's GBs after it)."""
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    own = onnx.NodeProto.FromString(node.SerializeToString())
+    return ReferenceEvaluator(own, opsets={"": opset}).run(None, feeds)
 
 
 def _drop_unread(model) -> None:
