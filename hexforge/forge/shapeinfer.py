@@ -33,8 +33,8 @@ def static_shapes(model, complete: bool = True) -> dict[str, list[int]]:
         if tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
             out[v.name] = [d.dim_value for d in tt.shape.dim]
     # its dispatch tables of bound methods make the instance a reference cycle, which only the
-    # cyclic gc frees, and its models share protobuf memory with ``model``: a real-size build
-    # held a graph's GBs per export until the gc happened to run
+    # cyclic gc frees: cleared, its models go now (the fold's evaluators were such cycles and
+    # held a real-size graph's GBs per export: shapefold._evaluate)
     del inferred
     inference.__dict__.clear()
     for t in model.graph.initializer:
