@@ -307,6 +307,61 @@ def test_a_build_without_the_oracle_checks_each_compiled_graph_on_the_htp(ckpt, 
     assert all(g["htp_check"]["rel_err"] < 0.01 for g in info)
 
 
+def test_regression_the_graph_check_capture_held_every_shards_float_weights_at_once(htp_bundle):
+    """The --no-verify check's capture ran one engine over every float graph: at 4B, 16 GB of fp32
+    weights mapped at once. It now runs one pass per shard (earlier shards replayed, later ones
+    stubbed): each backend sees one shard's graphs, and every captured call is the same, value for
+    value, as the whole float chain's."""
+    import numpy as np
+
+    from hexforge.forge.calib import calibration_text
+    from hexforge.forge.htp.graphcheck import DECODE_STEP, capture_calls
+    from hexforge.manifest import TargetSpec, confine, load_manifest
+    from hexforge.runtime.backends import Backend
+    from hexforge.runtime.engine import Engine
+    from hexforge.runtime.text import TextTokenizer
+
+    b = htp_bundle("llama", "w8a16", max_shard_bytes={"v81": 80_000}, keep_work=True, verify=False)
+    m = load_manifest(b)
+    spec = m.targets["v81"]
+    assert len(spec.plan.shards) == 3 and all(g.htp_check for g in spec.graphs)
+    floats = [g.model_copy(update={"file": f"_work/w8a16-0/{g.name}.onnx"}) for g in spec.graphs]
+    opened = []
+
+    class Spy(Backend):
+        def session(self, bundle, target, graph):
+            opened[-1].add(graph.name)
+            return super().session(bundle, target, graph)
+
+    def backend():
+        opened.append(set())
+        return Spy("cpu")
+
+    text = calibration_text(None)
+    calls = capture_calls(b, m, floats, spec.plan, spec.mask_value, text, backend)
+    shards = spec.plan.shards
+    assert opened == [{s.prefill, s.decode} for s in shards] + [{spec.plan.head}]
+
+    whole = m.model_copy(deep=True)  # the reference: one engine, the whole float chain
+    whole.targets = {"_check": TargetSpec(name="_check", graphs=floats, plan=spec.plan,
+                                          mask_value=spec.mask_value)}
+    engine = Engine(b, whole, "_check", Backend("cpu"))
+    ref = {}
+    engine.observer = lambda g, feeds, outputs, _p: ref.__setitem__(
+        g.name, ({k: np.array(v) for k, v in feeds.items()},
+                 {o.name: np.array(outputs[o.bind]) for o in g.outputs}))
+    toks = TextTokenizer(confine(b, m.tokenizer.dir)).encode(text)
+    engine.prefill(toks[: 2 * spec.plan.prefill_len], mode="chunked")
+    engine.reset()
+    engine.prefill(toks[: DECODE_STEP + 1], mode="decode")
+    assert calls.keys() == ref.keys() == {g.name for g in spec.graphs}
+    for name, want in ref.items():
+        for got, ref_values in zip(calls[name], want, strict=True):  # feeds, then outputs
+            assert got.keys() == ref_values.keys()
+            for k, v in ref_values.items():
+                np.testing.assert_array_equal(got[k], v, err_msg=f"{name} {k}")
+
+
 @pytest.mark.parametrize("family,graph", [("llama", "s0.decode"), ("qwen3_vl", "vision")])
 def test_regression_a_graph_compiled_wrong_passed_a_build_without_the_oracle(ckpt, tmp_path,
                                                                              monkeypatch, family,

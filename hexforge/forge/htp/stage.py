@@ -280,7 +280,7 @@ def _check_compiled(root: Path, manifest: Manifest, graphs: list[GraphSpec], pla
         t = time.perf_counter()
         calls.update(graphcheck.capture_calls(root, manifest, graphs, plan, recipe.mask_value,
                                               calibration_text(opts.calib),
-                                              _calibration_backend()))
+                                              _calibration_backend))
         log(f"  captured each float graph's check call on the CPU "
             f"({time.perf_counter() - t:.1f}s)")
         release_mapped_pages(root)
