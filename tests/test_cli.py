@@ -261,7 +261,7 @@ def test_a_hub_snapshot_gives_back_the_pages_of_its_blobs(ckpt, tmp_path):
     that read the checkpoint) must find the mapped blobs through them."""
     import numpy as np
 
-    from hexforge.forge.checkpoint import release_mapped_pages
+    from hexforge.forge.memory import release_mapped_pages
 
     snap = _hf_cache_with(ckpt("llama"), tmp_path / "hub", "hexforge-test/tiny-llama")
     weights = np.memmap(next(snap.glob("*.safetensors")), mode="r")

@@ -408,7 +408,7 @@ def test_regression_build_kept_every_checkpoint_page_it_had_read_resident(bf16_c
     reads the same values after, and a mapping with copy-on-write pages keeps them."""
     import numpy as np
 
-    from hexforge.forge.checkpoint import release_mapped_pages
+    from hexforge.forge.memory import release_mapped_pages
 
     path = bf16_ckpt("gemma4")
     hf = _family(path).load_hf(path)
@@ -425,3 +425,31 @@ def test_regression_build_kept_every_checkpoint_page_it_had_read_resident(bf16_c
     cow[0] = -1.0  # this process's own page now, not the file's
     release_mapped_pages(tmp_path)
     assert cow[0] == -1.0 and cow[-1] == (1 << 18) - 1
+
+
+def test_regression_each_compile_left_its_working_memory_in_the_c_heap():
+    """At real size each QNN compile (and simulator session) freed ~2 GB into glibc's arenas,
+    which kept it resident for the rest of the build: the build now hands the heap's free pages
+    back after each one. Here: 64 MiB freed in small blocks under a live one (free() alone keeps
+    them) and given back."""
+    import ctypes
+
+    from hexforge.forge.memory import _anon_bytes, release_heap
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    blocks = []
+    for _ in range(16384):  # 4 KiB each: under glibc's mmap threshold, from the arena
+        p = libc.malloc(4096)
+        libc.memset(p, 1, 4096)
+        blocks.append(p)
+    pin = libc.malloc(64)  # above them: free() cannot shrink the heap past a live block
+    for p in blocks:
+        libc.free(p)
+    held = _anon_bytes()
+    given = release_heap()
+    libc.free(pin)
+    assert given >= 48 << 20, (given, held)
+    assert _anon_bytes() <= held - (48 << 20)

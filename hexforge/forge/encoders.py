@@ -19,6 +19,7 @@ import numpy as np
 
 from ..manifest import EncoderSpec, GraphSpec
 from .export import export_module, share_weights
+from .memory import release_heap
 
 # encoder gates, cosine of the valid soft-token rows vs HF, per where the tower runs: fp32 on the
 # cpu, int8 weights on the cpu (nbits.CPU_ENCODER_WEIGHTS), fp16 on the HTP
@@ -61,6 +62,8 @@ def export_encoders(encoders: list, specs: list[EncoderSpec], hf, root: Path, re
         t = time.perf_counter()
         ins, outs = export_module(module, path, exporter)
         share_weights([path], f"{spec.name}.weights")
+        del module
+        release_heap()  # the export's working copies (a GB at real size), before the next stage
         log(f"  exported {rel_folder}/{spec.name} ({time.perf_counter() - t:.1f}s)")
         graphs.append(GraphSpec(name=spec.name, role=ROLE[spec.modality],
                                 file=f"{rel_folder}/{spec.name}.onnx", seq_len=spec.max_soft_tokens,

@@ -14,10 +14,10 @@ from pathlib import Path
 from ..errors import BuildError
 from ..manifest import GraphSpec, RunPlan, ShardPlan
 from ..targets import Target
-from .checkpoint import release_mapped_pages
 from .export import export_module, share_weights
 from .fuse import fuse_cpu_graph
 from .htp.recipes import get_recipe
+from .memory import release_heap, release_mapped_pages
 from .plan import plan_shards
 from .progress import stage
 
@@ -81,11 +81,13 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
                 share_weights([folder / f"{n}.onnx" for n in plan[-1].names()], f"s{s}.weights",
                               fuse)
             release_mapped_pages(hf.name_or_path)  # the checkpoint pages this shard was read from
+            release_heap()  # and what its exports freed (GBs: torch's and onnx's working copies)
         with fam.float32(hf, head=True, towers=False):
             head_module = fam.head_module(hf, args)
             head = export("head", "head", use_cpu_kernels(head_module) if cpu else head_module)
         graphs.append(head)
         release_mapped_pages(hf.name_or_path)
+        release_heap()
     run_plan = RunPlan(prefill_len=opts.prefill_len, shards=plan, head=head.name,
                        verify_len=opts.verify_len if cpu and opts.verify_len else None)
     group = weight_groups(run_plan, cpu)[-1]

@@ -33,7 +33,7 @@ from ..manifest import (
     save_manifest,
 )
 from ..targets import Target, parse_targets
-from .checkpoint import read_checkpoint, release_mapped_pages
+from .checkpoint import read_checkpoint
 from .encoders import (
     calibrate_encoder_norms,
     compile_encoders,
@@ -47,6 +47,7 @@ from .graphs import export_float, plan_target, weight_groups, weights_file
 from .hosttables import share_tied_embedding
 from .hostwrite import write_host_tensors
 from .htp.recipes import get_recipe
+from .memory import release_mapped_pages
 from .nbits import check_cpu_weights, cpu_head_format, host_table_formats, quantize_cpu_graph
 from .progress import stage
 

@@ -193,8 +193,11 @@ class OracleCpuBackend(Backend):
     Elsewhere it shares nothing: unpacked, MatMulNBits leaves its int8 kernels (an int8 SmolLM2
     decode step took ~1.4 s in the oracle against ~30 ms packed)."""
 
-    def __init__(self):
+    def __init__(self, prepack: bool = True):
+        """prepack=False: no session packs its weights, whatever their size (a few calls per
+        graph, where a packed copy would be the graph's weights once more in memory)."""
         super().__init__("cpu")
+        self.prepack = prepack
         self._maps: dict[Path, np.ndarray] = {}
         self._values: list = []  # the OrtValues must outlive the sessions
 
@@ -203,6 +206,9 @@ class OracleCpuBackend(Backend):
         import onnxruntime as ort
         from onnx.external_data_helper import ExternalDataInfo
 
+        if not self.prepack:
+            disable_prepacking(so)
+            packed = False
         if packed or graph.role not in ("prefill", "decode"):
             # only a shard's prefill + decode share a weights file; and an encoder graph's
             # overridden initializers (its baked rope tables) broke a broadcast in onnxruntime

@@ -16,6 +16,7 @@ from pathlib import Path
 from ...errors import BuildError
 from ...runtime import qnn
 from ...runtime.backends import explain_qnn_error
+from ..memory import release_heap
 
 
 def compile_graph(src: Path, ctx: Path, htp_arch: int, soc_model: int, fp16: bool) -> dict:
@@ -38,6 +39,8 @@ def compile_graph(src: Path, ctx: Path, htp_arch: int, soc_model: int, fp16: boo
         for partial in (ctx, bin_path):  # a failed session may still have written them
             partial.unlink(missing_ok=True)
         raise BuildError(str(explain_qnn_error(e, f"compiling {src.name} for v{htp_arch}"))) from None
+    finally:
+        release_heap()  # the compiler's working memory (GBs at real size), freed into the C heap
     if not ctx.is_file() or not bin_path.is_file():
         raise BuildError(f"compiling {src.name} wrote no context binary")
     return {"ctx": ctx, "bin": bin_path, "seconds": time.perf_counter() - t,
@@ -67,6 +70,8 @@ def compile_shared(group: list[tuple[Path, Path]], htp_arch: int, soc_model: int
             del sess
         except Exception as e:
             raise BuildError(str(explain_qnn_error(e, f"compiling {src.name} (shared)"))) from None
+        finally:
+            release_heap()
     if not first_bin.is_file():
         raise BuildError(f"weight-shared compile of {group[0][0].name} wrote no context binary")
     return {"bin": first_bin, "bin_bytes": first_bin.stat().st_size}

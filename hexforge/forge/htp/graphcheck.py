@@ -34,6 +34,7 @@ from ...runtime.backends import Backend
 from ...runtime.engine import Engine
 from ...runtime.state import NP_DTYPES
 from ...runtime.text import TextTokenizer
+from ..memory import release_heap
 
 DECODE_STEP = 8  # the decode call checked: 8 cached rows before it
 # a graph whose output is this far from its float graph's computes wrong, whatever its recipe:
@@ -73,6 +74,7 @@ def capture_calls(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan:
         engine.reset()
         engine.prefill(ids[: DECODE_STEP + 1], mode="decode")
         del engine  # its sessions and the backend's weight maps, before the next pass
+        release_heap()
     return calls
 
 
@@ -174,6 +176,7 @@ def _check(path: Path, feeds: dict, ref: dict, so, what: str, log) -> dict:
 
     t = time.perf_counter()
     got = _run(path, feeds, so)
+    release_heap()  # the simulator's session, freed into the C heap
     r = {"outputs": compare(got, ref), "seconds": round(time.perf_counter() - t, 1)}
     sm = summary(r)
     r["passed"] = sm["rel_err"] <= MAX_REL_ERR

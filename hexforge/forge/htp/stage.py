@@ -27,8 +27,8 @@ from ...runtime.engine import Engine
 from ...runtime.text import TextTokenizer
 from ...targets import Target
 from ..calib import calibration_text
-from ..checkpoint import release_mapped_pages
 from ..graphs import export_float, plan_target
+from ..memory import release_mapped_pages
 from ..progress import stage
 from .calibstats import GraphStats, HessianStore
 from .compile import compile_graph, compile_shared
@@ -153,14 +153,15 @@ def calibrate(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: Run
     return out
 
 
-def _calibration_backend() -> Backend:
+def _calibration_backend(prepack: bool = True) -> Backend:
     """The oracle's cpu backend (each weight file mapped once, shared by prefill + decode, no
-    prepacked copies) where this build has it; the runtime's otherwise."""
+    prepacked copies where the runtime would not pack them either; prepack=False: none at all)
+    where this build has it; the runtime's otherwise."""
     try:
         from ..verify import OracleCpuBackend
     except ImportError:
         return Backend("cpu")
-    return OracleCpuBackend()
+    return OracleCpuBackend(prepack)
 
 
 def _media_prompts(engine: Engine, manifest: Manifest, ids: list[int], hf):
@@ -280,7 +281,7 @@ def _check_compiled(root: Path, manifest: Manifest, graphs: list[GraphSpec], pla
         t = time.perf_counter()
         calls.update(graphcheck.capture_calls(root, manifest, graphs, plan, recipe.mask_value,
                                               calibration_text(opts.calib),
-                                              _calibration_backend))
+                                              lambda: _calibration_backend(prepack=False)))
         log(f"  captured each float graph's check call on the CPU "
             f"({time.perf_counter() - t:.1f}s)")
         release_mapped_pages(root)

@@ -1,0 +1,79 @@
+"""Giving memory back to the machine between a build's stages.
+
+A real-size build runs for hours in one process on a machine its peak nearly fills: what a stage
+freed must not stay in the process for the next one (docs/realsize.md)."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+# ---- giving back the pages of mapped files ----------------------------------------------------
+# transformers maps the safetensors (MAP_PRIVATE) and the build's calibration sessions map their
+# weight files: every page the build has read once stays in this process's RSS until unmapped.
+# After the host tensors, that is the whole checkpoint (Gemma-4-E2B: 8.7 of a 17 GB peak), though
+# each later stage reads one shard of it. The pages are clean copies of their files: dropping them
+# costs a page-cache fault on the next read. A mapping holding private (copy-on-write) pages is
+# left alone: MADV_DONTNEED would throw those writes away.
+MADV_DONTNEED = 4
+
+
+def release_mapped_pages(*roots: str | Path) -> int:
+    """Drop this process's resident pages of files mapped from under ``roots`` (nothing is
+    unmapped: the next read faults them back in). -> bytes given back (0 where there is no
+    /proc/self/smaps: Linux only)."""
+    # the files themselves: a HF cache snapshot holds symlinks into the repo's blobs/
+    found = {Path(r).resolve() for r in roots}
+    for r in roots:
+        if Path(r).is_dir():
+            found |= {f.resolve().parent for f in Path(r).iterdir() if f.is_symlink()}
+    dirs = [str(d) + "/" for d in found]
+    try:
+        smaps = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return 0
+    spans, cur = [], None  # (start, end, rss bytes) of clean mappings under roots
+    for line in smaps.splitlines():
+        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)", line)
+        if m:
+            cur = None
+            if any(m[3].startswith(d) for d in dirs):
+                cur = [int(m[1], 16), int(m[2], 16), 0]
+                spans.append(cur)
+        elif cur is not None and line.startswith("Rss:"):
+            cur[2] = int(line.split()[1]) * 1024
+        elif cur is not None and line.startswith("Anonymous:") and int(line.split()[1]):
+            spans.remove(cur)  # copy-on-write pages: its own data, not the file's
+            cur = None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    freed = 0
+    for start, end, rss in spans:
+        if rss and libc.madvise(start, end - start, MADV_DONTNEED) == 0:
+            freed += rss
+    return freed
+
+
+def release_heap() -> int:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim``). The QNN compiler
+    and onnxruntime free their working memory into glibc's arenas, which keep it: at real size
+    each compile left ~2 GB resident that no later stage could use. -> bytes given back (0 where
+    the C library is not glibc)."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return 0
+    before = _anon_bytes()
+    trim(0)
+    return max(0, before - _anon_bytes())
+
+
+def _anon_bytes() -> int:
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    m = re.search(r"^RssAnon:\s+(\d+) kB", status, re.M)
+    return int(m[1]) * 1024 if m else 0
