@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BuildError
+from .memory import release_heap
 
 # ---- cpu target: weight-only int8 / int4 through onnxruntime's MatMulNBits ----------------------
 # name -> (bits, block size along K). accuracy_level 4: the activations are quantized to int8 per
@@ -153,6 +154,7 @@ def quantize_cpu_graph(path: Path, bits: int, block_size: int, vocab_size: int |
     if n and not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.save(model, str(path))
+    release_heap()  # the quantizer's float copies, freed into the C heap (4.5 GB kept at 4B)
     return n
 
 
