@@ -31,7 +31,7 @@ class Soc:
 class Target:
     name: str  # "cpu" | "v73" | ...
     htp_arch: int | None  # None for the portable cpu target
-    max_context_bytes: int  # per-graph (per QNN context) weight-byte ceiling used by the shard planner
+    max_context_bytes: int  # per QNN context: its binary's byte ceiling (the planner's budget)
     socs: tuple[Soc, ...]
     source: str
 

@@ -39,6 +39,25 @@ def test_regression_a_heads_fp32_bytes_over_the_cpu_ceiling_failed_the_build(ckp
         plan_target(FAMILY, hf, get_target("v81"), BuildOptions(), lambda m: None)
 
 
+def test_regression_the_planner_filled_a_context_to_its_ceiling_with_weights_alone(monkeypatch):
+    """Qwen3.5-4B v81: 15 layers of int8 weights, 1.780 GB under the 1.8 GB per-context ceiling,
+    compiled to a 1.847 GB binary, and the context is what must load on the device. The
+    target's ceiling now leaves room for the binary's overhead; --max-shard-bytes stays a budget
+    for the weights themselves."""
+    from hexforge.families.llama import FAMILY
+    from hexforge.forge.graphs import plan_target
+    from hexforge.targets import get_target
+
+    layer = 118_666_667  # a Qwen3.5-4B layer's int8 weights with a scale per 32
+    monkeypatch.setattr(type(FAMILY), "layer_weight_bytes", lambda self, hf, bpw: [layer] * 32)
+    monkeypatch.setattr(type(FAMILY), "head_weight_bytes", lambda self, hf, bpw: 10**6)
+    v81 = get_target("v81")
+    assert plan_target(FAMILY, None, v81, BuildOptions(), lambda m: None) == [
+        (0, 14), (14, 28), (28, 32)]
+    assert plan_target(FAMILY, None, v81, BuildOptions(max_shard_bytes=1_800_000_000),
+                       lambda m: None) == [(0, 15), (15, 30), (30, 32)]
+
+
 def test_no_verify_skips_the_oracle(ckpt, tmp_path):
     out = build(ckpt("llama"), tmp_path / "b", BuildOptions(context=64, prefill_len=8, verify=False),
                 log=lambda m: None)

@@ -249,6 +249,7 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
                                     soc.soc_model, fp16=recipe.activations is None)
                 log(f"[{target.name}] compiled {g.name}: {res['bin_bytes']:,} B "
                     f"({res['seconds']:.1f}s)")
+                _warn_over_ceiling(g.name, res["bin_bytes"], target, log)
                 compiled.append(g.model_copy(update={
                     "file": f"{target.name}/{g.name}.ctx.onnx",
                     "bytes": res["bin_bytes"] + res["ctx"].stat().st_size}))
@@ -290,6 +291,15 @@ def _check_compiled(root: Path, manifest: Manifest, graphs: list[GraphSpec], pla
                       graphs=compiled, plan=plan)
     return graphcheck.gate(target.name, compiled,
                            graphcheck.check_target(root, spec, calls, log))
+
+
+def _warn_over_ceiling(name: str, bin_bytes: int, target: Target, log) -> None:
+    """A context binary over the target's ceiling (the planner leaves room for the binary's
+    overhead, ``graphs.CONTEXT_OVERHEAD``; --max-shard-bytes or an unusual graph can pass it)."""
+    if bin_bytes > target.max_context_bytes:
+        log(f"  warning: {name}'s context binary is {bin_bytes:,} B, over {target.name}'s "
+            f"{target.max_context_bytes:,} B per context: a device may refuse to load it (QNN "
+            "0x3ea); a smaller --max-shard-bytes splits it")
 
 
 def weight_only(plan: RunPlan, folder: Path, recipe: QuantRecipe, vocab_size: int) -> None:
@@ -361,6 +371,7 @@ def _share(compiled: list[GraphSpec], plan: RunPlan, srcs: Path, folder: Path, t
         group = [(srcs / f"{n}{suffix}", folder / f"{n}.ctx.onnx") for n in (shard.prefill, shard.decode)]
         res = compile_shared(group, target.htp_arch, soc_model, fp16=recipe.activations is None)
         log(f"[{target.name}] weight-shared {shard.prefill} + {shard.decode}: {res['bin_bytes']:,} B")
+        _warn_over_ceiling(shard.prefill, res["bin_bytes"], target, log)
     out = []
     for g in compiled:  # the head shares nothing: its context is its own twin
         ctx = folder / f"{g.name}.ctx.onnx"
