@@ -272,7 +272,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--verify-len", type=int, default=8,
                    help="k of the cpu target's AR-k verify graph (run --prompt-lookup); 0: none")
     b.add_argument("--max-shard-bytes", type=_shard_bytes, default=None,
-                   help="per-graph weight ceiling (default: the target's): 1.8G, or cpu=3G,v81=1.8G")
+                   help="per-graph weight ceiling (default: the target's per-context "
+                        "ceiling, less 4 %% on HTP targets for the binary's overhead): 1.8G, or "
+                        "cpu=3G,v81=1.8G")
     b.add_argument("--quant", choices=tuple(RECIPES), default="w8a16",
                    help="HTP targets' precision (the cpu target: see --cpu-weights)")
     b.add_argument("--cpu-weights", choices=tuple(CPU_WEIGHTS), default="fp32",
