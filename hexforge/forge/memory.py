@@ -63,7 +63,7 @@ def release_heap() -> int:
     try:
         libc = ctypes.CDLL(None)
         trim = libc.malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no glibc (TypeError: Windows' CDLL(None))
         return 0
     before = _anon_bytes()
     trim(0)
