@@ -4,10 +4,10 @@
         [--dtype bfloat16|float32] [--layers N]
 
 Shapes are the published configs' numbers (hidden, layers, heads, head_dim, intermediate, vocab,
-tying). The model is made once in the saved dtype and written with ``save_pretrained``: one copy
-in memory (Qwen3-0.6B: 2.4 GB fp32, 1.2 GB bf16; Gemma-4-E2B text, 4.63B parameters: 9.3 GB bf16,
-made in ~2 min). Tokenizer: hexforge's tiny byte-level BPE (the benchmarks feed token ids; only the
-vocab size of the *model* matters for speed).
+tying). The model is made on the meta device and written one module at a time (``write_random``:
+what save_pretrained would write, never the whole model in memory — Gemma-4-E4B is 15.9 GB in
+bf16). Tokenizer: hexforge's tiny byte-level BPE (the benchmarks feed token ids; only the vocab
+size of the *model* matters for speed).
 
 ``qwen3.5-0.8b-vl`` is the layout Qwen/Qwen3.5-0.8B ships (Qwen3_5ForConditionalGeneration: the
 same text model under ``model.language_model`` plus its vision tower); onnxruntime-genai's builder
@@ -153,7 +153,6 @@ def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: 
                     layers: int | None = None) -> Path:
     """layers: keep only the first ``layers`` decoder layers (a real-width cut: the HTP simulator
     runs a full-depth model at about a minute per decode step)."""
-    import torch
     from transformers import (
         AutoConfig,
         AutoModelForCausalLM,
@@ -163,8 +162,7 @@ def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: 
 
     from hexforge.tiny import (
         MM_TOKENS,
-        condition_gemma4_vision,
-        condition_weights,
+        condition_gemma4_vision_tower,
         make_tokenizer,
         save_gemma4_processor_config,
     )
@@ -193,25 +191,115 @@ def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: 
         auto = AutoModelForImageTextToText
     else:
         config = AutoConfig.for_model(model_type, **ids, **cfg)
-    torch.manual_seed(seed)
     t = time.perf_counter()
-    # made directly in the saved dtype: never two full copies
-    model = auto.from_config(config, dtype=getattr(torch, dtype))
     # norms perturbed; Gemma-4 conditioned as a trained model is (else it is chaotic at depth)
-    condition_weights(model, model_type.removesuffix("_text"),
-                      condition_gemma4_vision if gemma and shape in TOWERS else None)
-    model.save_pretrained(str(out), safe_serialization=True)
+    units = {"model.vision_tower": condition_gemma4_vision_tower} if gemma and shape in TOWERS else {}
+    n = write_random(config, auto, out, dtype, model_type.removesuffix("_text"), units, seed=seed)
     if gemma and shape in TOWERS:
         save_gemma4_processor_config(out, **GEMMA4_IMAGE)
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                      pad_token_id=tok.pad_token_id).save_pretrained(str(out))
-    n = sum(p.numel() for p in model.parameters())
     (out / "hexforge_realshape.json").write_text(json.dumps(
         {"shape": shape, "dtype": dtype, "layers": config.get_text_config().num_hidden_layers,
-         "params": n,
-         "conditioned": True, "make_s": time.perf_counter() - t}))
-    del model
+         "params": n, "conditioned": True, "make_s": time.perf_counter() - t}))
     return out
+
+
+def write_random(config, auto, out: Path, dtype: str, base: str, unit_conditions: dict,
+                 seed: int = 0, unit_bytes: float = 1e9, file_bytes: float = 2e9) -> int:
+    """Write ``auto.from_config(config)``'s random weights as save_pretrained would (sharded
+    safetensors + index, tied weights once, config.json) without ever holding the model: it is
+    made on the meta device and materialized one unit at a time — the largest module under
+    ``unit_bytes``, a module named in ``unit_conditions``, or a single tensor-holding module —
+    initialized by its own PreTrainedModel's
+    ``_init_weights``, conditioned (hexforge.tiny.condition_params / condition_buffers, and
+    ``unit_conditions[name](module)`` for named units), cast, queued for the current file, and
+    sent back to meta. Gemma-4-E4B's 7.9B parameters (15.9 GB bf16) peak at its largest tensor,
+    the 5.6 GB per-layer embedding table. -> the parameter count."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import PreTrainedModel
+
+    from hexforge.tiny import condition_buffers, condition_params
+
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = auto.from_config(config, dtype=getattr(torch, dtype))
+    saved = set(model.state_dict())  # persistent buffers and parameters ...
+    kept = {n for n, _ in model.named_parameters()}  # ... each tied parameter under its first name
+    kept |= {n for n, _ in model.named_buffers() if n in saved}
+    owner: dict[str, PreTrainedModel] = {}  # module name -> the sub-model whose _init_weights runs
+    for name, m in model.named_modules():
+        parent = owner.get(name.rpartition(".")[0], model) if name else model
+        owner[name] = m if isinstance(m, PreTrainedModel) else parent
+
+    def nbytes(m) -> int:
+        return sum(p.numel() * p.element_size() for p in m.parameters())
+
+    def units(name: str, m):  # -> (name, module, recurse)
+        if nbytes(m) <= unit_bytes or name in unit_conditions or not list(m.children()):
+            yield name, m, True
+            return
+        if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False)):
+            yield name, m, False
+        for child, c in m.named_children():
+            yield from units(f"{name}.{child}" if name else child, c)
+
+    files: list[dict[str, torch.Tensor]] = [{}]
+    pending = 0
+    shards: list[str] = []
+    weight_map: dict[str, str] = {}
+    total = params = 0
+
+    def flush() -> None:
+        nonlocal pending
+        if files[-1]:
+            fname = f"part-{len(shards):05d}.safetensors"
+            save_file(files[-1], str(out / fname), metadata={"format": "pt"})
+            shards.append(fname)
+            weight_map.update(dict.fromkeys(files[-1], fname))
+            files[-1] = {}
+            pending = 0
+
+    with torch.no_grad():
+        for name, m, recurse in units("", model):
+            mods = list(m.named_modules(prefix=name)) if recurse else [(name, m)]
+            m.to_empty(device="cpu", recurse=recurse)
+            for mname, sub in reversed(mods):  # children first, as initialize_weights does
+                owner[mname]._init_weights(sub)
+            own = dict(m.named_parameters(prefix=name, recurse=recurse))
+            condition_params(own.items(), base)
+            if name in unit_conditions:
+                unit_conditions[name](m)
+            bufs = dict(m.named_buffers(prefix=name, recurse=recurse))
+            condition_buffers(bufs.items())
+            for key, tensor in {**own, **bufs}.items():
+                if key not in kept:
+                    continue
+                files[-1][key] = tensor.detach().contiguous()  # as made (save_pretrained's dtype)
+                pending += tensor.numel() * tensor.element_size()
+                total += tensor.numel() * tensor.element_size()
+                params += tensor.numel() if key in own else 0
+            del own, bufs
+            m.to_empty(device="meta", recurse=recurse)  # the queued tensors keep their storage
+            if pending >= file_bytes:
+                flush()
+    flush()
+    missing = kept - set(weight_map)
+    if missing:
+        raise RuntimeError(f"not written: {sorted(missing)[:5]}")
+    if len(shards) == 1:
+        (out / shards[0]).rename(out / "model.safetensors")
+    else:
+        width = len(shards)
+        names = {f: f"model-{i + 1:05d}-of-{width:05d}.safetensors" for i, f in enumerate(shards)}
+        for f, n in names.items():
+            (out / f).rename(out / n)
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total},
+             "weight_map": {k: names[f] for k, f in sorted(weight_map.items())}}, indent=2))
+    model.config.save_pretrained(str(out))
+    return params
 
 
 def main() -> None:

@@ -195,9 +195,14 @@ def condition_gemma4_vision(model) -> None:
     the positions (HF's soft-token rows are cos >= 0.996 to one another; dropping RoPE still
     scored 0.999998), so no gate could see a bug. A random table and 10x input_proj make it see
     one (dropping RoPE: cos 0.96; x/y swapped: -0.08; no key mask: 0.97)."""
+    condition_gemma4_vision_tower(model.model.vision_tower)
+
+
+def condition_gemma4_vision_tower(tower) -> None:
+    """condition_gemma4_vision on the tower alone (a checkpoint made one module at a time)."""
     import torch
 
-    pe = model.model.vision_tower.patch_embedder
+    pe = tower.patch_embedder
     table = pe.position_embedding_table
     table.copy_(torch.randn(table.shape, generator=torch.Generator().manual_seed(0)))
     pe.input_proj.weight.mul_(10.0)
@@ -245,26 +250,40 @@ def condition_weights(model, base: str, towers=None) -> None:
     import torch
 
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            for key, factor in TEMPER.get(base, {}).items():
-                if key in name:
-                    p.mul_(factor)
-            if any(e in name for e in _ENCODERS):
-                continue
-            for key, factor in DECODER_TEMPER.get(base, {}).items():
-                if key in name:
-                    p.mul_(factor)
-            if name.replace("language_model.", "") in ZERO_MEAN_GAINS.get(base, ()):
-                p.normal_()
-                p.sub_(p.mean())
+        condition_params(model.named_parameters(), base)
         if towers is not None:
             towers(model)
-        for name, b in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                lo, hi = LAYER_SCALAR_RANGE
-                b.fill_(float(lo + (hi - lo) * torch.rand(1)))
+        condition_buffers(model.named_buffers())
+
+
+def condition_params(named, base: str) -> None:
+    """condition_weights' pass over (full name, parameter) pairs, in place, under no_grad."""
+    import torch
+
+    for name, p in named:
+        if "norm" in name:
+            p.add_(torch.randn_like(p) * 0.1)
+        for key, factor in TEMPER.get(base, {}).items():
+            if key in name:
+                p.mul_(factor)
+        if any(e in name for e in _ENCODERS):
+            continue
+        for key, factor in DECODER_TEMPER.get(base, {}).items():
+            if key in name:
+                p.mul_(factor)
+        if name.replace("language_model.", "") in ZERO_MEAN_GAINS.get(base, ()):
+            p.normal_()
+            p.sub_(p.mean())
+
+
+def condition_buffers(named) -> None:
+    """Gemma-4's layer_scalar buffers drawn in LAYER_SCALAR_RANGE (in place, under no_grad)."""
+    import torch
+
+    for name, b in named:
+        if name.endswith("layer_scalar"):
+            lo, hi = LAYER_SCALAR_RANGE
+            b.fill_(float(lo + (hi - lo) * torch.rand(1)))
 
 
 def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
