@@ -49,6 +49,23 @@ def run_folder(tmp_path_factory, name: str) -> Path:
     return root / name
 
 
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="session")
+def bench_script():
+    """bench/NAME.py loaded as a module (the bench scripts are not a package)."""
+    import importlib.util
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load
+
+
 @pytest.fixture(scope="session")
 def once(tmp_path_factory):
     """once(key, make) -> the folder ``make(folder)`` filled, made once per run: under xdist by

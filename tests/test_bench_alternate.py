@@ -3,7 +3,6 @@ bundles and its ratios point the right way (speed is never asserted here)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,15 +13,8 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "alternate.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("alternate", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_alternate_runs_each_contender_in_its_own_process_and_reports_per_round_ratios(
-        bundle, tmp_path):
+        bundle, tmp_path, bench_script):
     fp32, int8 = bundle("qwen3"), bundle("qwen3", cpu_weights="int8")
     out = tmp_path / "alt.json"
     r = subprocess.run([sys.executable, str(SCRIPT), f"hexforge:{fp32}", f"hexforge:{int8}",
@@ -31,7 +23,7 @@ def test_alternate_runs_each_contender_in_its_own_process_and_reports_per_round_
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())
-    a, b, a2 = load_script().labels([("hexforge", fp32), ("hexforge", int8), ("hexforge", fp32)])
+    a, b, a2 = bench_script("alternate").labels([("hexforge", fp32), ("hexforge", int8), ("hexforge", fp32)])
     assert [sorted(row) for row in result["rounds"]] == [sorted([a, b, a2])] * 2
     assert all(ms > 0 for row in result["rounds"] for ms in row.values())
     ratio = result["speed_ratio"][f"{a} vs {b}"]
@@ -43,16 +35,16 @@ def test_alternate_runs_each_contender_in_its_own_process_and_reports_per_round_
     assert json.loads(r.stdout)["speed_ratio"] == result["speed_ratio"]
 
 
-def test_alternate_pair_ratio_reads_as_the_first_contenders_speed():
-    alt = load_script()
+def test_alternate_pair_ratio_reads_as_the_first_contenders_speed(bench_script):
+    alt = bench_script("alternate")
     # A takes 10 ms a token, B 12: A is 1.2x as fast, in both rounds
     r = alt.pair_ratio([10.0, 10.0], [12.0, 12.0])
     assert r["geomean"] == pytest.approx(1.2) and r["median"] == pytest.approx(1.2)
     assert alt.rotation(3, 0) == [0, 1, 2] and alt.rotation(3, 1) == [1, 2, 0]
 
 
-def test_alternate_labels_tell_apart_folders_of_one_name_and_repeats(tmp_path):
-    alt = load_script()
+def test_alternate_labels_tell_apart_folders_of_one_name_and_repeats(tmp_path, bench_script):
+    alt = bench_script("alternate")
     x, y = tmp_path / "x" / "b", tmp_path / "y" / "b"
     got = alt.labels([("hexforge", x), ("hexforge", y), ("hexforge", x), ("genai", y)])
     assert got == ["hexforge:x/b", "hexforge:y/b", "hexforge:x/b#2", "genai:b"]

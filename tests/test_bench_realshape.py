@@ -3,18 +3,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "realshape.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("realshape", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def read(folder: Path) -> dict:
@@ -27,13 +17,14 @@ def read(folder: Path) -> dict:
     return out
 
 
-def test_regression_the_real_size_checkpoint_held_the_whole_model_in_memory(tmp_path):
+def test_regression_the_real_size_checkpoint_held_the_whole_model_in_memory(tmp_path,
+                                                                          bench_script):
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from hexforge.tiny import LAYER_SCALAR_RANGE, condition_gemma4_vision_tower, make_tiny_checkpoint
 
-    rs = load_script()
+    rs = bench_script("realshape")
     ref = make_tiny_checkpoint("gemma4_mm", tmp_path / "ref")
     config = AutoConfig.from_pretrained(ref)
     out = tmp_path / "stream"
