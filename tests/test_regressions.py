@@ -267,3 +267,34 @@ def test_act_x_act_matmul_inputs_keep_their_calibrated_range(tmp_path):
     assert width["x"] >= 2.9 * (max(0.0, calib.max()) - min(0.0, calib.min()))  # still x3
     matmul = next(n for n in qm.graph.node if n.op_type == "MatMul" and n.output[0].startswith("y"))
     assert any("s16" in i for i in matmul.input)  # the rhs went int16 from the unwidened range
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_regression_the_export_trace_kept_every_layers_activations_for_autograd(tmp_path, fold):
+    """The torchscript export traced the module with autograd on (its weights require grad), so
+    every layer's activations were saved for a backward pass: Gemma-4-E4B's vision tower (16
+    layers of [12, 2520, 2520] attention) exported at 14.5 GB instead of 3.5. Every trace of the
+    module runs without autograd now, and the graph is the one it was."""
+    from hexforge.families.graphio import GraphIO
+    from hexforge.forge.export import export_module
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)  # requires_grad, as the families' weights are
+            self.grad_seen = []
+            self.io = GraphIO(inputs=[("x", "x")], outputs=[("y", "y")])
+
+        def example_inputs(self):
+            return (torch.randn(1, 3, 8),)
+
+        def forward(self, x):
+            self.grad_seen.append(torch.is_grad_enabled())
+            return torch.softmax(self.lin(x) @ x.transpose(1, 2), -1)
+
+    probe = Probe()
+    export_module(probe, tmp_path / "p.onnx", "torchscript", fold=fold)
+    assert len(probe.grad_seen) >= 2 and not any(probe.grad_seen)  # the check run and the trace
+    x = probe.example_inputs()[0]
+    got = ort.InferenceSession(str(tmp_path / "p.onnx")).run(None, {"x": x.numpy()})[0]
+    np.testing.assert_allclose(got, probe(x).detach().numpy(), rtol=1e-5, atol=1e-6)
