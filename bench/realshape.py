@@ -211,10 +211,10 @@ def write_random(config, auto, out: Path, dtype: str, base: str, unit_conditions
     safetensors + index, tied weights once, config.json) without ever holding the model: it is
     made on the meta device and materialized one unit at a time — the largest module under
     ``unit_bytes``, a module named in ``unit_conditions``, or a single tensor-holding module —
-    initialized by its own PreTrainedModel's
-    ``_init_weights``, conditioned (hexforge.tiny.condition_params / condition_buffers, and
-    ``unit_conditions[name](module)`` for named units), cast, queued for the current file, and
-    sent back to meta. Gemma-4-E4B's 7.9B parameters (15.9 GB bf16) peak at its largest tensor,
+    initialized by its own PreTrainedModel's ``_init_weights``, conditioned
+    (hexforge.tiny.condition_params / condition_buffers, and ``unit_conditions[name](module)``
+    for named units), queued for the current file in the dtype it was made in, and sent back to
+    meta. Gemma-4-E4B's 7.9B parameters (15.9 GB bf16) peak at its largest tensor,
     the 5.6 GB per-layer embedding table. -> the parameter count."""
     import torch
     from safetensors.torch import save_file
@@ -245,21 +245,20 @@ def write_random(config, auto, out: Path, dtype: str, base: str, unit_conditions
         for child, c in m.named_children():
             yield from units(f"{name}.{child}" if name else child, c)
 
-    files: list[dict[str, torch.Tensor]] = [{}]
+    queued: dict[str, torch.Tensor] = {}
     pending = 0
     shards: list[str] = []
     weight_map: dict[str, str] = {}
     total = params = 0
 
     def flush() -> None:
-        nonlocal pending
-        if files[-1]:
+        nonlocal queued, pending
+        if queued:
             fname = f"part-{len(shards):05d}.safetensors"
-            save_file(files[-1], str(out / fname), metadata={"format": "pt"})
+            save_file(queued, str(out / fname), metadata={"format": "pt"})
             shards.append(fname)
-            weight_map.update(dict.fromkeys(files[-1], fname))
-            files[-1] = {}
-            pending = 0
+            weight_map.update(dict.fromkeys(queued, fname))
+            queued, pending = {}, 0
 
     with torch.no_grad():
         for name, m, recurse in units("", model):
@@ -276,9 +275,9 @@ def write_random(config, auto, out: Path, dtype: str, base: str, unit_conditions
             for key, tensor in {**own, **bufs}.items():
                 if key not in kept:
                     continue
-                files[-1][key] = tensor.detach().contiguous()  # as made (save_pretrained's dtype)
-                pending += tensor.numel() * tensor.element_size()
-                total += tensor.numel() * tensor.element_size()
+                queued[key] = tensor.detach().contiguous()  # as made (save_pretrained's dtype)
+                size = tensor.numel() * tensor.element_size()
+                pending, total = pending + size, total + size
                 params += tensor.numel() if key in own else 0
             del own, bufs
             m.to_empty(device="meta", recurse=recurse)  # the queued tensors keep their storage
