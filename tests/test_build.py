@@ -9,7 +9,7 @@ import pytest
 
 from hexforge.errors import BuildError, CheckpointError, ParityGateError
 from hexforge.forge.pipeline import BuildOptions, build
-from hexforge.forge.plan import plan_shards
+from hexforge.forge.plan import _greedy, plan_shards
 from hexforge.manifest import load_manifest
 
 
@@ -17,8 +17,27 @@ def test_planner_packs_contiguous_layers_under_ceiling():
     assert plan_shards([10, 10, 10, 10], 25) == [(0, 2), (2, 4)]
     assert plan_shards([10, 10, 10, 10], 40) == [(0, 4)]
     assert plan_shards([10, 20, 10], 20) == [(0, 1), (1, 2), (2, 3)]
+    assert plan_shards([], 20) == [(0, 0)]
     with pytest.raises(BuildError, match="layer 1 alone"):
         plan_shards([10, 30], 20)
+
+
+def test_regression_the_greedy_planner_filled_every_shard_but_the_last():
+    """Greedy packing cut Qwen3.5-4B (w8a16, v81) into [0,14) [14,28) [28,32): two full shards
+    and a small one, and the weight-shared compile of a 14-layer shard peaked at 15.4 GiB
+    (~9x its binary). The same three contexts hold ~11 layers each when the layers are spread."""
+    assert plan_shards([10] * 32, 140) == [(0, 11), (11, 22), (22, 32)]
+    # uneven layers: the fewest shards, then the smallest largest one
+    assert plan_shards([10, 10, 10, 10, 10], 40) == [(0, 3), (3, 5)]
+    assert plan_shards([30, 10, 10, 10, 30], 60) == [(0, 3), (3, 5)]
+    layers = [7, 3, 9, 1, 8, 2, 6, 4, 5, 5, 9, 9]
+    for cap in range(9, 80):
+        got = plan_shards(layers, cap)
+        greedy = _greedy(layers, cap)
+        assert len(got) == len(greedy)
+        assert max(sum(layers[a:b]) for a, b in got) <= max(sum(layers[a:b]) for a, b in greedy)
+        assert got[0][0] == 0 and got[-1][1] == len(layers)
+        assert all(b == c for (_, b), (c, _) in zip(got, got[1:]))
 
 
 def test_regression_a_heads_fp32_bytes_over_the_cpu_ceiling_failed_the_build(ckpt, tmp_path,
@@ -49,13 +68,14 @@ def test_regression_the_planner_filled_a_context_to_its_ceiling_with_weights_alo
     from hexforge.targets import get_target
 
     layer = 118_666_667  # a Qwen3.5-4B layer's int8 weights with a scale per 32
-    monkeypatch.setattr(type(FAMILY), "layer_weight_bytes", lambda self, hf, bpw: [layer] * 32)
+    # 30 layers: two shards of 15 fill the ceiling with weights alone; the context needs three
+    monkeypatch.setattr(type(FAMILY), "layer_weight_bytes", lambda self, hf, bpw: [layer] * 30)
     monkeypatch.setattr(type(FAMILY), "head_weight_bytes", lambda self, hf, bpw: 10**6)
     v81 = get_target("v81")
     assert plan_target(FAMILY, None, v81, BuildOptions(), lambda m: None) == [
-        (0, 14), (14, 28), (28, 32)]
+        (0, 10), (10, 20), (20, 30)]
     assert plan_target(FAMILY, None, v81, BuildOptions(max_shard_bytes=1_800_000_000),
-                       lambda m: None) == [(0, 15), (15, 30), (30, 32)]
+                       lambda m: None) == [(0, 15), (15, 30)]
 
 
 def test_no_verify_skips_the_oracle(ckpt, tmp_path):

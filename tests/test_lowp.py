@@ -171,8 +171,8 @@ def test_bf16_checkpoint_builds_greedy_exact_with_bf16_resident_weights(bf16_ckp
               if k != "__metadata__" and len(t["shape"]) == 2}
     assert len(tables) == 2 and set(tables.values()) == {"BF16"}  # embed + per-layer, as stored
     by_graph = {name: fp32 for name, fp32, _ in seen}
-    assert by_graph["s0.prefill.onnx"] == by_graph["s0.decode.onnx"] == [0, 1, 2, 3, 4]
-    assert by_graph["s1.prefill.onnx"] == [5, 6, 7, 8] and by_graph["s2.decode.onnx"] == [9]
+    assert by_graph["s0.prefill.onnx"] == by_graph["s0.decode.onnx"] == [0, 1, 2, 3]
+    assert by_graph["s1.prefill.onnx"] == [4, 5, 6] and by_graph["s2.decode.onnx"] == [7, 8, 9]
     assert by_graph["head.onnx"] == []
     assert {p.dtype for p in loaded[0].parameters()} == {torch.bfloat16}  # restored after
     ref = _fp32_twin(path)
