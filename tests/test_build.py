@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -37,7 +38,7 @@ def test_regression_the_greedy_planner_filled_every_shard_but_the_last():
         assert len(got) == len(greedy)
         assert max(sum(layers[a:b]) for a, b in got) <= max(sum(layers[a:b]) for a, b in greedy)
         assert got[0][0] == 0 and got[-1][1] == len(layers)
-        assert all(b == c for (_, b), (c, _) in zip(got, got[1:]))
+        assert all(b == c for (_, b), (c, _) in itertools.pairwise(got))
 
 
 def test_regression_a_heads_fp32_bytes_over_the_cpu_ceiling_failed_the_build(ckpt, tmp_path,
