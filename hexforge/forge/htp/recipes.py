@@ -43,8 +43,8 @@ RECIPES = {
     # scaled into fp16's range where it would not fit)
     "fp16": QuantRecipe("fp16", None, None, bytes_per_weight=2.0, mask_value=-30000.0),
     # weight-only: the fp16 graphs with every weight MatMul as MatMulNBits (int8 / int4 in blocks
-    # of 32, the head int8 under int4), rounded to nearest, no calibration. The HTP stores int4
-    # at 8 bits (docs/htp.md), so a larger block would save only scales. On real trained models the
+    # of 32, the head int8 under int4), rounded to nearest, no calibration. The binary holds int4
+    # packed (0.569 bytes a weight at blocks of 32: docs/htp.md). On real trained models the
     # fixed-point road below loses the massive activations (docs/htp.md: SmolLM2 w8a16-qdq top-1
     # 0.19); fp16 activations keep them, as AI Hub's weight-only "w4" recipe does
     "w8a16": QuantRecipe("w8a16", None, 8, block_size=32, bytes_per_weight=1.0 + 2 / 32,
