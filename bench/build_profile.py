@@ -8,13 +8,15 @@ Every build log line closes a stage: its wall time and the process's peak RSS si
 line (Linux VmHWM, reset through /proc/self/clear_refs after each line) are recorded next to it,
 with the peak of its anonymous memory (RssAnon, sampled every 0.1 s): VmHWM also counts the pages
 of mapped files (the checkpoint, the weight files being written), which the kernel can drop, so
-the anonymous peak is the one that says whether a machine has enough memory.
+the anonymous peak is the one that says whether a machine has enough memory. Its CPU seconds
+(this process and the children it waited for) over its wall time say how many cores it kept busy.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -27,6 +29,12 @@ def status_kb(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process and its waited-for children."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def _reset_peak() -> None:
@@ -61,21 +69,24 @@ def profile_build(checkpoint: str, output: str, opts) -> dict:
 
     stages: list[dict] = []
     t0 = last = time.perf_counter()
+    cpu_last = _cpu_s()
     overall_peak = overall_anon = 0
     anon = AnonPeak()
 
     def log(msg: str) -> None:
-        nonlocal last, overall_peak, overall_anon
-        now = time.perf_counter()
+        nonlocal last, cpu_last, overall_peak, overall_anon
+        now, cpu = time.perf_counter(), _cpu_s()
         peak, anon_peak = status_kb("VmHWM"), anon.take()
         overall_peak, overall_anon = max(overall_peak, peak), max(overall_anon, anon_peak)
         stages.append({"stage": msg, "wall_s": round(now - last, 1),
                        "peak_rss_gb": round(peak / 2**20, 2),
                        "peak_anon_gb": round(anon_peak / 2**20, 2),
-                       "rss_gb": round(status_kb("VmRSS") / 2**20, 2)})
-        print(f"[{now - t0:7.1f}s +{now - last:6.1f}s peak {peak / 2**20:5.2f} GB, anon "
-              f"{anon_peak / 2**20:5.2f} GB] {msg}", file=sys.stderr, flush=True)
-        last = now
+                       "rss_gb": round(status_kb("VmRSS") / 2**20, 2),
+                       "cpu_s": round(cpu - cpu_last, 1)})
+        print(f"[{now - t0:7.1f}s +{now - last:6.1f}s cpu {cpu - cpu_last:6.1f}s peak "
+              f"{peak / 2**20:5.2f} GB, anon {anon_peak / 2**20:5.2f} GB] {msg}", file=sys.stderr,
+              flush=True)
+        last, cpu_last = now, cpu
         _reset_peak()
 
     _reset_peak()
