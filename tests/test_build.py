@@ -266,3 +266,92 @@ def test_regression_constant_value_side_files_were_left_in_the_bundle(tmp_path):
 
     y = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(y, x @ w + c, rtol=1e-5, atol=1e-5)
+
+
+def test_exports_side_by_side_write_what_one_at_a_time_writes(ckpt, tmp_path):
+    """export_modules forks a child per graph (a shard's prefill / decode / verify at once): the
+    same files and IO specs as exporting them in turn in this process."""
+    from hexforge.families import load_family
+    from hexforge.forge.checkpoint import read_checkpoint
+    from hexforge.forge.export import export_modules
+
+    c = read_checkpoint(ckpt("qwen3"), lambda m: None)
+    fam = load_family(c.model_type).FAMILY
+    args = fam.Args.from_config(c.config)
+    hf = fam.load_hf(c.dir)
+    mods = [fam.cpu_step_module(hf, args, (0, 2), n, 32) for n in (4, 1, 3)]
+    got = {}
+    for workers in (1, 3):
+        (tmp_path / str(workers)).mkdir()
+        paths = [tmp_path / str(workers) / f"g{i}.onnx" for i in range(3)]
+        order: list[int] = []
+        specs = export_modules(list(zip(mods, paths, strict=True)), "torchscript", fold=True,
+                               done=lambda i, s, order=order: order.append(i), workers=workers)
+        assert sorted(order) == [0, 1, 2]
+        got[workers] = specs, [p.read_bytes() for p in paths]
+        assert sorted(f.name for f in paths[0].parent.iterdir()) == ["g0.onnx", "g1.onnx",
+                                                                      "g2.onnx"]
+    assert got[1] == got[3]
+    assert [ins[0].shape[1] for ins, _ in got[3][0]] == [4, 1, 3]
+
+
+class _Fails:
+    """A module whose export fails in the child: by raising, or by the child being killed."""
+
+    def __init__(self, kill: bool):
+        import torch
+
+        from hexforge.families.graphio import GraphIO
+
+        self.kill, self.io, self.torch = kill, GraphIO(inputs=[("x", "x")], outputs=[("y", "y")]), torch
+
+    def example_inputs(self):
+        return (self.torch.ones(2),)
+
+    def __call__(self, x):
+        import os
+        import signal
+
+        if self.kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise ValueError("no such op")
+
+
+@pytest.mark.parametrize("kill", [False, True])
+def test_a_failed_or_killed_export_child_is_a_one_line_build_error(tmp_path, kill):
+    """The child's error reaches the build as a BuildError (a child killed for memory says so);
+    its sibling is stopped, not waited for, and no result file is left behind."""
+    import os
+    import time
+
+    import torch
+
+    from hexforge.forge.export import export_modules
+
+    started, finished = tmp_path / "started", tmp_path / "finished"
+
+    class Slow(torch.nn.Module):
+        io = _Fails(False).io
+
+        def example_inputs(self):
+            return (torch.ones(2),)
+
+        def forward(self, x):
+            started.write_text(str(os.getpid()))
+            time.sleep(120)
+            finished.touch()
+            return x
+
+    class Bad(_Fails):
+        def __call__(self, x):
+            while not started.is_file():  # fail once the sibling is under way
+                time.sleep(0.01)
+            return super().__call__(x)
+
+    with pytest.raises(BuildError, match="killed by signal 9 .out of memory" if kill
+                       else "ValueError: no such op"):
+        export_modules([(Slow(), tmp_path / "slow.onnx"), (Bad(kill), tmp_path / "bad.onnx")],
+                       "torchscript", workers=2)
+    with pytest.raises(ProcessLookupError):  # killed and reaped
+        os.kill(int(started.read_text()), 0)
+    assert not finished.exists() and not list(tmp_path.glob("*.json"))

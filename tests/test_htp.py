@@ -182,7 +182,7 @@ def test_failed_htp_gate_says_whether_the_htp_or_the_quantization_lost_it(ckpt, 
     from onnx import numpy_helper
 
     from hexforge.errors import ParityGateError
-    from hexforge.forge.htp import stage as htp
+    from hexforge.forge.htp import compile as htp
     from hexforge.forge.pipeline import BuildOptions, build
     from tests.conftest import HTP_CONTEXT, HTP_N
 
@@ -374,7 +374,6 @@ def test_regression_a_graph_compiled_wrong_passed_a_build_without_the_oracle(ckp
 
     from hexforge.errors import ParityGateError
     from hexforge.forge.htp import compile as htp_compile
-    from hexforge.forge.htp import stage
     from hexforge.forge.pipeline import BuildOptions, build
 
     real = htp_compile.compile_graph
@@ -391,7 +390,6 @@ def test_regression_a_graph_compiled_wrong_passed_a_build_without_the_oracle(ckp
             onnx.save(m, str(src))
         return real(src, dst, *a, **kw)
 
-    monkeypatch.setattr(stage, "compile_graph", miscompile)
     monkeypatch.setattr(htp_compile, "compile_graph", miscompile)
     with pytest.raises(ParityGateError, match=rf"{graph}: relative error 2"):
         build(ckpt(family), tmp_path / "b", BuildOptions(

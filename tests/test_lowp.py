@@ -150,17 +150,18 @@ def test_bf16_checkpoint_builds_greedy_exact_with_bf16_resident_weights(bf16_ckp
     loaded, seen = [], []
     load = fam.load_hf
     monkeypatch.setattr(fam, "load_hf", lambda d: loaded.append(load(d)) or loaded[-1])
-    export = graphs.export_module
+    export = graphs.export_modules
 
-    def spy(module, out, *a, **kw):
+    def spy(jobs, *a, **kw):
         layers = fam.reference_layers(loaded[0])
         fp32 = [i for i, layer in enumerate(layers)
                 if any(p.dtype == torch.float32 for p in layer.parameters())]
-        seen.append((out.name, fp32, {p.dtype for layer in layers for p in layer.parameters()
-                                      if fp32 and layer is not layers[fp32[0]]}))
-        return export(module, out, *a, **kw)
+        seen.extend((out.name, fp32, {p.dtype for layer in layers for p in layer.parameters()
+                                      if fp32 and layer is not layers[fp32[0]]})
+                    for _, out in jobs)
+        return export(jobs, *a, **kw)
 
-    monkeypatch.setattr(graphs, "export_module", spy)
+    monkeypatch.setattr(graphs, "export_modules", spy)
     out = build(path, tmp_path / "b", BuildOptions(context=CONTEXT, prefill_len=N,
                                                    max_shard_bytes=900_000), log=lambda m: None)
     report = json.loads((out / "report.json").read_text())["cpu"]

@@ -7,9 +7,13 @@ content, so the two graphs point at the same bytes on disk (half the bundle size
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import json
 import logging
 import os
+import signal
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -85,6 +89,93 @@ def export_module(module, path: Path, exporter: str = "dynamo", fold: bool = Fal
         onnx.save(m, str(path))
     del m
     return io.specs(list(args), "inputs"), io.specs(list(outs), "outputs")
+
+
+def export_modules(jobs: list[tuple[object, Path]], exporter: str, fold: bool = False,
+                   done: Callable[[int, float], None] = lambda i, seconds: None,
+                   workers: int | None = None) -> list[tuple[list[TensorSpec], list[TensorSpec]]]:
+    """``export_module`` of each (module, path), up to ``workers`` at once (default: one per
+    CPU, at most 3) in forked children; ``done(i, seconds)`` as job i finishes. -> (inputs,
+    outputs) per job, in order.
+
+    Why: an export is one core's work (torch's trace, the fold, the proto's serialization) and a
+    real-size build runs dozens of them, ~30 s each. A forked child reads the shard's fp32
+    weights the parent holds without copying them (copy-on-write; an export writes no weight),
+    so a second export costs its own working memory only, not the shard's."""
+    workers = min(len(jobs), workers or min(os.cpu_count() or 1, 3))
+    if workers <= 1 or not hasattr(os, "fork"):
+        out = []
+        for i, (module, path) in enumerate(jobs):
+            t = time.perf_counter()
+            out.append(export_module(module, path, exporter, fold))
+            done(i, time.perf_counter() - t)
+        return out
+    results: list = [None] * len(jobs)
+    running: dict[int, tuple[int, float]] = {}  # pid -> (job, start)
+    pending = list(range(len(jobs)))
+    gc.collect()
+    gc.freeze()  # the children's collector leaves the parent's objects (and their pages) alone
+    try:
+        while pending or running:
+            while pending and len(running) < workers:
+                i = pending.pop(0)
+                running[_fork_export(*jobs[i], exporter, fold)] = (i, time.perf_counter())
+            for pid in list(running):
+                got, status = os.waitpid(pid, os.WNOHANG)
+                if got:
+                    i, t = running.pop(pid)
+                    results[i] = _export_result(jobs[i][1], status)
+                    done(i, time.perf_counter() - t)
+            time.sleep(0.02)
+    finally:
+        for pid in running:  # an error or an interrupt: no child outlives the build
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        gc.unfreeze()
+    return results
+
+
+def _fork_export(module, path: Path, exporter: str, fold: bool) -> int:
+    """Fork a child that exports ``module`` to ``path`` and leaves its result (the IO specs or
+    the error) in ``<path>.export.json``; -> its pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code, result = 1, _result_file(path)
+    try:
+        import torch
+
+        torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork
+        ins, outs = export_module(module, path, exporter, fold)
+        result.write_text(json.dumps({"inputs": [s.model_dump() for s in ins],
+                                      "outputs": [s.model_dump() for s in outs]}))
+        code = 0
+    except BaseException as e:
+        try:
+            result.write_text(json.dumps(
+                {"error": str(e) if isinstance(e, BuildError) else f"{type(e).__name__}: {e}"}))
+        except BaseException:
+            pass
+    finally:
+        os._exit(code)  # no atexit handlers, no inherited buffers flushed twice
+
+
+def _result_file(path: Path) -> Path:
+    return path.with_name(path.name + ".export.json")
+
+
+def _export_result(path: Path, status: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    result = _result_file(path)
+    r = json.loads(result.read_text()) if result.is_file() else {}
+    result.unlink(missing_ok=True)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        raise BuildError(f"the export of {path.name} was killed by signal {sig}"
+                         + (" (out of memory?)" if sig == signal.SIGKILL else ""))
+    if "error" in r or os.waitstatus_to_exitcode(status) != 0:
+        raise BuildError(r.get("error") or f"the export of {path.name} failed")
+    return ([TensorSpec.model_validate(s) for s in r["inputs"]],
+            [TensorSpec.model_validate(s) for s in r["outputs"]])
 
 
 def gather_side_files(path: Path, model=None) -> int:

@@ -8,13 +8,12 @@ row while the AR-N prefill graph costs N rows' compute (bench/speculative.py mea
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from ..errors import BuildError
 from ..manifest import GraphSpec, RunPlan, ShardPlan
 from ..targets import Target
-from .export import export_module, share_weights
+from .export import export_modules, share_weights
 from .fuse import fuse_cpu_graph
 from .htp.recipes import get_recipe
 from .memory import release_heap, release_mapped_pages
@@ -42,16 +41,21 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
     graphs: list[GraphSpec] = []
     plan: list[ShardPlan] = []
 
-    def export(name: str, role: str, module, layers=None) -> GraphSpec:
+    def export(items: list[tuple[str, str, object]], layers=None) -> list[GraphSpec]:
+        """(name, role, module) items exported side by side (export_modules)."""
         if fp16_residual_scale is not None:
-            module = use_fp16_form(module, fp16_residual_scale)
-        path = folder / f"{name}.onnx"
-        t = time.perf_counter()
-        ins, outs = export_module(module, path, opts.exporter, fold=True)
-        log(f"  exported {rel_folder}/{name} ({time.perf_counter() - t:.1f}s)")
-        advance()
-        return GraphSpec(name=name, role=role, file=f"{rel_folder}/{name}.onnx",
-                         seq_len=ins[0].shape[1], layers=layers, inputs=ins, outputs=outs)
+            items = [(n, r, use_fp16_form(m, fp16_residual_scale)) for n, r, m in items]
+        paths = [folder / f"{n}.onnx" for n, _, _ in items]
+
+        def done(i: int, seconds: float) -> None:
+            log(f"  exported {rel_folder}/{items[i][0]} ({seconds:.1f}s)")
+            advance()
+
+        specs = export_modules([(m, p) for (_, _, m), p in zip(items, paths, strict=True)],
+                               opts.exporter, fold=True, done=done)
+        return [GraphSpec(name=n, role=r, file=f"{rel_folder}/{n}.onnx", seq_len=ins[0].shape[1],
+                          layers=layers, inputs=ins, outputs=outs)
+                for (n, r, _), (ins, outs) in zip(items, specs, strict=True)]
 
     per_shard = 2 + (1 if cpu and opts.verify_len else 0)  # prefill, decode (, verify)
     with stage(f"export {'cpu' if cpu else rel_folder}", len(shards) * per_shard + 1) as advance:
@@ -60,20 +64,21 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
             # a bf16 model: only this shard's layers (and the head it runs) in fp32
             with fam.float32(hf, layers=(a, b), head=cpu and s == last, towers=False):
                 step = fam.cpu_step_module if cpu else fam.decoder_module
-                pre = export(f"s{s}.prefill", "prefill",
-                             step(hf, args, (a, b), opts.prefill_len, opts.context), (a, b))
+                items = [(f"s{s}.prefill", "prefill",
+                          step(hf, args, (a, b), opts.prefill_len, opts.context))]
                 decode = step(hf, args, (a, b), 1, opts.context)
                 if cpu and s == last:
                     decode = WithHead(decode, use_cpu_kernels(fam.head_module(hf, args)))
-                dec = export(f"s{s}.decode", "decode", decode, (a, b))
-                ver = None
+                items.append((f"s{s}.decode", "decode", decode))
                 if cpu and opts.verify_len:
                     verify = step(hf, args, (a, b), opts.verify_len, opts.context)
                     if s == last:  # every row's logits: each checks the draft after it
                         verify = WithHead(verify, use_cpu_kernels(fam.head_module(hf, args)))
-                    ver = export(f"s{s}.verify", "verify", verify, (a, b))
+                    items.append((f"s{s}.verify", "verify", verify))
+                pre, dec, *ver = export(items, (a, b))
                 # the modules hold the shard's fp32 copies: gone before its weights are shared
-                decode = verify = None
+                items = decode = verify = None
+                ver = ver[0] if ver else None
             graphs += [g for g in (pre, dec, ver) if g is not None]
             plan.append(ShardPlan(layers=(a, b), prefill=pre.name, decode=dec.name,
                                   verify=ver and ver.name))
@@ -84,7 +89,7 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
             release_heap()  # and what its exports freed (GBs: torch's and onnx's working copies)
         with fam.float32(hf, head=True, towers=False):
             head_module = fam.head_module(hf, args)
-            head = export("head", "head", use_cpu_kernels(head_module) if cpu else head_module)
+            head, = export([("head", "head", use_cpu_kernels(head_module) if cpu else head_module)])
         graphs.append(head)
         release_mapped_pages(hf.name_or_path)
         release_heap()

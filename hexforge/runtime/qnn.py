@@ -20,6 +20,7 @@ import os
 import platform
 import re
 import sys
+import threading
 from pathlib import Path
 
 from ..errors import BackendError, BundleError
@@ -50,21 +51,34 @@ def sdk_version() -> str:
     return str(onnxruntime_qnn.build_and_package_info.qnn_version)
 
 
+_redirect_lock = threading.Lock()
+_redirect: dict = {"depth": 0, "saved": None}  # fd 1's copy while any thread is redirected
+
+
 @contextlib.contextmanager
 def native_stdout_to_stderr():
-    """QNN's native libraries print banners on fd 1; keep stdout clean for --json and pipes."""
+    """QNN's native libraries print banners on fd 1; keep stdout clean for --json and pipes.
+    Threads may nest it (the build compiles side by side): the first in redirects, the last out
+    restores."""
+    with _redirect_lock:
+        if _redirect["depth"] == 0:
+            try:
+                sys.stdout.flush()
+                _redirect["saved"] = os.dup(1)
+            except (OSError, ValueError):  # no real fd 1 (e.g. captured): nothing to protect
+                _redirect["saved"] = None
+            else:
+                os.dup2(2, 1)
+        _redirect["depth"] += 1
     try:
-        sys.stdout.flush()
-        saved = os.dup(1)
-    except (OSError, ValueError):  # no real fd 1 (e.g. captured): nothing to protect
-        yield
-        return
-    try:
-        os.dup2(2, 1)
         yield
     finally:
-        os.dup2(saved, 1)
-        os.close(saved)
+        with _redirect_lock:
+            _redirect["depth"] -= 1
+            if _redirect["depth"] == 0 and _redirect["saved"] is not None:
+                os.dup2(_redirect["saved"], 1)
+                os.close(_redirect["saved"])
+                _redirect["saved"] = None
 
 
 def _register() -> None:

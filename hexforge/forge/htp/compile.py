@@ -10,7 +10,10 @@ weight-shared contexts (ep.share_ep_contexts) compile, but the x86 simulator can
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from ...errors import BuildError
@@ -45,6 +48,33 @@ def compile_graph(src: Path, ctx: Path, htp_arch: int, soc_model: int, fp16: boo
         raise BuildError(f"compiling {src.name} wrote no context binary")
     return {"ctx": ctx, "bin": bin_path, "seconds": time.perf_counter() - t,
             "bin_bytes": bin_path.stat().st_size}
+
+
+def compile_graphs(jobs: list[tuple[Path, Path]], htp_arch: int, soc_model: int, fp16: bool,
+                   done: Callable[[int, dict], None] = lambda i, res: None,
+                   workers: int | None = None) -> list[dict]:
+    """``compile_graph`` of each (src, ctx), two at once where there are two CPUs;
+    ``done(i, result)`` in this thread as job i finishes. -> the results, in order.
+
+    Why threads: QNN's compiler is one core's work and onnxruntime lets go of the GIL while it
+    builds a session, so two compiles run side by side in one process. Not more than two: each
+    holds its graph's working memory (~5 GB for a 1.3 GB w8a16 shard), and the weight-shared
+    compile (compile_shared) already peaks at about two of them."""
+    workers = min(len(jobs), workers or min(os.cpu_count() or 1, 2))
+    results: list = [None] * len(jobs)
+    with ThreadPoolExecutor(max(workers, 1), thread_name_prefix="qnn-compile") as pool:
+        running = {pool.submit(compile_graph, src, ctx, htp_arch, soc_model, fp16): i
+                   for i, (src, ctx) in enumerate(jobs)}
+        try:
+            while running:
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    i = running.pop(f)
+                    results[i] = f.result()  # the first error stops the build
+                    done(i, results[i])
+        finally:  # on an error: no new compile starts; the running one finishes, then it raises
+            pool.shutdown(wait=True, cancel_futures=True)
+    return results
 
 
 def compile_shared(group: list[tuple[Path, Path]], htp_arch: int, soc_model: int,

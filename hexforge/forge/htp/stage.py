@@ -31,7 +31,7 @@ from ..graphs import export_float, plan_target
 from ..memory import release_mapped_pages
 from ..progress import stage
 from .calibstats import GraphStats, HessianStore
-from .compile import compile_graph, compile_shared
+from .compile import compile_graphs, compile_shared
 from .qdq import quantize_graph
 from .recipes import QuantRecipe, get_recipe
 
@@ -241,19 +241,22 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
         soc = target.default_soc
         folder = root / target.name
         folder.mkdir()
-        compiled = []
+        compiled: list = [None] * len(graphs)
         with stage(f"compile {target.name}", len(graphs)) as advance:
-            for g in graphs:
-                src = srcs / f"{g.name}{suffix}"
-                res = compile_graph(src, folder / f"{g.name}.ctx.onnx", target.htp_arch,
-                                    soc.soc_model, fp16=recipe.activations is None)
+            def done(i: int, res: dict, target=target, advance=advance, graphs=graphs,
+                     compiled=compiled) -> None:
+                g = graphs[i]
                 log(f"[{target.name}] compiled {g.name}: {res['bin_bytes']:,} B "
                     f"({res['seconds']:.1f}s)")
                 _warn_over_ceiling(g.name, res["bin_bytes"], target, log)
-                compiled.append(g.model_copy(update={
+                compiled[i] = g.model_copy(update={
                     "file": f"{target.name}/{g.name}.ctx.onnx",
-                    "bytes": res["bin_bytes"] + res["ctx"].stat().st_size}))
+                    "bytes": res["bin_bytes"] + res["ctx"].stat().st_size})
                 advance()
+
+            compile_graphs([(srcs / f"{g.name}{suffix}", folder / f"{g.name}.ctx.onnx")
+                            for g in graphs], target.htp_arch, soc.soc_model,
+                           fp16=recipe.activations is None, done=done)
         if not opts.verify:  # no oracle (real sizes): each graph once on the HTP vs its float
             compiled = _check_compiled(root, manifest, graphs, plan, compiled, target, soc, sdk,
                                        recipe, opts, checked.setdefault(key, {}), log)
