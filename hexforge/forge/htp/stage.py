@@ -258,8 +258,8 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
                             for g in graphs], target.htp_arch, soc.soc_model,
                            fp16=recipe.activations is None, done=done)
         if not opts.verify:  # no oracle (real sizes): each graph once on the HTP vs its float
-            compiled = _check_compiled(root, manifest, graphs, plan, compiled, target, soc, sdk,
-                                       recipe, opts, checked.setdefault(key, {}), log)
+            compiled = _check_compiled(root, manifest, graphs, plan, srcs, compiled, target, soc,
+                                       sdk, recipe, opts, checked.setdefault(key, {}), log)
         if opts.share_weights:
             compiled = _share(compiled, plan, srcs, folder, target, soc.soc_model, recipe, log)
         specs[target.name] = TargetSpec(
@@ -274,11 +274,13 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
 
 
 def _check_compiled(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: RunPlan,
-                    compiled: list[GraphSpec], target: Target, soc, sdk: str,
+                    srcs: Path, compiled: list[GraphSpec], target: Target, soc, sdk: str,
                     recipe: QuantRecipe, opts, calls: dict, log) -> list[GraphSpec]:
     """forge/htp/graphcheck.py on one target's compiled graphs (``calls``: the float graphs'
-    captured calls, filled on the first target of a float export); -> the graphs with their
-    ``htp_check``. A graph over the error bar fails the build."""
+    captured calls, filled on the first target of a float export), each against the quantized
+    graph in ``srcs`` it was compiled from (run on the CPU; fp16: the float graph's own
+    outputs); -> the graphs with their ``htp_check``. A graph over the error bar fails the
+    build."""
     from . import graphcheck
 
     if not calls:
@@ -292,8 +294,10 @@ def _check_compiled(root: Path, manifest: Manifest, graphs: list[GraphSpec], pla
     spec = TargetSpec(name=target.name, htp_arch=target.htp_arch, soc_model=soc.soc_model,
                       qnn_sdk=sdk, quant=recipe.name, mask_value=recipe.mask_value,
                       graphs=compiled, plan=plan)
+    suffix = compiled_suffix(recipe)
+    sources = {g.name: srcs / f"{g.name}{suffix}" for g in graphs} if recipe.weight_bits else None
     return graphcheck.gate(target.name, compiled,
-                           graphcheck.check_target(root, spec, calls, log))
+                           graphcheck.check_target(root, spec, calls, log, sources))
 
 
 def _warn_over_ceiling(name: str, bin_bytes: int, target: Target, log) -> None:
