@@ -8,7 +8,9 @@ Every build log line closes a stage: its wall time and the process's peak RSS si
 line (Linux VmHWM, reset through /proc/self/clear_refs after each line) are recorded next to it,
 with the peak of its anonymous memory (RssAnon, sampled every 0.1 s): VmHWM also counts the pages
 of mapped files (the checkpoint, the weight files being written), which the kernel can drop, so
-the anonymous peak is the one that says whether a machine has enough memory. Its CPU seconds
+the anonymous peak is the one that says whether a machine has enough memory; while the build has
+children (a shard's graphs exported side by side in forked processes) it is the whole tree's
+proportional anonymous memory (Pss_Anon: a page the fork shares counted once). Its CPU seconds
 (this process and the children it waited for) over its wall time say how many cores it kept busy.
 """
 
@@ -44,8 +46,38 @@ def _reset_peak() -> None:
         pass
 
 
+def _children() -> list[int]:
+    kids = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            kids += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def _pss_anon_kb(pid: str | int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss_Anon:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def tree_anon_kb() -> int:
+    """This process's anonymous memory, with its children's while it has any (Pss_Anon of each:
+    the pages a fork shares are split between the processes, not counted twice)."""
+    kids = _children()
+    if not kids:
+        return status_kb("RssAnon")
+    return _pss_anon_kb("self") + sum(_pss_anon_kb(k) for k in kids)
+
+
 class AnonPeak:
-    """Peak RssAnon since the last ``take()``, sampled by a daemon thread."""
+    """Peak anonymous memory (``tree_anon_kb``) since the last ``take()``, sampled by a daemon
+    thread."""
 
     def __init__(self, every_s: float = 0.1):
         self.peak = 0
@@ -54,11 +86,11 @@ class AnonPeak:
 
     def _sample(self) -> None:
         while True:
-            self.peak = max(self.peak, status_kb("RssAnon"))
+            self.peak = max(self.peak, tree_anon_kb())
             time.sleep(self.every_s)
 
     def take(self) -> int:
-        peak, self.peak = max(self.peak, status_kb("RssAnon")), 0
+        peak, self.peak = max(self.peak, tree_anon_kb()), 0
         return peak
 
 
