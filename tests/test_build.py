@@ -355,3 +355,41 @@ def test_a_failed_or_killed_export_child_is_a_one_line_build_error(tmp_path, kil
     with pytest.raises(ProcessLookupError):  # killed and reaped
         os.kill(int(started.read_text()), 0)
     assert not finished.exists() and not list(tmp_path.glob("*.json"))
+
+
+@pytest.mark.parametrize("available", [1, 1 << 50])
+def test_exports_side_by_side_only_while_memory_holds_them(tmp_path, monkeypatch, available):
+    """A second export child starts only if the machine's available memory holds its need and
+    the running one's (twice each module's fp32 weights); else they run one after another."""
+    import time
+
+    import torch
+
+    from hexforge.forge import memory
+    from hexforge.forge.export import export_modules, export_need
+
+    class Marks(torch.nn.Module):
+        io = _Fails(False).io
+
+        def __init__(self, i):
+            super().__init__()
+            self.i, self.w = i, torch.nn.Parameter(torch.ones(256, 2))
+
+        def example_inputs(self):
+            return (torch.ones(2),)
+
+        def forward(self, x):
+            (tmp_path / f"{self.i}.start").touch()
+            time.sleep(1.0)
+            if any(not (tmp_path / f"{j}.end").exists()
+                   for j in range(2) if j != self.i and (tmp_path / f"{j}.start").exists()):
+                (tmp_path / "overlap").touch()
+            (tmp_path / f"{self.i}.end").touch()
+            return x * self.w.sum()
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: available)
+    mods = [Marks(0), Marks(1)]
+    assert export_need(mods[0]) == 8 * 512
+    export_modules([(m, tmp_path / f"m{m.i}.onnx") for m in mods], "torchscript", workers=2)
+    assert (tmp_path / "overlap").exists() == (available > 1)
+    assert all((tmp_path / f"m{i}.onnx").is_file() for i in range(2))

@@ -77,3 +77,14 @@ def _anon_bytes() -> int:
         return 0
     m = re.search(r"^RssAnon:\s+(\d+) kB", status, re.M)
     return int(m[1]) * 1024 if m else 0
+
+
+def available_bytes() -> int | None:
+    """What the machine can still give (Linux MemAvailable: free memory and the page cache it
+    can drop); None where it does not say."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    m = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.M)
+    return int(m[1]) * 1024 if m else None
