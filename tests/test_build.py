@@ -355,6 +355,7 @@ def test_a_failed_or_killed_export_child_is_a_one_line_build_error(tmp_path, kil
     with pytest.raises(ProcessLookupError):  # killed and reaped
         os.kill(int(started.read_text()), 0)
     assert not finished.exists() and not list(tmp_path.glob("*.json"))
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["started"]  # no child's folder left
 
 
 @pytest.mark.parametrize("available", [1, 1 << 50])
@@ -393,3 +394,38 @@ def test_exports_side_by_side_only_while_memory_holds_them(tmp_path, monkeypatch
     export_modules([(m, tmp_path / f"m{m.i}.onnx") for m in mods], "torchscript", workers=2)
     assert (tmp_path / "overlap").exists() == (available > 1)
     assert all((tmp_path / f"m{i}.onnx").is_file() for i in range(2))
+
+
+def test_regression_side_by_side_exports_overwrote_each_others_tensor_files(tmp_path, monkeypatch):
+    """A graph over 2 GB leaves the exporter as one file per tensor, named by the exporter
+    (``onnx__MatMul_5298``); two children exporting into one folder overwrote each other's, and
+    Qwen3.5-4B's 16-layer prefill read a decode weight of another size. Each child now exports
+    in a folder of its own and moves its graph and ``.data`` in when done."""
+    import time
+
+    import torch
+
+    from hexforge.forge import export
+
+    def exporter_like(module, path, exporter, fold=False):
+        side = path.parent / "onnx__MatMul_5298"  # the same name in both graphs
+        side.write_bytes(bytes([module.i]) * (1000 + module.i))
+        time.sleep(1.0)  # the sibling writes its own meanwhile
+        raw = side.read_bytes()
+        if raw != bytes([module.i]) * (1000 + module.i):
+            raise BuildError(f"{path.name}: a weight of {len(raw)} bytes")
+        side.rename(path.with_name(path.name + ".data"))  # gathered
+        path.write_bytes(b"graph")
+        return [], []
+
+    class M(torch.nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            self.i = i
+
+    monkeypatch.setattr(export, "export_module", exporter_like)
+    export.export_modules([(M(i), tmp_path / f"g{i}.onnx") for i in (1, 2)], "torchscript",
+                          workers=2)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["g1.onnx", "g1.onnx.data", "g2.onnx",
+                                                          "g2.onnx.data"]
+    assert (tmp_path / "g2.onnx.data").read_bytes() == bytes([2]) * 1002

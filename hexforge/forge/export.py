@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import time
 import warnings
@@ -135,9 +136,11 @@ def export_modules(jobs: list[tuple[object, Path]], exporter: str, fold: bool = 
                     done(i, time.perf_counter() - t)
             time.sleep(0.02)
     finally:
-        for pid in running:  # an error or an interrupt: no child outlives the build
+        for pid, (i, _) in running.items():  # an error or an interrupt: no child outlives it
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+            _result_file(jobs[i][1]).unlink(missing_ok=True)
+            shutil.rmtree(_work_folder(jobs[i][1]), ignore_errors=True)
         gc.unfreeze()
     return results
 
@@ -154,7 +157,12 @@ def _fits(need: int, available: int | None) -> bool:
 
 def _fork_export(module, path: Path, exporter: str, fold: bool) -> int:
     """Fork a child that exports ``module`` to ``path`` and leaves its result (the IO specs or
-    the error) in ``<path>.export.json``; -> its pid."""
+    the error) in ``<path>.export.json``; -> its pid.
+
+    The child exports into a folder of its own and moves the graph (and its ``.data``) beside
+    ``path`` when done: a graph over 2 GB first comes out as one file per tensor, named by the
+    exporter (``onnx__MatMul_5298``), and two exports in one folder overwrote each other's
+    (Qwen3.5-4B's 16-layer prefill and decode: a weight of the wrong size)."""
     pid = os.fork()
     if pid:
         return pid
@@ -163,7 +171,12 @@ def _fork_export(module, path: Path, exporter: str, fold: bool) -> int:
         import torch
 
         torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork
-        ins, outs = export_module(module, path, exporter, fold)
+        work = _work_folder(path)
+        work.mkdir()
+        ins, outs = export_module(module, work / path.name, exporter, fold)
+        for f in work.iterdir():  # the graph and its gathered <graph>.data
+            os.replace(f, path.parent / f.name)
+        work.rmdir()
         result.write_text(json.dumps({"inputs": [s.model_dump() for s in ins],
                                       "outputs": [s.model_dump() for s in outs]}))
         code = 0
@@ -177,6 +190,10 @@ def _fork_export(module, path: Path, exporter: str, fold: bool) -> int:
         os._exit(code)  # no atexit handlers, no inherited buffers flushed twice
 
 
+def _work_folder(path: Path) -> Path:
+    return path.with_name(f".{path.name}.export")
+
+
 def _result_file(path: Path) -> Path:
     return path.with_name(path.name + ".export.json")
 
@@ -185,6 +202,7 @@ def _export_result(path: Path, status: int) -> tuple[list[TensorSpec], list[Tens
     result = _result_file(path)
     r = json.loads(result.read_text()) if result.is_file() else {}
     result.unlink(missing_ok=True)
+    shutil.rmtree(_work_folder(path), ignore_errors=True)  # what a failed child left
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         raise BuildError(f"the export of {path.name} was killed by signal {sig}"
