@@ -86,7 +86,8 @@ class AnonPeak:
 
     def _sample(self) -> None:
         while True:
-            self.peak = max(self.peak, tree_anon_kb())
+            now = tree_anon_kb()  # read first: a Pss walk is slow, and take() may reset meanwhile
+            self.peak = max(self.peak, now)
             time.sleep(self.every_s)
 
     def take(self) -> int:
