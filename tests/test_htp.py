@@ -433,3 +433,37 @@ def test_regression_a_graph_compiled_wrong_passed_a_build_without_the_oracle(ckp
         build(ckpt(family), tmp_path / "b", BuildOptions(
             targets="v81", quant="fp16", context=64, prefill_len=8, verify=False), log=lambda m: None)
     assert not (tmp_path / "b").exists()
+
+
+def test_regression_the_first_two_compiles_of_a_build_registered_the_qnn_ep_twice(tmp_path):
+    """A build's compiles run two at a time; in a fresh process both threads found the QNN EP
+    unregistered and registered it, and the second failed ("EP library is already registered")
+    after the first compile's minutes. A fresh interpreter compiles two graphs at once."""
+    import subprocess
+    import sys
+
+    script = f"""
+import time
+import onnxruntime as ort
+real = ort.register_execution_provider_library
+def slow(*a):  # what takes the first registration its time, widened
+    time.sleep(0.5)
+    return real(*a)
+ort.register_execution_provider_library = slow
+import numpy as np, onnx
+from onnx import helper, numpy_helper, TensorProto as T
+from pathlib import Path
+from hexforge.forge.htp.compile import compile_graphs
+jobs = []
+for i in range(2):
+    w = numpy_helper.from_array(np.full((16, 16), 0.1 * (i + 1), np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", T.FLOAT, [1, 16])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [1, 16])], [w])
+    src = Path({str(tmp_path)!r}) / f"g{{i}}.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), src)
+    jobs.append((src, src.with_suffix(".ctx.onnx")))
+print(sum(r["bin_bytes"] > 0 for r in compile_graphs(jobs, 81, 87, True, workers=2)))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("2"), r.stderr[-2000:]

@@ -81,12 +81,18 @@ def native_stdout_to_stderr():
                 _redirect["saved"] = None
 
 
+_register_lock = threading.Lock()
+
+
 def _register() -> None:
+    """The plugin EP registered once per process; under a lock, since the build's first two
+    compiles ask at once from two threads (the second registration fails: "already registered")."""
     import onnxruntime as ort
     import onnxruntime_qnn
 
-    if not any(d.ep_name == EP for d in ort.get_ep_devices()):
-        ort.register_execution_provider_library(EP, onnxruntime_qnn.get_library_path())
+    with _register_lock:
+        if not any(d.ep_name == EP for d in ort.get_ep_devices()):
+            ort.register_execution_provider_library(EP, onnxruntime_qnn.get_library_path())
 
 
 def provider_options(htp_arch: int, soc_model: int, fp16: bool) -> dict[str, str]:
