@@ -1,7 +1,7 @@
 """The seeds' models at real size, from nothing: published config -> random-weight bf16
 checkpoint -> bundle, with each build stage's wall time and peak memory.
 
-    python bench/realsize.py qwen3-vl-2b WORK [--quant w8a16] [--json FILE]
+    python bench/realsize.py qwen3-vl-2b WORK [--quant w8a16] [--json FILE] [--layers N]
 
 Random weights change nothing about size, memory or compile time (the accuracy of a real-size
 build is the real models' business: docs/quality.md). Each model builds for the targets and
@@ -14,6 +14,11 @@ the encoder resolution the bundles this project replaces were built with:
 
 The checkpoint is made once under WORK/<model> (minutes; skipped if present); the bundle is
 WORK/<model>-<quant>. Prints the stage table (bench/build_profile.py) and writes it as JSON.
+
+``--layers N`` is the pre-flight: the same build of the first N decoder layers at real width
+(checkpoint WORK/<model>-L<N>, bundle WORK/<model>-L<N>-<quant>). Real-size failures (a graph
+over the 2 GB protobuf limit, a compiler's memory, two threads racing) show there in minutes
+instead of after an hour of the full build; the tiny fixtures cannot show them.
 Results: docs/realsize.md.
 """
 
@@ -46,17 +51,19 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=64)
     ap.add_argument("--share-weights", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--layers", type=int, default=None, help="build a cut of the first N layers")
     a = ap.parse_args()
 
     from hexforge.forge.pipeline import BuildOptions
 
     spec = MODELS[a.model]
     work = Path(a.work)
-    ckpt = work / a.model
+    name = f"{a.model}-L{a.layers}" if a.layers else a.model
+    ckpt = work / name
     made = None
     if not (ckpt / "config.json").is_file():
         t = time.perf_counter()
-        make_checkpoint(spec["shape"], ckpt)
+        make_checkpoint(spec["shape"], ckpt, layers=a.layers)
         made = {"wall_s": round(time.perf_counter() - t, 1),
                 "peak_rss_gb": round(status_kb("VmHWM") / 2**20, 2)}
         print(f"checkpoint {ckpt}: {made}", file=sys.stderr)
@@ -64,8 +71,8 @@ def main() -> None:
                         quant=a.quant, context=a.context, prefill_len=a.prefill_len,
                         verify=False, share_weights=a.share_weights,
                         image_size=spec.get("image_size"))
-    out = profile_build(str(ckpt), str(work / f"{a.model}-{a.quant}"), opts)
-    out["model"], out["checkpoint_made"] = a.model, made
+    out = profile_build(str(ckpt), str(work / f"{name}-{a.quant}"), opts)
+    out["model"], out["checkpoint_made"] = name, made
     print(json.dumps(out, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
