@@ -358,6 +358,29 @@ def test_a_failed_or_killed_export_child_is_a_one_line_build_error(tmp_path, kil
     assert sorted(f.name for f in tmp_path.iterdir()) == ["started"]  # no child's folder left
 
 
+def test_regression_an_export_child_killed_writing_its_result_was_a_json_error(tmp_path):
+    """A child killed with half its result written: the build said JSONDecodeError (and left the
+    file); it is the kill, as a one-line BuildError, and nothing is left."""
+    import os
+    import signal
+
+    from hexforge.forge.export import export_modules
+
+    class KilledWriting(_Fails):
+        def __init__(self, name: str):
+            super().__init__(True)
+            self.name = name
+
+        def __call__(self, x):
+            (tmp_path / f"{self.name}.export.json").write_text('{"inputs": [{"na')
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    with pytest.raises(BuildError, match="killed by signal 9"):
+        export_modules([(KilledWriting(n), tmp_path / n) for n in ("g.onnx", "h.onnx")],
+                       "torchscript", workers=2)
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("available", [1, 1 << 50])
 def test_exports_side_by_side_only_while_memory_holds_them(tmp_path, monkeypatch, available):
     """A second export child starts only if the machine's available memory holds its need and

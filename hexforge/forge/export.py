@@ -139,8 +139,7 @@ def export_modules(jobs: list[tuple[object, Path]], exporter: str, fold: bool = 
         for pid, (i, _) in running.items():  # an error or an interrupt: no child outlives it
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            _result_file(jobs[i][1]).unlink(missing_ok=True)
-            shutil.rmtree(_work_folder(jobs[i][1]), ignore_errors=True)
+            _read_and_clean(jobs[i][1])
         gc.unfreeze()
     return results
 
@@ -198,11 +197,21 @@ def _result_file(path: Path) -> Path:
     return path.with_name(path.name + ".export.json")
 
 
-def _export_result(path: Path, status: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
+def _read_and_clean(path: Path) -> dict:
+    """A child's result for ``path`` (empty if it wrote none, or was killed writing it); its
+    result file and its folder (what a failed or killed child left) removed."""
     result = _result_file(path)
-    r = json.loads(result.read_text()) if result.is_file() else {}
+    try:
+        r = json.loads(result.read_text())
+    except (OSError, ValueError):
+        r = {}
     result.unlink(missing_ok=True)
-    shutil.rmtree(_work_folder(path), ignore_errors=True)  # what a failed child left
+    shutil.rmtree(_work_folder(path), ignore_errors=True)
+    return r
+
+
+def _export_result(path: Path, status: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    r = _read_and_clean(path)
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         raise BuildError(f"the export of {path.name} was killed by signal {sig}"
