@@ -58,7 +58,7 @@ _redirect: dict = {"depth": 0, "saved": None}  # fd 1's copy while any thread is
 @contextlib.contextmanager
 def native_stdout_to_stderr():
     """QNN's native libraries print banners on fd 1; keep stdout clean for --json and pipes.
-    Threads may nest it (the build compiles side by side): the first in redirects, the last out
+    Threads may nest it (sessions made in threads): the first in redirects, the last out
     restores."""
     with _redirect_lock:
         if _redirect["depth"] == 0:
