@@ -82,19 +82,16 @@ def compile_encoders(float_graphs: list[GraphSpec], root: Path, target, soc_mode
     fails the build."""
     from ..runtime import qnn
     from .htp import graphcheck
-    from .htp.compile import compile_graphs
+    from .htp.compile import compile_graph
 
-    out: list = [None] * len(float_graphs)
-
-    def done(i: int, res: dict) -> None:
-        g = float_graphs[i]
+    out = []
+    for g in float_graphs:
+        res = compile_graph(root / g.file, root / target.name / f"{g.name}.ctx.onnx",
+                            target.htp_arch, soc_model, fp16=True)
         log(f"[{target.name}] compiled {g.name} (fp16): {res['bin_bytes']:,} B "
             f"({res['seconds']:.1f}s)")
-        out[i] = g.model_copy(update={"file": f"{target.name}/{g.name}.ctx.onnx",
-                                      "bytes": res["bin_bytes"] + res["ctx"].stat().st_size})
-
-    compile_graphs([(root / g.file, root / target.name / f"{g.name}.ctx.onnx")
-                    for g in float_graphs], target.htp_arch, soc_model, fp16=True, done=done)
+        out.append(g.model_copy(update={"file": f"{target.name}/{g.name}.ctx.onnx",
+                                        "bytes": res["bin_bytes"] + res["ctx"].stat().st_size}))
     if check_items is not None:
         so = qnn.session_options(qnn.provider_options(target.htp_arch, soc_model, fp16=True), {})
         out = graphcheck.gate(target.name, out, graphcheck.check_encoders(

@@ -11,7 +11,6 @@ weight-shared contexts (ep.share_ep_contexts) compile, but the x86 simulator can
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from ...errors import BuildError
@@ -21,7 +20,13 @@ from ..memory import release_heap
 
 
 def compile_graph(src: Path, ctx: Path, htp_arch: int, soc_model: int, fp16: bool) -> dict:
-    """-> {"ctx": path, "bin": path, "seconds": float, "bin_bytes": int}; cleans up on failure."""
+    """-> {"ctx": path, "bin": path, "seconds": float, "bin_bytes": int}; cleans up on failure.
+
+    Builds call it one graph at a time, though a compile keeps one core of two busy: two in
+    threads (onnxruntime lets go of the GIL while it builds a session) kept only 1.14 cores busy,
+    each compile cost ~18 % more CPU, and the four 16-layer w4a16 compiles of Qwen3.5-4B took
+    1,126 s where one at a time took 1,086 s, at 11.7 GB instead of 6.9 (docs/realsize.md). It
+    stays thread-safe (the EP's registration lock, the stdout guard's nesting count)."""
     import onnxruntime as ort
 
     bin_path = ctx.with_name(ctx.stem + "_qnn.bin")
@@ -46,22 +51,6 @@ def compile_graph(src: Path, ctx: Path, htp_arch: int, soc_model: int, fp16: boo
         raise BuildError(f"compiling {src.name} wrote no context binary")
     return {"ctx": ctx, "bin": bin_path, "seconds": time.perf_counter() - t,
             "bin_bytes": bin_path.stat().st_size}
-
-
-def compile_graphs(jobs: list[tuple[Path, Path]], htp_arch: int, soc_model: int, fp16: bool,
-                   done: Callable[[int, dict], None] = lambda i, res: None) -> list[dict]:
-    """``compile_graph`` of each (src, ctx), one at a time; ``done(i, result)`` as job i
-    finishes; the first error stops the build. -> the results, in order.
-
-    One at a time, though a compile keeps one core of two busy: two in threads (onnxruntime lets
-    go of the GIL while it builds a session) kept only 1.14 cores busy, each compile cost ~18 %
-    more CPU, and the four 16-layer w4a16 compiles of Qwen3.5-4B took 1,126 s where one at a
-    time took 1,086 s, at 11.7 GB instead of 6.9 (docs/realsize.md)."""
-    results = []
-    for i, (src, ctx) in enumerate(jobs):
-        results.append(compile_graph(src, ctx, htp_arch, soc_model, fp16))
-        done(i, results[-1])
-    return results
 
 
 def compile_shared(group: list[tuple[Path, Path]], htp_arch: int, soc_model: int,

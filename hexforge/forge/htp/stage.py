@@ -30,8 +30,8 @@ from ..calib import calibration_text
 from ..graphs import export_float, plan_target
 from ..memory import release_mapped_pages
 from ..progress import stage
+from . import compile as compiler  # through the module: tests swap compiler.compile_graph
 from .calibstats import GraphStats, HessianStore
-from .compile import compile_graphs, compile_shared
 from .qdq import quantize_graph
 from .recipes import QuantRecipe, get_recipe
 
@@ -241,22 +241,19 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
         soc = target.default_soc
         folder = root / target.name
         folder.mkdir()
-        compiled: list = [None] * len(graphs)
+        compiled = []
         with stage(f"compile {target.name}", len(graphs)) as advance:
-            def done(i: int, res: dict, target=target, advance=advance, graphs=graphs,
-                     compiled=compiled) -> None:
-                g = graphs[i]
+            for g in graphs:
+                res = compiler.compile_graph(srcs / f"{g.name}{suffix}",
+                                             folder / f"{g.name}.ctx.onnx", target.htp_arch,
+                                             soc.soc_model, fp16=recipe.activations is None)
                 log(f"[{target.name}] compiled {g.name}: {res['bin_bytes']:,} B "
                     f"({res['seconds']:.1f}s)")
                 _warn_over_ceiling(g.name, res["bin_bytes"], target, log)
-                compiled[i] = g.model_copy(update={
+                compiled.append(g.model_copy(update={
                     "file": f"{target.name}/{g.name}.ctx.onnx",
-                    "bytes": res["bin_bytes"] + res["ctx"].stat().st_size})
+                    "bytes": res["bin_bytes"] + res["ctx"].stat().st_size}))
                 advance()
-
-            compile_graphs([(srcs / f"{g.name}{suffix}", folder / f"{g.name}.ctx.onnx")
-                            for g in graphs], target.htp_arch, soc.soc_model,
-                           fp16=recipe.activations is None, done=done)
         if not opts.verify:  # no oracle (real sizes): each graph once on the HTP vs its float
             compiled = _check_compiled(root, manifest, graphs, plan, srcs, compiled, target, soc,
                                        sdk, recipe, opts, checked.setdefault(key, {}), log)
@@ -376,7 +373,7 @@ def _share(compiled: list[GraphSpec], plan: RunPlan, srcs: Path, folder: Path, t
     suffix = compiled_suffix(recipe)
     for shard in plan.shards:
         group = [(srcs / f"{n}{suffix}", folder / f"{n}.ctx.onnx") for n in (shard.prefill, shard.decode)]
-        res = compile_shared(group, target.htp_arch, soc_model, fp16=recipe.activations is None)
+        res = compiler.compile_shared(group, target.htp_arch, soc_model, fp16=recipe.activations is None)
         log(f"[{target.name}] weight-shared {shard.prefill} + {shard.decode}: {res['bin_bytes']:,} B")
         _warn_over_ceiling(shard.prefill, res["bin_bytes"], target, log)
     out = []
