@@ -7,10 +7,12 @@ Random weights change nothing about size, memory or compile time (the accuracy o
 build is the real models' business: docs/quality.md). Each model builds for the targets and
 the encoder resolution the bundles this project replaces were built with:
 
-    qwen3-vl-2b   v79,v81  Qwen3-VL-2B-Instruct with its 24-block ViT at 512x512 (256 tokens)
-    qwen3.5-4b    v81      Qwen3.5-4B with its vision tower
-    gemma-4-e4b   v81      Gemma-4-E4B with its vision tower (2,520 patches -> 280 tokens) and
-                           its 12-layer audio conformer
+    qwen3-vl-2b       v79,v81  Qwen3-VL-2B-Instruct with its 24-block ViT at 512x512 (256 tokens)
+    qwen3.5-4b        v81      Qwen3.5-4B with its vision tower
+    gemma-4-e4b       v81      Gemma-4-E4B with its vision tower (2,520 patches -> 280 tokens)
+                               and its 12-layer audio conformer
+    gemma-4-e4b-text  v81      its 42-layer decoder alone: the towers' graphs do not depend on
+                               the depth, and their check is an hour of the ~3 h here
 
 The checkpoint is made once under WORK/<model> (minutes; skipped if present); the bundle is
 WORK/<model>-<quant>. Prints the stage table (bench/build_profile.py) and writes it as JSON.
@@ -39,6 +41,7 @@ MODELS: dict[str, dict] = {
     "qwen3-vl-2b": dict(shape="qwen3-vl-2b-vl", targets="v79,v81", image_size=(512, 512)),
     "qwen3.5-4b": dict(shape="qwen3.5-4b-vl", targets="v81", image_size=(512, 512)),
     "gemma-4-e4b": dict(shape="gemma-4-e4b-mm", targets="v81"),
+    "gemma-4-e4b-text": dict(shape="gemma-4-e4b", targets="v81"),
 }
 
 
