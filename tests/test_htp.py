@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import textwrap
 
 import pytest
 
@@ -132,6 +133,38 @@ def test_graph_with_a_node_the_htp_rejects_fails_to_compile(tmp_path):
     onnx.save(m, str(tmp_path / "t.onnx"))
     with pytest.raises(BuildError, match="not supported by the HTP"):
         compile_graph(tmp_path / "t.onnx", tmp_path / "t.ctx.onnx", 81, 87, fp16=True)
+    assert not (tmp_path / "t.ctx.onnx").exists() and not (tmp_path / "t.ctx_qnn.bin").exists()
+
+
+def test_regression_a_full_disk_read_as_qnn_could_not_load_the_graph(tmp_path):
+    """Gemma-4-E4B's 42-layer build filled its disk at the sixth compile, 46 minutes in, and the
+    error read "QNN could not load the graph: ... Failed to write context cache file". A file-size
+    limit (RLIMIT_FSIZE, in a child) fails the same write here."""
+    import subprocess
+    import sys
+
+    script = textwrap.dedent(f"""
+        import resource, signal
+        from pathlib import Path
+        import onnx
+        from onnx import TensorProto, helper
+        from hexforge.forge.htp.compile import compile_graph
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 8])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8])
+        g = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "g", [x], [y])
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)],
+                                    ir_version=9), "{tmp_path}/t.onnx")
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        try:
+            compile_graph(Path("{tmp_path}/t.onnx"), Path("{tmp_path}/t.ctx.onnx"), 81, 87, True)
+        except Exception as e:
+            print("ERROR", type(e).__name__, e)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300).stdout
+    assert f"ERROR BuildError compiling t.onnx for v81: the context binary could not be written " \
+           f"to {tmp_path} (" in out and "GB free on its disk)" in out, out
     assert not (tmp_path / "t.ctx.onnx").exists() and not (tmp_path / "t.ctx_qnn.bin").exists()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -273,8 +274,15 @@ def describe_split(sess) -> str | None:
 
 
 def explain_qnn_error(e: Exception, what: str, bin_path: Path | None = None,
-                      graph_bytes: int | None = None, ceiling: int | None = None) -> BackendError:
+                      graph_bytes: int | None = None, ceiling: int | None = None,
+                      out_dir: Path | None = None) -> BackendError:
+    """out_dir: where a compile writes its context binary (a failed write is most often a full
+    disk, which the EP reports only as "Failed to write context cache file")."""
     msg = str(e)
+    if out_dir is not None and "Failed to write context" in msg:
+        free = shutil.disk_usage(out_dir).free
+        return BackendError(f"{what}: the context binary could not be written to {out_dir} "
+                            f"({free / 2**30:.1f} GB free on its disk)")
     if FALLBACK_DISABLED in msg:
         return BackendError(f"{what}: some nodes are not supported by the HTP and would run on the CPU "
                             "(CPU fallback is disabled); pass --allow-cpu-fallback to run split")

@@ -44,7 +44,8 @@ def compile_graph(src: Path, ctx: Path, htp_arch: int, soc_model: int, fp16: boo
     except Exception as e:
         for partial in (ctx, bin_path):  # a failed session may still have written them
             partial.unlink(missing_ok=True)
-        raise BuildError(str(explain_qnn_error(e, f"compiling {src.name} for v{htp_arch}"))) from None
+        raise BuildError(str(explain_qnn_error(e, f"compiling {src.name} for v{htp_arch}",
+                                                out_dir=ctx.parent))) from None
     finally:
         release_heap()  # the compiler's working memory (GBs at real size), freed into the C heap
     if not ctx.is_file() or not bin_path.is_file():
@@ -75,7 +76,8 @@ def compile_shared(group: list[tuple[Path, Path]], htp_arch: int, soc_model: int
                 sess = ort.InferenceSession(str(src), so)
             del sess
         except Exception as e:
-            raise BuildError(str(explain_qnn_error(e, f"compiling {src.name} (shared)"))) from None
+            raise BuildError(str(explain_qnn_error(e, f"compiling {src.name} (shared)",
+                                                    out_dir=ctx.parent))) from None
         finally:
             release_heap()
     if not first_bin.is_file():
