@@ -378,6 +378,35 @@ def test_regression_the_graph_check_judged_the_weights_rounding_as_a_miscompile(
         assert c["rel_err"] < 0.05 and 1.9 < c["rel_err_vs_float"] < 2.1, (name, c)
 
 
+def test_regression_the_float_graphs_stayed_on_disk_through_every_compile(ckpt, tmp_path,
+                                                                          monkeypatch):
+    """The HTP float graphs (fp32, ~20 GB for Gemma-4-E4B) stayed in _work/ until the last
+    target's last compile, beside the quantized graphs and the binaries: E4B's w8a16 build needed
+    59 GB of free disk at its peak. A quantized recipe compiles the quantized graphs and the
+    check's calls are captured before the compiles, so the float graphs go first: no compile of
+    either target sees one, and both targets' graphs are still checked on the HTP."""
+    from hexforge.forge.htp import compile as compiler
+    from hexforge.forge.pipeline import BuildOptions, build
+    from hexforge.manifest import load_manifest
+
+    real, seen = compiler.compile_graph, []
+
+    def watching(src, *a, **k):
+        seen.append(sorted(f.name for f in src.parent.iterdir()))
+        return real(src, *a, **k)
+
+    monkeypatch.setattr(compiler, "compile_graph", watching)
+    out = build(ckpt("llama"), tmp_path / "b", BuildOptions(
+        targets="v79,v81", quant="w8a16", context=64, prefill_len=8, verify=False),
+        log=lambda m: None)
+    assert len(seen) == 6
+    for files in seen:
+        assert files and all(f.endswith((".wo.onnx", ".wo.weights")) for f in files), files
+    for spec in load_manifest(out).targets.values():
+        if spec.name != "cpu":
+            assert all(g.htp_check["rel_err"] < 0.05 for g in spec.graphs), spec.name
+
+
 def test_regression_the_graph_check_capture_held_every_shards_float_weights_at_once(htp_bundle):
     """The --no-verify check's capture ran one engine over every float graph: at 4B, 16 GB of fp32
     weights mapped at once. It now runs one pass per shard (earlier shards replayed, later ones

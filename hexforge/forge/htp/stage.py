@@ -5,6 +5,8 @@
            └─ calibration: the float graphs run on the CPU EP over CALIB_TEXT (prefill chunks +
               greedy decode steps) with the target's bounded mask; every graph's feeds recorded
                 └─ QDQ per graph (qdq.py), arch-independent: made once, shared by v79/v81/..
+                     │   (then the float graphs go: fp32, the disk peak of a real-size build;
+                     │    --no-verify captured each graph's check call from them first)
                      └─ compile per arch -> <target>/<graph>.ctx.onnx + .ctx_qnn.bin
 
 The calibration text is not the oracle's text, so the oracle's numbers are calibration-independent.
@@ -203,6 +205,8 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
             graphs, plan = export_float(fam, hf, args, shards, opts, root, rel, log,
                                         fp16_residual_scale=scale)
             srcs = root / rel
+            if not opts.verify:  # each compiled graph's check call, while the float graphs exist
+                checked[key] = _capture(root, manifest, graphs, plan, recipe, opts, log)
             if recipe.weight_only:
                 t = time.perf_counter()
                 weight_only(plan, srcs, recipe, args.vocab_size)
@@ -232,6 +236,8 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
                 shutil.rmtree(srcs / "calib", ignore_errors=True)
                 log(f"[{target.name}] calibrated + quantized {recipe.name} "
                     f"({time.perf_counter() - t:.1f}s)")
+            if recipe.weight_bits and not opts.keep_work:  # the quantized graphs are compiled:
+                _drop_float_graphs(srcs)  # the float ones go before the binaries come (disk peak)
             prepared[key] = (graphs, plan, srcs)
         graphs, plan, srcs = prepared[key]
         suffix = compiled_suffix(recipe)
@@ -256,38 +262,51 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
                 advance()
         if not opts.verify:  # no oracle (real sizes): each graph once on the HTP vs its float
             compiled = _check_compiled(root, manifest, graphs, plan, srcs, compiled, target, soc,
-                                       sdk, recipe, opts, checked.setdefault(key, {}), log)
+                                       sdk, recipe, checked[key], log)
         if opts.share_weights:
             compiled = _share(compiled, plan, srcs, folder, target, soc.soc_model, recipe, log)
         specs[target.name] = TargetSpec(
             name=target.name, htp_arch=target.htp_arch, soc_model=soc.soc_model, qnn_sdk=sdk,
             quant=recipe.name, mask_value=recipe.mask_value, graphs=compiled, plan=plan,
             weight_shared=opts.share_weights, hidden_scale=1.0 / (scale or 1.0))
-    keep = (".qdq.onnx", ".wo.onnx", ".wo.weights")  # the quantized graphs, for the oracle
-    for f in (root / "_work").rglob("*"):  # the float graphs are done with
-        if f.is_file() and not f.name.endswith(keep) and not opts.keep_work:
-            f.unlink()
+    if not opts.keep_work:
+        _drop_float_graphs(root / "_work")  # fp16's, the compiles' sources, are done with now
     return specs, qdq
+
+
+def _drop_float_graphs(folder: Path) -> None:
+    """Remove the float graphs (and their weights) under ``folder``; the quantized graphs stay
+    for the oracle, which judges a target that fails its gate by them on the CPU."""
+    keep = (".qdq.onnx", ".wo.onnx", ".wo.weights")
+    for f in folder.rglob("*"):
+        if f.is_file() and not f.name.endswith(keep):
+            f.unlink()
+
+
+def _capture(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: RunPlan,
+             recipe: QuantRecipe, opts, log) -> dict[str, tuple[dict, dict]]:
+    """The float graphs' check calls (graphcheck.capture_calls), once per float export: every
+    target compiled from it is checked with them, after the float graphs are gone."""
+    from . import graphcheck
+
+    t = time.perf_counter()
+    calls = graphcheck.capture_calls(root, manifest, graphs, plan, recipe.mask_value,
+                                     calibration_text(opts.calib),
+                                     lambda: _calibration_backend(prepack=False))
+    log(f"  captured each float graph's check call on the CPU ({time.perf_counter() - t:.1f}s)")
+    release_mapped_pages(root)
+    return calls
 
 
 def _check_compiled(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: RunPlan,
                     srcs: Path, compiled: list[GraphSpec], target: Target, soc, sdk: str,
-                    recipe: QuantRecipe, opts, calls: dict, log) -> list[GraphSpec]:
+                    recipe: QuantRecipe, calls: dict, log) -> list[GraphSpec]:
     """forge/htp/graphcheck.py on one target's compiled graphs (``calls``: the float graphs'
-    captured calls, filled on the first target of a float export), each against the quantized
-    graph in ``srcs`` it was compiled from (run on the CPU; fp16: the float graph's own
-    outputs); -> the graphs with their ``htp_check``. A graph over the error bar fails the
-    build."""
+    captured calls, ``_capture``), each against the quantized graph in ``srcs`` it was compiled
+    from (run on the CPU; fp16: the float graph's own outputs); -> the graphs with their
+    ``htp_check``. A graph over the error bar fails the build."""
     from . import graphcheck
 
-    if not calls:
-        t = time.perf_counter()
-        calls.update(graphcheck.capture_calls(root, manifest, graphs, plan, recipe.mask_value,
-                                              calibration_text(opts.calib),
-                                              lambda: _calibration_backend(prepack=False)))
-        log(f"  captured each float graph's check call on the CPU "
-            f"({time.perf_counter() - t:.1f}s)")
-        release_mapped_pages(root)
     spec = TargetSpec(name=target.name, htp_arch=target.htp_arch, soc_model=soc.soc_model,
                       qnn_sdk=sdk, quant=recipe.name, mask_value=recipe.mask_value,
                       graphs=compiled, plan=plan)
