@@ -328,9 +328,9 @@ def _warn_over_ceiling(name: str, bin_bytes: int, target: Target, log) -> None:
 def weight_only(plan: RunPlan, folder: Path, recipe: QuantRecipe, vocab_size: int) -> None:
     """Every float graph ``X.onnx`` in ``folder`` -> ``X.wo.onnx``: each weight MatMul as
     MatMulNBits (int8 / int4 blocks, the head int8 under int4: ``nbits.cpu_head_format``),
-    each weight group's into one ``<group>.wo.weights`` file (the float graphs stay, for the
-    oracle and the probe). The QNN EP runs MatMulNBits on the HTP with fp16 activations; its
-    activation input must be rank 3, as every projection's [1, T, K] is."""
+    each weight group's into one ``<group>.wo.weights`` file (the caller drops the float graphs
+    unless --keep-work keeps them for the probe). The QNN EP runs MatMulNBits on the HTP with
+    fp16 activations; its activation input must be rank 3, as every projection's [1, T, K] is."""
     import onnx
 
     from ..export import share_weights
