@@ -79,6 +79,48 @@ def test_regression_the_planner_filled_a_context_to_its_ceiling_with_weights_alo
                        lambda m: None) == [(0, 15), (15, 30)]
 
 
+def test_the_disk_estimate_covers_the_peak_measured_on_gemma_4_e4b(monkeypatch):
+    """Gemma-4-E4B's 42-layer decoder at w4a16 for v81 (--share-weights) took 43.7 GB of disk
+    beyond its host tensors at its peak, the end of the HTP float export, and its cpu target
+    18.6 GB (docs/realsize.md): the estimate a build says in its first minutes covers the peak
+    without crying wolf. The layers' parameter counts are the real checkpoint's."""
+    from hexforge.families.llama import FAMILY
+    from hexforge.forge.graphs import disk_need
+    from hexforge.targets import parse_targets
+
+    sliding, full = 93_729_792, 106_837_504  # the 18 KV-shared layers have no k/v projections
+    layers = ([sliding] * 5 + [full]) * 4 + ([91_108_096] * 5 + [101_594_112]) * 3
+    monkeypatch.setattr(type(FAMILY), "layer_weight_bytes",
+                        lambda self, hf, bpw: [int(n * bpw) for n in layers])
+    monkeypatch.setattr(type(FAMILY), "head_weight_bytes", lambda self, hf, bpw: int(671_088_640 * bpw))
+    opts = BuildOptions(quant="w4a16", share_weights=True)
+    need = disk_need(FAMILY, None, parse_targets("v81"), opts)
+    assert 43.7e9 <= need <= 1.2 * 43.7e9
+    assert disk_need(FAMILY, None, parse_targets("cpu"), opts) == pytest.approx(18.6e9, rel=0.02)
+
+
+def test_regression_a_full_disk_was_found_at_the_sixth_compile_46_minutes_in(ckpt, tmp_path,
+                                                                             monkeypatch):
+    """Gemma-4-E4B's first full build stopped on a full disk 46 minutes in. A build says what its
+    graphs will need beside the free space before its first export, as a warning when short."""
+    import shutil
+
+    logs = []
+    build(ckpt("llama"), tmp_path / "a", BuildOptions(context=64, prefill_len=8, verify=False),
+          log=logs.append)
+    line = next(m for m in logs if m.startswith("disk: "))
+    assert "GB at the build's peak" in line and f"{tmp_path} has " in line
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=0))
+    logs.clear()
+    out = build(ckpt("llama"), tmp_path / "b", BuildOptions(context=64, prefill_len=8, verify=False),
+                log=logs.append)
+    warned = next(i for i, m in enumerate(logs) if m.startswith("warning: disk: "))
+    assert "0.0 GB free: the build may stop with a full disk" in logs[warned]
+    assert warned < next(i for i, m in enumerate(logs) if "exported cpu/" in m)
+    assert load_manifest(out).targets["cpu"].graphs  # a warning, not a refusal
+
+
 def test_no_verify_skips_the_oracle(ckpt, tmp_path):
     out = build(ckpt("llama"), tmp_path / "b", BuildOptions(context=64, prefill_len=8, verify=False),
                 log=lambda m: None)

@@ -140,3 +140,31 @@ def plan_target(fam, hf, target: Target, opts, log) -> list[tuple[int, int]]:
     log(f"[{target.name}] {len(shards)} shard(s) under {ceiling:,} B of weights: "
         + " ".join(f"[{a},{b})" for a, b in shards))
     return shards
+
+
+def disk_need(fam, hf, targets: list[Target], opts) -> int:
+    """About how many bytes of free disk a build's decoder graphs take at its peak, beside the
+    host tensors (measured on Gemma-4-E4B: docs/realsize.md):
+
+        cpu target      fp32 graphs, all the build long (the bundle ships them)
+        + the larger of
+          float export  the HTP float graphs, fp32 again, the largest shard's twice while its
+                        exporter's side files are gathered into one weights file
+          compiles      the quantized graphs (fp16: the float ones), per HTP target the unshared
+                        binaries and with --share-weights the shared ones, each ~ the quantized
+                        bytes
+
+    Encoder towers are not counted (Gemma-4-E4B's two: ~2 GB fp32 and ~1.5 GB compiled)."""
+    fp32 = fam.layer_weight_bytes(hf, 4.0)
+    cpu = sum(fp32) + fam.head_weight_bytes(hf, 4.0)
+    htp = [t for t in targets if t.is_htp]
+    if not htp:
+        return cpu
+    recipe = get_recipe(opts.quant)
+    shards = plan_target(fam, hf, htp[0], opts, lambda m: None)
+    export = cpu + max(sum(fp32[a:b]) for a, b in shards)
+    quant = (sum(fam.layer_weight_bytes(hf, recipe.bytes_per_weight))
+             + fam.head_weight_bytes(hf, recipe.bytes_per_weight))
+    binaries = len(htp) * (3 if opts.share_weights else 2) * quant
+    sources = quant if recipe.weight_bits else cpu  # what the compiles are given
+    return cpu + max(export, sources + binaries)

@@ -43,7 +43,7 @@ from .encoders import (
 )
 from .export import share_weights
 from .fuse import fuse_cpu_graph
-from .graphs import export_float, plan_target, weight_groups, weights_file
+from .graphs import disk_need, export_float, plan_target, weight_groups, weights_file
 from .hosttables import share_tied_embedding
 from .hostwrite import write_host_tensors
 from .htp.recipes import get_recipe
@@ -80,6 +80,15 @@ class BuildOptions:
     # for per-tensor accuracy probes (bench/htp_tensors.py)
     genie: bool = False  # HTP: also a Genie bundle per target, genie-<target>/ (forge/genie.py)
     timings: dict = field(default_factory=dict)
+
+
+def _say_disk(need: int, folder: Path, log) -> None:
+    """One line on the disk the build's graphs will take, a warning when ``folder``'s disk has
+    less free: said in its first minutes, not when a compile finds the disk full an hour in."""
+    free = shutil.disk_usage(folder).free
+    line = f"disk: the graphs need about {need / 1e9:.1f} GB at the build's peak, {folder} has " \
+           f"{free / 1e9:.1f} GB free"
+    log(f"warning: {line}: the build may stop with a full disk" if free < need else line)
 
 
 def _generation_defaults(gen: dict, config: dict) -> GenerationDefaults:
@@ -203,6 +212,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                            for name, (bits, block) in formats.items())
         log(f"wrote host tensors ({(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB"
             + (f"; {tables}" if tables else "") + ")")
+        _say_disk(disk_need(fam, hf, targets, opts), out.parent, log)
 
         t = time.perf_counter()
         cpu = _build_cpu_target(fam, hf, args, targets[0], opts, tmp, log)
