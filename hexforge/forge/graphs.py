@@ -148,8 +148,9 @@ def disk_need(fam, hf, targets: list[Target], opts) -> int:
 
         cpu target      fp32 graphs, all the build long (the bundle ships them)
         + the larger of
-          float export  the HTP float graphs, fp32 again, the largest shard's twice while its
-                        exporter's side files are gathered into one weights file
+          float graphs  the HTP float graphs, fp32 again, and the more of: the largest shard's
+                        exporter side files (before they are gathered into one weights file),
+                        the quantized graphs (made before the float graphs go)
           compiles      the quantized graphs (fp16: the float ones), per HTP target the unshared
                         binaries and with --share-weights the shared ones, each ~ the quantized
                         bytes
@@ -162,9 +163,10 @@ def disk_need(fam, hf, targets: list[Target], opts) -> int:
         return cpu
     recipe = get_recipe(opts.quant)
     shards = plan_target(fam, hf, htp[0], opts, lambda m: None)
-    export = cpu + max(sum(fp32[a:b]) for a, b in shards)
     quant = (sum(fam.layer_weight_bytes(hf, recipe.bytes_per_weight))
              + fam.head_weight_bytes(hf, recipe.bytes_per_weight))
+    side_files = max(sum(fp32[a:b]) for a, b in shards)
+    floats = cpu + max(side_files, quant if recipe.weight_bits else 0)
     binaries = len(htp) * (3 if opts.share_weights else 2) * quant
     sources = quant if recipe.weight_bits else cpu  # what the compiles are given
-    return cpu + max(export, sources + binaries)
+    return cpu + max(floats, sources + binaries)
