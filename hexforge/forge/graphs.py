@@ -155,8 +155,7 @@ def disk_need(fam, hf, targets: list[Target], opts) -> int:
                         binaries and with --share-weights the shared ones, each ~ the quantized
                         bytes
 
-    and 10 % over that: the stages' own temporary files and the free space move by a GB or so
-    (E4B: 45.9 GB in use at w8a16's float export, 48.4 while its weights were quantized).
+    and 10 % over that: the stages' own temporary files and the free space move by a GB or so.
     Encoder towers are not counted (Gemma-4-E4B's two: ~2 GB fp32 and ~1.5 GB compiled)."""
     fp32 = fam.layer_weight_bytes(hf, 4.0)
     cpu = sum(fp32) + fam.head_weight_bytes(hf, 4.0)
