@@ -100,6 +100,14 @@ def test_the_disk_estimate_covers_the_peak_measured_on_gemma_4_e4b(monkeypatch):
         assert peak <= need <= 1.2 * peak, quant
     cpu = disk_need(FAMILY, None, parse_targets("cpu"), BuildOptions())
     assert 18.6e9 <= cpu <= 1.2 * 18.6e9
+    # its towers (vision 169.3 M parameters, audio 308.8 M, the projections in): fp32 cpu graphs
+    # and v81 binaries of 597,880,832 and 884,285,440 B (the 6-layer cut with both towers)
+    towers = 169_330_688 + 308_756_768
+    opts = BuildOptions(share_weights=True)
+    added = (disk_need(FAMILY, None, parse_targets("v81"), opts, towers)
+             - disk_need(FAMILY, None, parse_targets("v81"), opts))
+    measured = 4 * towers + 597_880_832 + 884_285_440
+    assert measured <= added <= 1.3 * measured
 
 
 def test_regression_a_full_disk_was_found_at_the_sixth_compile_46_minutes_in(ckpt, tmp_path,

@@ -142,23 +142,24 @@ def plan_target(fam, hf, target: Target, opts, log) -> list[tuple[int, int]]:
     return shards
 
 
-def disk_need(fam, hf, targets: list[Target], opts) -> int:
-    """About how many bytes of free disk a build's decoder graphs take at its peak, beside the
-    host tensors (measured on Gemma-4-E4B: docs/realsize.md):
+def disk_need(fam, hf, targets: list[Target], opts, tower_params: int = 0) -> int:
+    """About how many bytes of free disk a build's graphs take at its peak, beside the host
+    tensors (measured on Gemma-4-E4B: docs/realsize.md):
 
-        cpu target      fp32 graphs, all the build long (the bundle ships them)
+        cpu target      fp32 graphs, all the build long (the bundle ships them), the encoder
+                        towers' (``tower_params`` parameters) among them
         + the larger of
           float graphs  the HTP float graphs, fp32 again, and the more of: the largest shard's
                         exporter side files (before they are gathered into one weights file),
                         the quantized graphs (made before the float graphs go)
           compiles      the quantized graphs (fp16: the float ones), per HTP target the unshared
                         binaries and with --share-weights the shared ones, each ~ the quantized
-                        bytes
+                        bytes; then the towers' fp16 binaries, up to 4 bytes a parameter (their
+                        baked tables: E4B's 2.9 and 3.5)
 
-    and 10 % over that: the stages' own temporary files and the free space move by a GB or so.
-    Encoder towers are not counted (Gemma-4-E4B's two: ~2 GB fp32 and ~1.5 GB compiled)."""
+    and 10 % over that: the stages' own temporary files and the free space move by a GB or so."""
     fp32 = fam.layer_weight_bytes(hf, 4.0)
-    cpu = sum(fp32) + fam.head_weight_bytes(hf, 4.0)
+    cpu = sum(fp32) + fam.head_weight_bytes(hf, 4.0) + 4 * tower_params
     htp = [t for t in targets if t.is_htp]
     if not htp:
         return int(1.1 * cpu)
@@ -168,6 +169,6 @@ def disk_need(fam, hf, targets: list[Target], opts) -> int:
              + fam.head_weight_bytes(hf, recipe.bytes_per_weight))
     side_files = max(sum(fp32[a:b]) for a, b in shards)
     floats = cpu + max(side_files, quant if recipe.weight_bits else 0)
-    binaries = len(htp) * (3 if opts.share_weights else 2) * quant
+    binaries = len(htp) * ((3 if opts.share_weights else 2) * quant + 4 * tower_params)
     sources = quant if recipe.weight_bits else cpu  # what the compiles are given
     return int(1.1 * (cpu + max(floats, sources + binaries)))
