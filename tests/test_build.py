@@ -110,6 +110,24 @@ def test_the_disk_estimate_covers_the_peak_measured_on_gemma_4_e4b(monkeypatch):
     assert measured <= added <= 1.3 * measured
 
 
+def test_the_towers_are_counted_as_stored_in_a_bf16_checkpoint(ckpt):
+    """The disk estimate counts the towers' parameters without building their modules: the
+    audio tower's computes its position table, which a bf16 tower cannot do outside the
+    build's fp32 context (found on Gemma-4-E4B's real-shape checkpoint, before a build ran it)."""
+    import torch
+
+    from hexforge.families import load_family
+
+    fam = load_family("gemma4").FAMILY
+    hf = fam.load_hf(ckpt("gemma4_mm")).to(torch.bfloat16)
+    m = hf.model
+    towers = sum(p.numel() for t in (m.vision_tower, m.embed_vision, m.audio_tower, m.embed_audio)
+                 for p in t.parameters())
+    assert fam.tower_parameters(hf) == towers > 0
+    llama = load_family("llama").FAMILY
+    assert llama.tower_parameters(llama.load_hf(ckpt("llama"))) == 0
+
+
 def test_regression_a_full_disk_was_found_at_the_sixth_compile_46_minutes_in(ckpt, tmp_path,
                                                                              monkeypatch):
     """Gemma-4-E4B's first full build stopped on a full disk 46 minutes in. A build says what its

@@ -206,6 +206,12 @@ class DecoderFamily:
     def head_weight_bytes(self, hf, bytes_per_weight: float) -> int:
         return int(hf.lm_head.weight.numel() * bytes_per_weight)
 
+    def tower_parameters(self, hf) -> int:
+        """Parameters outside the decoder stack and the lm_head: the encoder towers and their
+        projections (counted as stored: no module is built, a bf16 tower cannot run here)."""
+        text = {id(p) for m in (self.text_model(hf), hf.lm_head) for p in m.parameters()}
+        return sum(p.numel() for p in hf.parameters() if id(p) not in text)
+
     # ---- export modules ----
     def decoder_module(self, hf, args, layers: tuple[int, int], seq_len: int, context: int):
         from . import blocks

@@ -212,9 +212,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                            for name, (bits, block) in formats.items())
         log(f"wrote host tensors ({(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB"
             + (f"; {tables}" if tables else "") + ")")
-        towers = sum(p.numel() for e, spec in zip(encoders, enc_specs, strict=True)
-                     for p in e.encoder_module(hf, spec).parameters())
-        _say_disk(disk_need(fam, hf, targets, opts, towers), out.parent, log)
+        _say_disk(disk_need(fam, hf, targets, opts, fam.tower_parameters(hf)), out.parent, log)
 
         t = time.perf_counter()
         cpu = _build_cpu_target(fam, hf, args, targets[0], opts, tmp, log)
