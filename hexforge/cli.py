@@ -57,7 +57,8 @@ def cmd_build(a) -> int:
                         image_size=a.image_size, cpu_weights=a.cpu_weights,
                         int4_per_layer_tables=a.int4_per_layer_tables,
                         verify_tokens=a.verify_tokens, eval_text=a.eval_text,
-                        eval_tokens=a.eval_tokens, keep_work=a.keep_work, genie=a.genie)
+                        eval_tokens=a.eval_tokens, keep_work=a.keep_work, genie=a.genie,
+                        device_only=a.device_only)
     if not a.json and sys.stderr.isatty():  # someone watches: bars with ETAs on the long stages
         from .forge.progress import BuildProgress
 
@@ -290,6 +291,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--share-weights", action="store_true",
                    help="HTP: one weight-shared context per shard for prefill + decode (device "
                         "only: the x86 simulator cannot load them; the oracle runs unshared twins)")
+    b.add_argument("--device-only", action="store_true",
+                   help="HTP: leave the cpu target out of the bundle (it is built for the build's "
+                        "checks, then dropped): the bundle runs with --backend qnn or qnn-sim "
+                        "only, at a fraction of the size (fp32 cpu graphs are ~4 B a parameter)")
     b.add_argument("--no-verify", action="store_true", help="skip the HF oracle and its gates")
     b.add_argument("--verify-tokens", type=int, default=64, metavar="N",
                    help="the oracle's teacher-forced / greedy tokens (default 64); on the x86 HTP "

@@ -268,3 +268,9 @@ def test_a_hub_snapshot_gives_back_the_pages_of_its_blobs(ckpt, tmp_path):
     assert int(weights[::4096].astype(np.int64).sum()) >= 0  # every page read once: resident
     assert release_mapped_pages(snap) > 0
     del weights
+
+
+def test_device_only_on_a_cpu_build_is_one_line_exit_2(ckpt, tmp_path):
+    r = hexforge("build", ckpt("llama"), "-o", tmp_path / "out", "--device-only")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--device-only needs an HTP --target" in r.stderr and not (tmp_path / "out").exists()

@@ -92,6 +92,36 @@ def test_arch_mismatch_fails_before_loading_naming_both(htp_bundle):
         hexforge.load(only81, backend="qnn-sim", arch="v79")
 
 
+def test_a_device_only_bundle_ships_the_htp_target_alone_and_runs_like_the_full_one(htp_bundle):
+    """--device-only: the cpu target serves the build, then leaves the bundle (4 B a parameter,
+    most of a real phone bundle); the HTP target runs as in the bundle that kept it, and the cpu
+    backend is refused in one line naming the backends that run it."""
+    full = htp_bundle("llama", "fp16")
+    slim = htp_bundle("llama", "fp16", verify=False, device_only=True)
+    manifest = json.loads((slim / "manifest.json").read_text())
+    assert set(manifest["targets"]) == {"v81"} and not (slim / "cpu").exists()
+    kept = json.loads((full / "manifest.json").read_text())["targets"]["v81"]
+    assert [g["name"] for g in manifest["targets"]["v81"]["graphs"]] == \
+        [g["name"] for g in kept["graphs"]]
+    with pytest.raises(BackendError, match=r"only HTP targets \(v81; built with --device-only\)"):
+        hexforge.load(slim)
+    ids = prompt_ids(HTP_PROMPT)
+    a, b = (hexforge.load(x, backend="qnn-sim").generate(ids, max_new_tokens=8, ignore_eos=True)
+            for x in (full, slim))
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 8
+
+
+def test_device_only_without_an_htp_target_is_refused_before_work(ckpt, tmp_path):
+    from hexforge.forge.pipeline import BuildOptions, build
+
+    with pytest.raises(BuildError, match="--device-only needs an HTP --target"):
+        build(ckpt("llama"), tmp_path / "b", BuildOptions(device_only=True), log=lambda m: None)
+    with pytest.raises(BuildError, match="--device-only leaves the cpu target out"):
+        build(ckpt("llama"), tmp_path / "b", BuildOptions(targets="v81", device_only=True,
+                                                          cpu_weights="int8"), log=lambda m: None)
+    assert not (tmp_path / "b").exists()
+
+
 def test_binary_that_disagrees_with_the_manifest_is_refused(htp_bundle, tmp_path):
     src = htp_bundle("qwen3", "w8a16", "v79,v81")
     b = tmp_path / "b"

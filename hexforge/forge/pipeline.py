@@ -79,6 +79,8 @@ class BuildOptions:
     keep_work: bool = False  # HTP: leave _work/ (each graph's float and QDQ ONNX) in the bundle,
     # for per-tensor accuracy probes (bench/htp_tensors.py)
     genie: bool = False  # HTP: also a Genie bundle per target, genie-<target>/ (forge/genie.py)
+    device_only: bool = False  # HTP: the bundle without its cpu target (built for the build's own
+    # checks and the encoders' exports, then dropped): a phone's download, run by qnn / qnn-sim
     timings: dict = field(default_factory=dict)
 
 
@@ -160,6 +162,12 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         check_options(fam, args, opts)
         if not any(t.is_htp for t in targets):
             raise BuildError("--genie needs an HTP --target (e.g. v81)")
+    if opts.device_only:
+        if not any(t.is_htp for t in targets):
+            raise BuildError("--device-only needs an HTP --target (e.g. v81)")
+        if opts.cpu_weights != "fp32":
+            raise BuildError("--cpu-weights sets the cpu target's weights; --device-only leaves "
+                             "the cpu target out of the bundle")
     encoders = encoder_families(ckpt.config)  # vision / audio towers of a multimodal checkpoint
     _check_encoder_options(encoders, opts)
 
@@ -302,6 +310,8 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                                       f"(its oracle report: {kept}; use --no-verify to skip the "
                                       "oracle)")
         _drop_verify_twins(tmp, manifest)
+        if opts.device_only:
+            _drop_cpu_target(tmp, manifest, log)
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -361,6 +371,16 @@ def _drop_verify_twins(root: Path, manifest: Manifest) -> None:
         shutil.rmtree(root / t.name / "verify", ignore_errors=True)
     if changed:
         save_manifest(root, manifest)
+
+
+def _drop_cpu_target(root: Path, manifest: Manifest, log: Log) -> None:
+    """--device-only: the cpu target's graphs served the build (the oracle's reference, the
+    encoders' float exports); the bundle ships the HTP targets, the host tensors and tokenizer."""
+    cpu = manifest.targets.pop("cpu")
+    size = sum(f.stat().st_size for f in (root / cpu.name).rglob("*") if f.is_file())
+    shutil.rmtree(root / cpu.name)
+    save_manifest(root, manifest)
+    log(f"--device-only: left the cpu target out of the bundle ({size / 1e9:.2f} GB)")
 
 
 def _has_chat_template(ckpt) -> bool:

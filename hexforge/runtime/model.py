@@ -29,6 +29,10 @@ def pick_target(manifest: Manifest, backend: Backend, target: str | None = None)
                                f"{', '.join(manifest.targets)})")
         return target
     if not backend.is_htp:
+        if "cpu" not in manifest.targets:
+            raise BackendError(f"the bundle holds only HTP targets ({', '.join(htp)}; built with "
+                               "--device-only): run it with --backend qnn on a Snapdragon device "
+                               "or qnn-sim on x86")
         return "cpu"
     if not htp:
         raise BackendError(f"backend {backend.name} needs an HTP target but the bundle holds only "
