@@ -292,9 +292,9 @@ def parser() -> argparse.ArgumentParser:
                    help="HTP: one weight-shared context per shard for prefill + decode (device "
                         "only: the x86 simulator cannot load them; the oracle runs unshared twins)")
     b.add_argument("--device-only", action="store_true",
-                   help="HTP: leave the cpu target out of the bundle (it is built for the build's "
-                        "checks, then dropped): the bundle runs with --backend qnn or qnn-sim "
-                        "only, at a fraction of the size (fp32 cpu graphs are ~4 B a parameter)")
+                   help="HTP: no cpu target (its fp32 graphs, ~4 B a parameter, are most of a "
+                        "bundle's bytes and build time): the bundle runs with --backend qnn or "
+                        "qnn-sim only")
     b.add_argument("--no-verify", action="store_true", help="skip the HF oracle and its gates")
     b.add_argument("--verify-tokens", type=int, default=64, metavar="N",
                    help="the oracle's teacher-forced / greedy tokens (default 64); on the x86 HTP "

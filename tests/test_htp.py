@@ -93,13 +93,14 @@ def test_arch_mismatch_fails_before_loading_naming_both(htp_bundle):
 
 
 def test_a_device_only_bundle_ships_the_htp_target_alone_and_runs_like_the_full_one(htp_bundle):
-    """--device-only: the cpu target serves the build, then leaves the bundle (4 B a parameter,
-    most of a real phone bundle); the HTP target runs as in the bundle that kept it, and the cpu
-    backend is refused in one line naming the backends that run it."""
+    """--device-only: no cpu target (4 B a parameter, most of a real phone bundle) is built or
+    shipped; the HTP target passes the oracle and runs as in the bundle that has a cpu target,
+    and the cpu backend is refused in one line naming the backends that run it."""
     full = htp_bundle("llama", "fp16")
-    slim = htp_bundle("llama", "fp16", verify=False, device_only=True)
+    slim = htp_bundle("llama", "fp16", device_only=True)
     manifest = json.loads((slim / "manifest.json").read_text())
     assert set(manifest["targets"]) == {"v81"} and not (slim / "cpu").exists()
+    assert set(report(slim)) == {"v81"} and report(slim)["v81"]["passed"]
     kept = json.loads((full / "manifest.json").read_text())["targets"]["v81"]
     assert [g["name"] for g in manifest["targets"]["v81"]["graphs"]] == \
         [g["name"] for g in kept["graphs"]]
@@ -109,6 +110,29 @@ def test_a_device_only_bundle_ships_the_htp_target_alone_and_runs_like_the_full_
     a, b = (hexforge.load(x, backend="qnn-sim").generate(ids, max_new_tokens=8, ignore_eos=True)
             for x in (full, slim))
     assert a.token_ids == b.token_ids and len(a.token_ids) == 8
+
+
+def test_a_device_only_vlm_calibrates_and_compiles_its_tower_from_float_graphs_it_drops(ckpt,
+                                                                                      tmp_path):
+    """The towers' float graphs are still exported under --device-only: activation calibration
+    runs them for the media prompts' soft tokens, the HTP compiles them; then they go."""
+    from hexforge.forge.pipeline import BuildOptions, build
+    from hexforge.manifest import load_manifest
+
+    logs = []
+    out = build(ckpt("qwen3_vl"), tmp_path / "b", BuildOptions(
+        targets="v81", quant="w8a16-qdq", context=64, prefill_len=8, device_only=True),
+        log=logs.append)
+    m = load_manifest(out)
+    assert set(m.targets) == {"v81"} and not (out / "cpu").exists()
+    assert {g.name for g in m.targets["v81"].graphs} == {"s0.prefill", "s0.decode", "head", "vision"}
+    rep = report(out)
+    assert set(rep) == {"v81"} and rep["v81"]["passed"], rep["v81"]["failures"]
+    assert rep["v81"]["encoders"]["vision"]["passed"]
+    assert not any("exported cpu/s0" in line for line in logs)
+    from hexforge.inspect import inspect_bundle
+
+    assert set(inspect_bundle(out)["targets"]) == {"v81"}
 
 
 def test_device_only_without_an_htp_target_is_refused_before_work(ckpt, tmp_path):

@@ -59,6 +59,7 @@ def export_encoders(encoders: list, specs: list[EncoderSpec], hf, root: Path, re
         module.example_inputs = lambda feeds=feeds, keys=keys: tuple(
             torch.from_numpy(feeds[k]) for k in keys)
         path = root / rel_folder / f"{spec.name}.onnx"
+        path.parent.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
         ins, outs = export_module(module, path, exporter)
         share_weights([path], f"{spec.name}.weights")

@@ -147,7 +147,8 @@ def disk_need(fam, hf, targets: list[Target], opts, tower_params: int = 0) -> in
     tensors (measured on Gemma-4-E4B: docs/realsize.md):
 
         cpu target      fp32 graphs, all the build long (the bundle ships them), the encoder
-                        towers' (``tower_params`` parameters) among them
+                        towers' (``tower_params`` parameters) among them; --device-only: the
+                        towers' alone
         + the larger of
           float graphs  the HTP float graphs, fp32 again, and the more of: the largest shard's
                         exporter side files (before they are gathered into one weights file),
@@ -159,7 +160,8 @@ def disk_need(fam, hf, targets: list[Target], opts, tower_params: int = 0) -> in
 
     and 10 % over that: the stages' own temporary files and the free space move by a GB or so."""
     fp32 = fam.layer_weight_bytes(hf, 4.0)
-    cpu = sum(fp32) + fam.head_weight_bytes(hf, 4.0) + 4 * tower_params
+    full = sum(fp32) + fam.head_weight_bytes(hf, 4.0) + 4 * tower_params  # every graph in fp32
+    cpu = 4 * tower_params if opts.device_only else full
     htp = [t for t in targets if t.is_htp]
     if not htp:
         return int(1.1 * cpu)
@@ -168,7 +170,7 @@ def disk_need(fam, hf, targets: list[Target], opts, tower_params: int = 0) -> in
     quant = (sum(fam.layer_weight_bytes(hf, recipe.bytes_per_weight))
              + fam.head_weight_bytes(hf, recipe.bytes_per_weight))
     side_files = max(sum(fp32[a:b]) for a, b in shards)
-    floats = cpu + max(side_files, quant if recipe.weight_bits else 0)
+    floats = full + max(side_files, quant if recipe.weight_bits else 0)
     binaries = len(htp) * ((3 if opts.share_weights else 2) * quant + 4 * tower_params)
-    sources = quant if recipe.weight_bits else cpu  # what the compiles are given
+    sources = quant if recipe.weight_bits else full  # what the compiles are given
     return int(1.1 * (cpu + max(floats, sources + binaries)))

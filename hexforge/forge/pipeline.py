@@ -79,8 +79,8 @@ class BuildOptions:
     keep_work: bool = False  # HTP: leave _work/ (each graph's float and QDQ ONNX) in the bundle,
     # for per-tensor accuracy probes (bench/htp_tensors.py)
     genie: bool = False  # HTP: also a Genie bundle per target, genie-<target>/ (forge/genie.py)
-    device_only: bool = False  # HTP: the bundle without its cpu target (built for the build's own
-    # checks and the encoders' exports, then dropped): a phone's download, run by qnn / qnn-sim
+    device_only: bool = False  # HTP: no cpu target (a phone's bundle, run by qnn / qnn-sim): its
+    # decoder graphs are not built; the towers' float graphs are, for the compiles, then dropped
     timings: dict = field(default_factory=dict)
 
 
@@ -223,7 +223,10 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         _say_disk(disk_need(fam, hf, targets, opts, fam.tower_parameters(hf)), out.parent, log)
 
         t = time.perf_counter()
-        cpu = _build_cpu_target(fam, hf, args, targets[0], opts, tmp, log)
+        # --device-only: no cpu decoder graphs (the bundle would drop them); the towers' float
+        # graphs are still exported to cpu/: the HTP compiles them and calibration runs them
+        cpu = None if opts.device_only else _build_cpu_target(fam, hf, args, targets[0], opts,
+                                                               tmp, log)
         if not htp:  # a tied quantized head holds the quantized embedding's bytes: stored once
             host.embed.shared = share_tied_embedding(tmp, cpu, host.embed.table)
             if host.embed.shared is not None:
@@ -232,7 +235,8 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                     f"(host tensors now {(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB)")
         with fam.float32(hf):  # the encoder towers (and the text model's small tensors)
             enc_graphs = export_encoders(encoders, enc_specs, hf, tmp, "cpu", opts.exporter, log)
-        cpu.graphs += enc_graphs
+        if cpu is not None:
+            cpu.graphs += enc_graphs
         manifest = Manifest(
             schema_version=SCHEMA_VERSION, hexforge_version=__version__,
             family=family_name(ckpt.model_type), model_type=ckpt.model_type, hf_config=ckpt.config,
@@ -242,7 +246,8 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
             state=fam.state_spec(args, opts.context),
             tokenizer=TokenizerSpec(files=ckpt.tokenizer_files,
                                     chat_template=_has_chat_template(ckpt)),
-            generation=_generation_defaults(ckpt.generation, ckpt.config), targets={"cpu": cpu},
+            generation=_generation_defaults(ckpt.generation, ckpt.config),
+            targets={} if cpu is None else {"cpu": cpu},
             encoders=enc_specs,
             report="report.json" if opts.verify else None,
         )
@@ -252,7 +257,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
             from .htp.stage import build_htp_targets
 
             specs, qdq = build_htp_targets(fam, hf, args, htp_targets, opts, tmp, manifest,
-                                           residual_peak, log)
+                                           enc_graphs, residual_peak, log)
             manifest.targets.update(specs)
             items = None if opts.verify else [  # no oracle: each tower checked on the HTP
                 example_feeds(e, spec) for e, spec in zip(encoders, enc_specs, strict=True)]
@@ -286,7 +291,8 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                 gc.collect()
                 hf = None
             report = verify_bundle(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens,
-                                   references=refs, qdq_twins=qdq, evaluation=evaluation)
+                                   references=refs, qdq_twins=qdq, encoders=enc_graphs,
+                                   evaluation=evaluation)
             if opts.genie:  # Genie returns no logits: its graphs, fed as Genie feeds them
                 from .genie_verify import verify_genie_bundles
 
@@ -310,8 +316,8 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                                       f"(its oracle report: {kept}; use --no-verify to skip the "
                                       "oracle)")
         _drop_verify_twins(tmp, manifest)
-        if opts.device_only:
-            _drop_cpu_target(tmp, manifest, log)
+        if opts.device_only:  # the towers' float graphs served the compiles and the oracle
+            shutil.rmtree(tmp / "cpu", ignore_errors=True)
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -371,16 +377,6 @@ def _drop_verify_twins(root: Path, manifest: Manifest) -> None:
         shutil.rmtree(root / t.name / "verify", ignore_errors=True)
     if changed:
         save_manifest(root, manifest)
-
-
-def _drop_cpu_target(root: Path, manifest: Manifest, log: Log) -> None:
-    """--device-only: the cpu target's graphs served the build (the oracle's reference, the
-    encoders' float exports); the bundle ships the HTP targets, the host tensors and tokenizer."""
-    cpu = manifest.targets.pop("cpu")
-    size = sum(f.stat().st_size for f in (root / cpu.name).rglob("*") if f.is_file())
-    shutil.rmtree(root / cpu.name)
-    save_manifest(root, manifest)
-    log(f"--device-only: left the cpu target out of the bundle ({size / 1e9:.2f} GB)")
 
 
 def _has_chat_template(ckpt) -> bool:

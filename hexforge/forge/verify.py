@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BackendError
-from ..manifest import GraphSpec, Manifest
+from ..manifest import ENCODER_ROLES, GraphSpec, Manifest
 from ..runtime import qnn
 from ..runtime.backends import Backend, disable_prepacking
 from ..runtime.engine import Engine
@@ -350,11 +350,13 @@ def kl_failures(gate: Gate, teacher_forced: dict, text: dict) -> list[str]:
 def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[str] | None = None,
                   new_tokens: int = 64, references: dict[str, dict] | None = None,
                   qdq_twins: dict[str, dict[str, str]] | None = None,
-                  evaluation: EvalText | None = None) -> dict:
+                  evaluation: EvalText | None = None, encoders: list[GraphSpec] | None = None
+                  ) -> dict:
     """Judge each target's graphs against HF: ``references`` (``hf_references``) when given, then
     ``hf`` may be None unless the bundle has encoders. An HTP target that fails and has
     ``qdq_twins`` (graph name -> the QDQ graph it was compiled from) gets them judged on the CPU
-    EP too (``qdq_on_cpu``): whether the quantization or the HTP lost the accuracy."""
+    EP too (``qdq_on_cpu``), with the towers' float graphs ``encoders`` (default: the cpu
+    target's): whether the quantization or the HTP lost the accuracy."""
     from ..manifest import confine
 
     tok = TextTokenizer(confine(bundle, manifest.tokenizer.dir))
@@ -388,17 +390,18 @@ def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[st
         if not r["passed"] and name in (qdq_twins or {}):
             r["qdq_on_cpu"] = _qdq_on_cpu(bundle, manifest, family, hf, tok, name,
                                           qdq_twins[name], new_tokens, (references or {}).get(name),
-                                          evaluation)
+                                          evaluation, encoders)
     return report
 
 
 def _qdq_on_cpu(bundle: Path, manifest: Manifest, family, hf, tok: TextTokenizer, name: str,
                 files: dict[str, str], new_tokens: int, ref: dict | None,
-                evaluation: EvalText | None = None) -> dict:
+                evaluation: EvalText | None = None, encoders: list[GraphSpec] | None = None
+                ) -> dict:
     """Target ``name``'s QDQ graphs — what was compiled — run on the CPU EP and judged like it.
     A gate the QDQ graphs miss on the CPU too was lost to the quantization, which a compiler fix
     would not change (docs/measurements.md has such a case)."""
-    m, twin = qdq_twin(manifest, name, files)
+    m, twin = qdq_twin(manifest, name, files, encoders)
     engine = Engine(bundle, m, twin, Backend("cpu"))
     r = verify_target(family, hf, engine, tok, m, twin, manifest.targets[name].quant,
                       new_tokens=min(new_tokens, manifest.context - 2), ref=ref,
@@ -423,13 +426,21 @@ def qdq_verdict(target_report: dict) -> str:
             f"accuracy, not the HTP{hint})")
 
 
-def qdq_twin(manifest: Manifest, target: str, files: dict[str, str]) -> tuple[Manifest, str]:
+def float_encoders(manifest: Manifest) -> list[GraphSpec]:
+    """The towers' float graphs: the cpu target's (a --device-only bundle has none)."""
+    cpu = manifest.targets.get("cpu")
+    return [] if cpu is None else [g for g in cpu.graphs if g.role in ENCODER_ROLES]
+
+
+def qdq_twin(manifest: Manifest, target: str, files: dict[str, str],
+             encoders: list[GraphSpec] | None = None) -> tuple[Manifest, str]:
     """A manifest whose one target runs ``target``'s QDQ graphs (``files``: graph name -> path in
-    the bundle) on the CPU EP, media encoders from the cpu target; -> (manifest, its name)."""
+    the bundle) on the CPU EP, media encoders from ``encoders`` (default: the cpu target's float
+    ones); -> (manifest, its name)."""
     spec = manifest.targets[target]
     graphs = [g.model_copy(update={"file": files[g.name], "verify_file": None})
               for g in spec.graphs if g.name in files]
-    graphs += [g for g in manifest.targets["cpu"].graphs if g.role in ("vision", "audio")]
+    graphs += float_encoders(manifest) if encoders is None else encoders
     twin = spec.model_copy(update={"name": f"{target}-qdq-cpu", "graphs": graphs, "htp_arch": None,
                                    "soc_model": None, "qnn_sdk": None, "weight_shared": False})
     m = manifest.model_copy(deep=True)

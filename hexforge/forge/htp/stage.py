@@ -54,14 +54,14 @@ class Calibration:
 
 def calibrate(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: RunPlan,
               recipe: QuantRecipe, text: str, hf=None, work: Path | None = None,
-              log=None) -> Calibration:
+              log=None, encoders: list[GraphSpec] = ()) -> Calibration:
     """Run the float graphs on the CPU EP over the calibration text, streaming each call's feeds
     into its graph's statistics (``GraphStats``) as it happens: nothing stores the feeds, whose
     decode steps each hold the whole KV cache (real-size Qwen3-0.6B: 235 MB a step at context
     1024). The text is replayed once per graph, so only that graph's calibration sessions are
-    alive next to the float engine's (real-size graphs hold GBs of fp32 weights each)."""
-    encoders = [g for g in manifest.targets["cpu"].graphs if g.role in ("vision", "audio")]
-    spec = TargetSpec(name="_calib", graphs=graphs + encoders, plan=plan,
+    alive next to the float engine's (real-size graphs hold GBs of fp32 weights each).
+    ``encoders``: the towers' float graphs, which make the media prompts' soft tokens."""
+    spec = TargetSpec(name="_calib", graphs=graphs + list(encoders), plan=plan,
                       mask_value=recipe.mask_value)
     m = manifest.model_copy(deep=True)
     m.targets = {"_calib": spec}
@@ -184,10 +184,11 @@ def _media_prompts(engine: Engine, manifest: Manifest, ids: list[int], hf):
 
 
 def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, manifest: Manifest,
-                      residual_peak: float, log
+                      encoders: list[GraphSpec], residual_peak: float, log
                       ) -> tuple[dict[str, TargetSpec], dict[str, dict[str, str]]]:
     """-> (target specs, per target: graph name -> the QDQ graph it was compiled from, under
     ``root/_work``: the oracle runs those on the CPU EP when a target fails its gate).
+    ``encoders``: the towers' float graphs (calibration's media prompts run them).
     ``residual_peak``: the calibrated peak |x| of the residual stream; graphs with fp16
     activations carry it scaled into fp16's range where the family can (``fp16_scale``)."""
     recipe = get_recipe(opts.quant)
@@ -218,7 +219,7 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
                 text = calibration_text(opts.calib)
                 with fam.float32_forward(hf):  # the towers run on the media prompts
                     cal = calibrate(root, manifest, graphs, plan, recipe, text, hf,
-                                    work=srcs / "calib", log=log)
+                                    work=srcs / "calib", log=log, encoders=encoders)
                 gc.collect()  # the float engine's sessions and weight maps, before quantizing
                 what = f"quantize {recipe.name}" + (" (GPTQ)" if recipe.gptq else "")
                 with stage(what, len(graphs)) as advance:
