@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--prefill-len", type=int, default=64)
     ap.add_argument("--share-weights", action="store_true")
+    ap.add_argument("--device-only", action="store_true", help="no cpu target (hexforge build's)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--layers", type=int, default=None, help="build a cut of the first N layers")
     a = ap.parse_args()
@@ -72,7 +73,7 @@ def main() -> None:
         print(f"checkpoint {ckpt}: {made}", file=sys.stderr)
     opts = BuildOptions(targets=spec["targets"],
                         quant=a.quant, context=a.context, prefill_len=a.prefill_len,
-                        verify=False, share_weights=a.share_weights,
+                        verify=False, share_weights=a.share_weights, device_only=a.device_only,
                         image_size=spec.get("image_size"))
     out = profile_build(str(ckpt), str(work / f"{name}-{a.quant}"), opts)
     out["model"], out["checkpoint_made"] = name, made
