@@ -1,4 +1,5 @@
-"""The one entry point: ``hexforge build | run | chat | serve | inspect | verify | targets | demo``.
+"""The one entry point: ``hexforge build | run | chat | serve | inspect | estimate | verify |
+targets | demo | bench``.
 
 Every HexforgeError becomes one line on stderr and exit code 2; a failed oracle is exit code 1.
 """
@@ -58,7 +59,7 @@ def cmd_build(a) -> int:
                         int4_per_layer_tables=a.int4_per_layer_tables,
                         verify_tokens=a.verify_tokens, eval_text=a.eval_text,
                         eval_tokens=a.eval_tokens, keep_work=a.keep_work, genie=a.genie,
-                        device_only=a.device_only)
+                        device_only=a.device_only, estimate=a.estimate)
     if not a.json and sys.stderr.isatty():  # someone watches: bars with ETAs on the long stages
         from .forge.progress import BuildProgress
 
@@ -192,6 +193,15 @@ def cmd_inspect(a) -> int:
     return 0
 
 
+def cmd_estimate(a) -> int:
+    from .estimate_bundle import bundle_estimates, print_estimates
+
+    log = (lambda m: None) if a.json else (lambda m: print(m, file=sys.stderr))
+    estimates, where = bundle_estimates(Path(a.bundle), log)
+    print(json.dumps(estimates, indent=1)) if a.json else print_estimates(estimates, where)
+    return 0
+
+
 def cmd_verify(a) -> int:
     from .families import load_family
     from .forge.checkpoint import read_checkpoint
@@ -306,6 +316,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--genie", action="store_true",
                    help="HTP: also write a Genie bundle per target (genie-<target>/: context "
                         "binaries in Genie's I/O contract, genie_config.json, tokenizer.json)")
+    b.add_argument("--estimate", action="store_true",
+                   help="HTP: each graph compiled once more for QNN's on-host estimator "
+                        "(Hextimate: v81 on SA8797, v73 on QCS9100; none for v75 / v79), the "
+                        "binary thrown away: per graph us, DDR bytes, ops without a cost; decode "
+                        "step, tok/s, prefill, TTFT into report.json (`hexforge estimate`)")
     b.add_argument("--keep-work", action="store_true",
                    help="HTP: keep _work/ (each graph's float and QDQ ONNX) in the bundle for "
                         "per-tensor accuracy probes (bench/htp_tensors.py); large")
@@ -367,6 +382,16 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("bundle", help="a bundle dir")
     i.add_argument("--json", action="store_true", help="print the inspection as JSON")
     i.set_defaults(fn=cmd_inspect)
+
+    e = sub.add_parser("estimate", help="HTP speed by QNN's on-host estimator (Hextimate), never "
+                       "a phone's measurement: the build's (--estimate) or re-estimated from the "
+                       "graphs a --keep-work build kept")
+    e.add_argument("bundle", help="a bundle dir with an HTP target")
+    e.add_argument("--json", action="store_true",
+                   help="print one object: per HTP target decode_step_us, decode_tok_s, "
+                        "prefill_tok_s, ttft_ms and per graph us, us_low, us_high, missing_ops, "
+                        "fill_bytes")
+    e.set_defaults(fn=cmd_estimate)
 
     v = sub.add_parser("verify", help="re-run the HF oracle on a bundle")
     v.add_argument("bundle", help="a bundle dir")

@@ -118,7 +118,10 @@ def inspect_bundle(bundle: Path) -> dict:
                       "text": r.get("text"),
                       "greedy": {k: r["greedy"][k] for k in ("matching_prefix", "new_tokens")},
                       "encoders": r.get("encoders")}
-                  for n, r in raw.items()}
+                  for n, r in raw.items() if "passed" in r}  # not a build --estimate's alone
+        for n, r in raw.items():  # Hextimate's, beside the roofline (hexforge/estimate_bundle.py)
+            if n in targets and "estimate" in r:
+                targets[n]["estimate"] = r["estimate"]
     return {
         "bundle": str(bundle), "family": m.family, "model_type": m.model_type,
         "layers": m.num_layers, "hidden_size": m.hidden_size, "vocab_size": m.vocab_size,
@@ -169,6 +172,10 @@ def print_inspection(info: dict) -> None:
             est = ", ".join(f"{soc} {v:,.0f} tok/s" for soc, v in t["roofline_tok_s"].items())
             line += f"; bandwidth roofline (ESTIMATE, DDR peak / bytes): {est}"
         c.print(line)
+        if t.get("estimate"):
+            from .estimate_bundle import estimate_line
+
+            c.print(f"  {escape(estimate_line(t['estimate']))}")
     for name, r in (info["report"] or {}).items():
         c.print(f"oracle \\[{name}]: {escape(oracle_line(r))}")
         for enc, e in (r.get("encoders") or {}).items():
@@ -188,6 +195,6 @@ def build_summary(bundle: Path, timings: dict[str, float]) -> dict:
             "targets": {n: {"quant": t.quant, "graphs": len(t.graphs),
                             "bytes": sum(g.bytes for g in t.graphs),
                             "oracle": ("passed" if report[n]["passed"] else "failed")
-                            if n in report else "not run"}
+                            if "passed" in report.get(n, {}) else "not run"}
                         for n, t in m.targets.items()},
             "timings_s": {k: round(v, 2) for k, v in timings.items()}}

@@ -126,7 +126,7 @@ def test_cli_passes_every_build_option(monkeypatch, tmp_path):
             "--int4-per-layer-tables", "--exporter", "dynamo", "--verify-tokens", "8",
             "--eval-text", str(tmp_path / "t.txt"), "--eval-tokens", "99",
             "--audio-seconds", "4", "--image-size", "64x96", "--keep-work", "--verify-len", "4",
-            "--genie", "--device-only"]
+            "--genie", "--device-only", "--estimate"]
     assert cli.main(argv) == 0
     default = pipeline.BuildOptions()
     unset = [f.name for f in dataclasses.fields(default) if f.name not in ("force", "timings")

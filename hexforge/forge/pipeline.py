@@ -79,6 +79,8 @@ class BuildOptions:
     keep_work: bool = False  # HTP: leave _work/ (each graph's float and QDQ ONNX) in the bundle,
     # for per-tensor accuracy probes (bench/htp_tensors.py)
     genie: bool = False  # HTP: also a Genie bundle per target, genie-<target>/ (forge/genie.py)
+    estimate: bool = False  # HTP: each graph compiled once more for Hextimate, QNN's on-host
+    # estimator (hexforge/estimate.py), into report.json: the binaries cannot be estimated later
     device_only: bool = False  # HTP: no cpu target (a phone's bundle, run by qnn / qnn-sim): its
     # decoder graphs are not built; the towers' float graphs are, for the compiles, then dropped
     timings: dict = field(default_factory=dict)
@@ -162,6 +164,8 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         check_options(fam, args, opts)
         if not any(t.is_htp for t in targets):
             raise BuildError("--genie needs an HTP --target (e.g. v81)")
+    if opts.estimate and not any(t.is_htp for t in targets):
+        raise BuildError("--estimate needs an HTP --target (e.g. v81)")
     if opts.device_only:
         if not any(t.is_htp for t in targets):
             raise BuildError("--device-only needs an HTP --target (e.g. v81)")
@@ -249,15 +253,16 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
             generation=_generation_defaults(ckpt.generation, ckpt.config),
             targets={} if cpu is None else {"cpu": cpu},
             encoders=enc_specs,
-            report="report.json" if opts.verify else None,
+            report="report.json" if opts.verify or opts.estimate else None,
         )
         htp_targets = [tg for tg in targets if tg.is_htp]
         qdq: dict[str, dict[str, str]] = {}  # the oracle's CPU twins of failed HTP targets
+        estimates: dict[str, dict] = {}  # --estimate: report.json's sections per HTP target
         if htp_targets:
             from .htp.stage import build_htp_targets
 
-            specs, qdq = build_htp_targets(fam, hf, args, htp_targets, opts, tmp, manifest,
-                                           enc_graphs, residual_peak, log)
+            specs, qdq, estimates = build_htp_targets(fam, hf, args, htp_targets, opts, tmp,
+                                                      manifest, enc_graphs, residual_peak, log)
             manifest.targets.update(specs)
             items = None if opts.verify else [  # no oracle: each tower checked on the HTP
                 example_feeds(e, spec) for e, spec in zip(encoders, enc_specs, strict=True)]
@@ -275,6 +280,10 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         quantize_cpu_encoders(enc_graphs, tmp, opts.cpu_weights, log)  # the HTP's are compiled
         opts.timings["export_s"] = time.perf_counter() - t
         save_manifest(tmp, manifest)
+        if estimates and not opts.verify:  # report.json holds the estimates alone
+            from ..estimate_bundle import add_to_report
+
+            (tmp / "report.json").write_text(json.dumps(add_to_report({}, estimates), indent=1))
 
         if opts.verify:
             from .quality import oracle_line
@@ -298,6 +307,10 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
 
                 report |= verify_genie_bundles(tmp, manifest, args, refs, opts.verify_tokens,
                                                evaluation.name)
+            if estimates:
+                from ..estimate_bundle import add_to_report
+
+                report = add_to_report(report, estimates)
             if not opts.keep_work:
                 shutil.rmtree(tmp / "_work", ignore_errors=True)
             opts.timings["verify_s"] = time.perf_counter() - t

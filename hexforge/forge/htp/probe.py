@@ -54,10 +54,9 @@ def qdq_graph_files(bundle: Path, manifest: Manifest, target: str) -> dict[str, 
     """Graph name -> the ONNX it was compiled from (QDQ, weight-only or the float graph itself),
     under the bundle's ``_work/``."""
     from .recipes import get_recipe
-    from .stage import compiled_suffix
 
     spec = manifest.targets[target]
-    suffix = compiled_suffix(get_recipe(spec.quant))
+    suffix = get_recipe(spec.quant).compiled_suffix
     names = [g.name for g in spec.graphs if g.role not in ("vision", "audio")]
     for folder in sorted((bundle / "_work").glob(f"{spec.quant}-*")):
         files = {n: folder / f"{n}{suffix}" for n in names}

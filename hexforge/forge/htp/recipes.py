@@ -37,6 +37,16 @@ class QuantRecipe:
         """int8 / int4 weights through MatMulNBits with fp16 activations (no calibration)."""
         return self.activations is None and self.weight_bits is not None
 
+    @property
+    def compiled_suffix(self) -> str:
+        """The file the HTP compiles for graph X, beside its float graph X.onnx in _work/."""
+        return COMPILED_SUFFIX["weight-only" if self.weight_only else
+                               "fixed-point" if self.activations else "float"]
+
+
+# the graph each kind of recipe compiles, beside its float graph X.onnx in _work/
+COMPILED_SUFFIX = {"float": ".onnx", "weight-only": ".wo.onnx", "fixed-point": ".qdq.onnx"}
+
 
 RECIPES = {
     # float graphs, fp16 on the HTP, in blocks.use_fp16_form (fused norms, the residual stream

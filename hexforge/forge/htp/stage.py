@@ -35,7 +35,7 @@ from ..progress import stage
 from . import compile as compiler  # through the module: tests swap compiler.compile_graph
 from .calibstats import GraphStats, HessianStore
 from .qdq import quantize_graph
-from .recipes import QuantRecipe, get_recipe
+from .recipes import COMPILED_SUFFIX, QuantRecipe, get_recipe
 
 CALIB_DECODE_STEPS = 64  # decode samples (teacher-forced text tokens through the AR-1 graph)
 KEEP_FEED_BYTES = 1 << 20  # a graph's calls this small are kept from an earlier graph's replay
@@ -185,9 +185,10 @@ def _media_prompts(engine: Engine, manifest: Manifest, ids: list[int], hf):
 
 def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, manifest: Manifest,
                       encoders: list[GraphSpec], residual_peak: float, log
-                      ) -> tuple[dict[str, TargetSpec], dict[str, dict[str, str]]]:
+                      ) -> tuple[dict[str, TargetSpec], dict[str, dict[str, str]], dict[str, dict]]:
     """-> (target specs, per target: graph name -> the QDQ graph it was compiled from, under
-    ``root/_work``: the oracle runs those on the CPU EP when a target fails its gate).
+    ``root/_work``: the oracle runs those on the CPU EP when a target fails its gate; per target
+    its Hextimate estimate under ``opts.estimate``, else none: report.json's sections).
     ``encoders``: the towers' float graphs (calibration's media prompts run them).
     ``residual_peak``: the calibrated peak |x| of the residual stream; graphs with fp16
     activations carry it scaled into fp16's range where the family can (``fp16_scale``)."""
@@ -197,6 +198,7 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
     prepared: dict[tuple, tuple[list[GraphSpec], RunPlan, Path]] = {}
     specs: dict[str, TargetSpec] = {}
     qdq: dict[str, dict[str, str]] = {}
+    estimates: dict[str, dict] = {}
     checked: dict[tuple, dict] = {}  # per float export: the graphs' captured calls
     for target in targets:
         shards = plan_target(fam, hf, target, opts, log)
@@ -241,7 +243,7 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
                 _drop_float_graphs(srcs)  # the float ones go before the binaries come (disk peak)
             prepared[key] = (graphs, plan, srcs)
         graphs, plan, srcs = prepared[key]
-        suffix = compiled_suffix(recipe)
+        suffix = recipe.compiled_suffix
         if recipe.weight_bits:  # the quantized graphs, judged on the CPU EP if the HTP fails
             qdq[target.name] = {g.name: (srcs / f"{g.name}{suffix}").relative_to(root).as_posix()
                                 for g in graphs}
@@ -270,9 +272,26 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
             name=target.name, htp_arch=target.htp_arch, soc_model=soc.soc_model, qnn_sdk=sdk,
             quant=recipe.name, mask_value=recipe.mask_value, graphs=compiled, plan=plan,
             weight_shared=opts.share_weights, hidden_scale=1.0 / (scale or 1.0))
+        if opts.estimate:  # while the compiles' sources exist: the binaries cannot be estimated
+            estimates[target.name] = _estimate(specs[target.name], srcs, recipe, manifest, log)
     if not opts.keep_work:
         _drop_float_graphs(root / "_work")  # fp16's, the compiles' sources, are done with now
-    return specs, qdq
+    return specs, qdq, estimates
+
+
+def _estimate(spec: TargetSpec, srcs: Path, recipe: QuantRecipe, manifest: Manifest, log) -> dict:
+    """Each graph of one target compiled once more, for its arch's estimator SoC (the binary
+    is not kept): hexforge/estimate_bundle.py."""
+    from ...estimate_bundle import estimate_line, estimate_target
+
+    t = time.perf_counter()
+    sources = {g.name: srcs / f"{g.name}{recipe.compiled_suffix}"
+               for g in spec.graphs if g.role not in ("vision", "audio")}
+    with stage(f"estimate {spec.name}", len(sources)) as advance:
+        est = estimate_target(spec, sources, recipe.activations is None, manifest.context,
+                              spec.qnn_sdk, log, advance)
+    log(f"[{spec.name}] {estimate_line(est)} ({time.perf_counter() - t:.1f}s)")
+    return est
 
 
 def _drop_float_graphs(folder: Path) -> None:
@@ -311,7 +330,7 @@ def _check_compiled(root: Path, manifest: Manifest, graphs: list[GraphSpec], pla
     spec = TargetSpec(name=target.name, htp_arch=target.htp_arch, soc_model=soc.soc_model,
                       qnn_sdk=sdk, quant=recipe.name, mask_value=recipe.mask_value,
                       graphs=compiled, plan=plan)
-    suffix = compiled_suffix(recipe)
+    suffix = recipe.compiled_suffix
     sources = {g.name: srcs / f"{g.name}{suffix}" for g in graphs} if recipe.weight_bits else None
     return graphcheck.gate(target.name, compiled,
                            graphcheck.check_target(root, spec, calls, log, sources))
@@ -352,14 +371,6 @@ def weight_only(plan: RunPlan, folder: Path, recipe: QuantRecipe, vocab_size: in
                           weights_file(group).replace(".weights", ".wo.weights"), None)
 
 
-# the graph each kind of recipe compiles, beside its float graph X.onnx in _work/
-COMPILED_SUFFIX = {"float": ".onnx", "weight-only": ".wo.onnx", "fixed-point": ".qdq.onnx"}
-
-
-def compiled_suffix(recipe: QuantRecipe) -> str:
-    return COMPILED_SUFFIX["weight-only" if recipe.weight_only else
-                           "fixed-point" if recipe.activations else "float"]
-
 
 def fp16_scale(fam, residual_peak: float, log) -> float:
     """The residual scale s of fp16 graphs (``blocks.residual_scale``), 1 where the family cannot
@@ -390,7 +401,7 @@ def _share(compiled: list[GraphSpec], plan: RunPlan, srcs: Path, folder: Path, t
         ctx = folder / f"{name}.ctx.onnx"
         for f in (ctx, ctx.with_name(ctx.stem + "_qnn.bin")):
             f.rename(twins / f.name)
-    suffix = compiled_suffix(recipe)
+    suffix = recipe.compiled_suffix
     for shard in plan.shards:
         group = [(srcs / f"{n}{suffix}", folder / f"{n}.ctx.onnx") for n in (shard.prefill, shard.decode)]
         res = compiler.compile_shared(group, target.htp_arch, soc_model, fp16=recipe.activations is None)

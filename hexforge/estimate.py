@@ -1,0 +1,120 @@
+"""Hextimate: QNN's on-host performance estimator, one ONNX graph at a time.
+
+    X.onnx ──QNN EP, soc_model = the arch's estimator SoC (v81 -> SA8797), profiling basic──▶
+        finalize (no run) ──▶ profile.csv: "Simulated (Accelerator exec cycles / time us)" with
+        lower / upper estimates, DDR fill / spill bytes, "Missing Ops" (ops it has no cost for)
+
+The x86 libQnnHtp.so carries the estimator; onnxruntime's QNN EP reaches it as it is. Facts it
+rests on (QNN 2.51 / onnxruntime-qnn 2.7.0, docs/htp.md "Speed on the NPU: Hextimate"):
+  * only some SoCs estimate (targets.Target.estimator); the phones' SoCs (SM8850, SM8750, ...)
+    log "Performance Estimates unsupported" and write no estimate rows;
+  * the estimate is written when the graph is finalized, so a plain session (no context binary
+    written) is enough: the binary is never kept. A context binary already finalized gives only
+    the simulator's wall times when loaded (host-dependent), never an estimate: estimating needs
+    the ONNX graph the binary was compiled from;
+  * the EP appends to an existing profile file: every estimate gets a fresh one;
+  * deterministic: the same graph gives the same cycles in another process.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .errors import BackendError, HexforgeError
+from .targets import Soc
+
+# the CSV rows read (column "Event Identifier"); several QNN graphs in one session add up
+_ROWS = {
+    "cycles": "Simulated (Accelerator exec cycles)",
+    "cycles_low": "Simulated (Accelerator exec cycles (lower estimate))",
+    "cycles_high": "Simulated (Accelerator exec cycles (upper estimate))",
+    "us": "Simulated (Accelerator exec time us)",
+    "us_low": "Simulated (Accelerator exec time us (lower estimate))",
+    "us_high": "Simulated (Accelerator exec time us (upper estimate))",
+    "missing_ops": "Missing Ops (Number of Ops with no Costs associated)",
+}
+# DDR -> VTCM reads (weights and graph inputs, spilled intermediates read back) and writes
+_FILLS = ("Input Fill", "Intermediate Fill", "Inter HTP Fill")
+_SPILLS = ("Output Spill", "Intermediate Spill", "Inter HTP Spill")
+
+
+@dataclass(frozen=True)
+class GraphEstimate:
+    """One graph's estimate on the estimator SoC. ``us`` (and its bounds) is the estimator's own
+    rounding to whole microseconds; ``cycles`` keeps its resolution. ``missing_ops``: ops the
+    estimator has no cost for, counted as free (a graph with any is an underestimate)."""
+    us: int
+    us_low: int
+    us_high: int
+    cycles: int
+    cycles_low: int
+    cycles_high: int
+    missing_ops: int
+    fill_bytes: int  # bytes read from DDR: Input Fill (weights + inputs) + intermediate fills
+    input_fill_bytes: int
+    spill_bytes: int  # bytes written to DDR: outputs + intermediate spills
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_profile(text: str) -> GraphEstimate:
+    """The estimate rows of a QNN EP profile CSV -> GraphEstimate (summed over the QNN graphs
+    the session made); BackendError when the file holds no estimate."""
+    sums: dict[str, int] = {}
+    for row in csv.DictReader(io.StringIO(text)):
+        name, value = row.get("Event Identifier"), row.get("Time")
+        if name is None or value is None:
+            continue
+        try:
+            sums[name] = sums.get(name, 0) + int(value)
+        except ValueError:
+            continue
+    if _ROWS["cycles"] not in sums:
+        raise BackendError("the QNN profile holds no performance estimate (the SoC has no "
+                           "estimator, or the graph was not finalized)")
+    values = {k: sums.get(row, 0) for k, row in _ROWS.items()}
+    return GraphEstimate(**values, fill_bytes=sum(sums.get(r, 0) for r in _FILLS),
+                         input_fill_bytes=sums.get("Input Fill", 0),
+                         spill_bytes=sum(sums.get(r, 0) for r in _SPILLS))
+
+
+def estimate_graph(src: Path, arch: int, soc: Soc, fp16: bool, level: str = "basic",
+                   trace_dir: Path | None = None) -> GraphEstimate:
+    """Finalize ``src`` (an ONNX graph the HTP target compiles: float, weight-only or QDQ) for
+    ``soc`` with CPU fallback disabled, as the build compiles it, and read its estimate.
+    ``level`` "optrace" with ``trace_dir``: the profile CSV and the per-op timeline QNN writes
+    beside it (``profile_qnn.log``) are kept there; otherwise both go with a temp dir."""
+    import onnxruntime as ort
+
+    from .forge.memory import release_heap
+    from .runtime import qnn
+    from .runtime.backends import explain_qnn_error
+
+    with tempfile.TemporaryDirectory(prefix="hextimate-") as tmp:
+        folder = Path(trace_dir) if trace_dir is not None else Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        prof = folder / "profile.csv"
+        for stale in (prof, folder / "profile_qnn.log"):
+            stale.unlink(missing_ok=True)  # the EP appends: a fresh file per estimate
+        opts = qnn.provider_options(arch, soc.soc_model, fp16)
+        opts |= {"profiling_level": level, "profiling_file_path": str(prof)}
+        try:
+            with qnn.native_stdout_to_stderr():
+                sess = ort.InferenceSession(str(src), qnn.session_options(opts, {}))
+            del sess
+        except Exception as e:
+            raise BackendError(str(explain_qnn_error(
+                e, f"estimating {src.name} on {soc.name}", out_dir=folder))) from None
+        finally:
+            release_heap()  # the compiler's working memory, as after a build's compile
+        if not prof.is_file():
+            raise BackendError(f"estimating {src.name} on {soc.name} wrote no profile")
+        try:
+            return parse_profile(prof.read_text())
+        except HexforgeError as e:
+            raise BackendError(f"{src.name} on {soc.name}: {e}") from None

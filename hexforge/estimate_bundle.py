@@ -1,0 +1,209 @@
+"""A bundle's HTP targets under Hextimate (hexforge/estimate.py): the step arithmetic, the report
+section, where the graphs to estimate come from, and the printout.
+
+    decode step  = every shard's AR-1 decode graph + the head        (one token)
+    prefill step = every shard's AR-N prefill graph                  (N tokens; the head once,
+                                                                      on the last chunk's row)
+    TTFT         = ceil(P / N) prefill steps + the head               (a P = 512-token prompt)
+
+Graph times only: between graphs the host hands the hidden state on and feeds every input (the
+KV cache included) — those hand-offs are counted apart (calls and bytes a step), not timed: the
+estimator models the HTP, not the host or the shared memory between them.
+
+Estimates are made while the build still has each graph's compile source (``build --estimate``,
+kept in report.json as a section per HTP target); a bundle keeps context binaries only, which
+the estimator cannot read, so ``hexforge estimate`` re-estimates from ``_work/`` (a
+``--keep-work`` build) or shows the build's estimate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from .errors import BundleError
+from .estimate import GraphEstimate, estimate_graph
+from .manifest import GraphSpec, Manifest, RunPlan, TargetSpec, confine, load_manifest
+from .targets import TARGETS, Soc
+
+TTFT_PROMPT = 512  # the prompt length time-to-first-token is stated for (the issue's)
+_ITEMSIZE = {"float32": 4, "float16": 2, "int64": 8, "int32": 4, "uint16": 2, "uint8": 1,
+             "int8": 1, "bool": 1}
+
+
+def estimator_of(target: str) -> Soc | None:
+    t = TARGETS.get(target)
+    return t.estimator if t else None
+
+
+def label(soc: Soc, arch: int) -> str:
+    """How every estimate is labelled: the estimator and its SoC, never a phone."""
+    return f"Hextimate, {soc.name} (v{arch})"
+
+
+def io_bytes(g: GraphSpec) -> int:
+    """Bytes of a graph's inputs and outputs: what the host feeds and reads back per call."""
+    return sum(math.prod(t.shape) * _ITEMSIZE[t.dtype] for t in (*g.inputs, *g.outputs))
+
+
+def no_estimator(target: str, arch: int | None) -> dict:
+    return {"estimator": None, "note": f"no Hextimate SoC for v{arch} (QNN estimates v73 on "
+                                       f"QCS9100 and v81 on SA8797 only): {target} not estimated"}
+
+
+def target_estimate(plan: RunPlan, graphs: list[GraphSpec], per_graph: dict[str, GraphEstimate],
+                    soc: Soc, arch: int, sdk: str, context: int) -> dict:
+    """The report section of one HTP target from its graphs' estimates (names fixed by issue 62:
+    scripts read ``decode_step_us``, ``decode_tok_s``, ``prefill_tok_s``, ``ttft_ms`` and, per
+    graph, ``us``, ``us_low``, ``us_high``, ``missing_ops``, ``fill_bytes``)."""
+    by_name = {g.name: g for g in graphs}
+    decode = [s.decode for s in plan.shards] + [plan.head]
+    prefill = [s.prefill for s in plan.shards]
+    missing = [n for n in decode + prefill if n not in per_graph]
+    if missing:
+        raise BundleError(f"no estimate for {', '.join(missing)}")
+    step = sum(per_graph[n].us for n in decode)
+    prefill_us = sum(per_graph[n].us for n in prefill)
+    prompt = min(TTFT_PROMPT, context - 1)
+    ttft_us = -(-prompt // plan.prefill_len) * prefill_us + per_graph[plan.head].us
+    ddr = sum(per_graph[n].fill_bytes + per_graph[n].spill_bytes for n in decode)
+    bound_us = ddr / (soc.ddr_gbps * 1e3)  # bytes / (GB/s) -> us
+    return {
+        "estimator": label(soc, arch), "soc": soc.name, "soc_model": soc.soc_model, "qnn_sdk": sdk,
+        "decode_step_us": step, "decode_tok_s": round(1e6 / step, 1) if step else None,
+        "decode_graphs": decode,
+        "decode_missing_ops": sum(per_graph[n].missing_ops for n in decode),
+        "prefill_len": plan.prefill_len, "prefill_step_us": prefill_us,
+        "prefill_tok_s": round(plan.prefill_len * 1e6 / prefill_us, 1) if prefill_us else None,
+        "ttft_prompt_tokens": prompt, "ttft_ms": round(ttft_us / 1e3, 2),
+        # the estimator's own bound: a step's DDR bytes at the bandwidth it implies
+        "bound": {"ddr_bytes_per_step": ddr, "gbps": soc.ddr_gbps,
+                  "decode_step_us": round(bound_us, 1),
+                  "fraction": round(bound_us / step, 3) if step else None},
+        "handoffs": {"calls_per_step": len(decode),
+                     "io_bytes_per_step": sum(io_bytes(by_name[n]) for n in decode if n in by_name)},
+        "graphs": {n: e.to_dict() for n, e in per_graph.items()},
+    }
+
+
+def estimate_target(spec: TargetSpec, sources: dict[str, Path], fp16: bool, context: int,
+                    sdk: str, log: Callable[[str], None] = lambda m: None,
+                    advance: Callable[[], None] = lambda: None) -> dict:
+    """Estimate every graph of ``spec`` that has a source (graph name -> the ONNX the HTP
+    compiled) on the estimator SoC of its arch; -> its report section. ``advance`` is called
+    after each graph (a progress bar)."""
+    soc = estimator_of(spec.name)
+    if soc is None or spec.htp_arch is None:
+        return no_estimator(spec.name, spec.htp_arch)
+    per_graph = {}
+    for g in spec.graphs:
+        src = sources.get(g.name)
+        if src is None:
+            continue
+        per_graph[g.name] = e = estimate_graph(src, spec.htp_arch, soc, fp16)
+        log(f"[{spec.name}] {label(soc, spec.htp_arch)} {g.name}: {e.us:,} us "
+            f"({e.us_low:,}-{e.us_high:,}), {e.fill_bytes / 1e6:.2f} MB from DDR, "
+            f"{e.missing_ops} op(s) without a cost")
+        advance()
+    return target_estimate(spec.plan, spec.graphs, per_graph, soc, spec.htp_arch, sdk, context)
+
+
+def add_to_report(report: dict, estimates: dict[str, dict]) -> dict:
+    """report.json with each HTP target's estimate as its section's ``estimate`` (a build
+    without the oracle: sections holding the estimate alone)."""
+    for name, est in estimates.items():
+        report.setdefault(name, {})["estimate"] = est
+    return report
+
+
+def stored_estimates(bundle: Path, m: Manifest) -> dict[str, dict]:
+    """The estimates the build kept in report.json, per target."""
+    if not m.report or not confine(bundle, m.report).is_file():
+        return {}
+    raw = json.loads(confine(bundle, m.report).read_text())
+    return {n: r["estimate"] for n, r in raw.items() if isinstance(r, dict) and "estimate" in r}
+
+
+def work_sources(bundle: Path, spec: TargetSpec) -> dict[str, Path] | None:
+    """Graph name -> the ONNX it was compiled from under ``_work/`` (a --keep-work build), or
+    None where the bundle keeps no such graphs for every decoder graph and the head."""
+    from .forge.htp.recipes import get_recipe
+
+    suffix = get_recipe(spec.quant).compiled_suffix
+    names = [g.name for g in spec.graphs if g.role not in ("vision", "audio")]
+    for folder in sorted((bundle / "_work").glob(f"{spec.quant}-*")):
+        files = {n: folder / f"{n}{suffix}" for n in names}
+        if all(f.is_file() for f in files.values()):
+            return files
+    return None
+
+
+def bundle_estimates(bundle: Path, log: Callable[[str], None] = lambda m: None
+                     ) -> tuple[dict[str, dict], str]:
+    """``hexforge estimate``: -> (per HTP target its estimate, where they come from). Re-estimated
+    from ``_work/`` where a --keep-work build left the graphs; else the build's (--estimate);
+    a bundle with neither is refused in one line. Nothing in the bundle is written."""
+    from .forge.htp.recipes import get_recipe
+    from .runtime import qnn
+
+    m = load_manifest(bundle)
+    htp = {n: t for n, t in m.targets.items() if t.htp_arch is not None}
+    if not htp:
+        raise BundleError(f"{bundle} has no HTP target to estimate (built with --target cpu)")
+    stored = stored_estimates(bundle, m)
+    out: dict[str, dict] = {}
+    fresh = []
+    for name, spec in htp.items():
+        sources = work_sources(bundle, spec)
+        if sources is not None:
+            fp16 = get_recipe(spec.quant).activations is None
+            out[name] = estimate_target(spec, sources, fp16, m.context, qnn.sdk_version(), log)
+            fresh.append(name)
+        elif name in stored:
+            out[name] = stored[name]
+        else:
+            raise BundleError(
+                f"{bundle}: target {name} has no estimate and no graphs to make one (a bundle "
+                "holds context binaries, which Hextimate cannot read: it estimates at compile "
+                "time); rebuild with --estimate (or --keep-work)")
+    where = ("re-estimated from _work/" if len(fresh) == len(out) else
+             "from the build (report.json)" if not fresh else
+             f"re-estimated from _work/: {', '.join(fresh)}; the rest from the build")
+    return out, where
+
+
+def estimate_line(est: dict) -> str:
+    """One line: the step, tok/s, prefill, TTFT and the estimator's bound, labelled."""
+    if est.get("estimator") is None:
+        return est.get("note", "not estimated")
+    b = est["bound"]
+    return (f"{est['estimator']} (an estimate, not a phone's measurement): decode step "
+            f"{est['decode_step_us']:,} us = {est['decode_tok_s']:,} tok/s "
+            f"({len(est['decode_graphs'])} graphs; {est['handoffs']['calls_per_step']} host "
+            f"hand-offs a step not counted), {est['decode_missing_ops']} op(s) without a cost; "
+            f"prefill AR-{est['prefill_len']} {est['prefill_tok_s']:,} tok/s; TTFT "
+            f"{est['ttft_ms']:,} ms for {est['ttft_prompt_tokens']} prompt tokens; its own "
+            f"bound {b['decode_step_us']:,.0f} us ({b['ddr_bytes_per_step'] / 1e6:.1f} MB at "
+            f"{b['gbps']:g} GB/s: {b['fraction']:.0%} of it)")
+
+
+def print_estimates(estimates: dict[str, dict], where: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console()
+    for name, est in estimates.items():
+        if est.get("estimator") is None:
+            c.print(f"target {name}: {estimate_line(est)}")
+            continue
+        tab = Table(title=f"target {name}: {est['estimator']}, QNN {est['qnn_sdk']} ({where})")
+        for col in ("graph", "us", "low-high", "missing ops", "DDR read MB", "GB/s read"):
+            tab.add_column(col)
+        for g, e in est["graphs"].items():
+            gbps = e["fill_bytes"] / (e["us"] * 1e3) if e["us"] else 0.0
+            tab.add_row(g, f"{e['us']:,}", f"{e['us_low']:,}-{e['us_high']:,}",
+                        str(e["missing_ops"]), f"{e['fill_bytes'] / 1e6:.2f}", f"{gbps:.1f}")
+        c.print(tab)
+        c.print("  " + estimate_line(est))
