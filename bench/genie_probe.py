@@ -4,7 +4,7 @@ Builds a tiny llama bundle for an HTP arch (fp16), then hands Genie (the onnxrun
 libGenie.so, which drives the x86 HTP simulator) one variant after another:
 
   A*  the bundle's own binaries, with the config knobs Genie offers (cache-group names)
-  F*  the decoder re-exported in Genie's I/O contract (build/genie.py ``GenieForm``): the whole
+  F*  the decoder re-exported in Genie's I/O contract (families/genieio.py ``GenieForm``): the whole
       contract, then the contract with one part left as hexforge has it, to see which parts Genie
       really requires, and a weight-shared context
 and prints, per attempt, Genie's verdict in its own words (the last error lines of its log) and,
@@ -75,17 +75,24 @@ def genie_config(bins: list[Path], folder: Path, manifest, tokenizer_json: Path,
                  arch: int, extra: dict | None = None) -> Path:
     """A Genie config around ``bins`` (absolute paths) in ``folder``; ``extra`` is merged into
     the dialog block. BOS is off: the probe passes hexforge's own token ids, BOS included."""
+    from hexforge.families.base import GenieRope, GenieSpec
     from hexforge.forge.genie_bundle import EXTENSIONS, backend_extensions, dialog_config
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / EXTENSIONS).write_text(json.dumps(backend_extensions(soc_model, arch, False)))
     head_dim = manifest.state[0].shape[-1]
-    cfg = dialog_config(manifest, [str(b) for b in bins], -1, head_dim,
+    spec = GenieSpec(kv_dim=head_dim, ropes=(GenieRope("", head_dim // 2, rope_theta(manifest)),))
+    cfg = dialog_config(manifest, [str(b) for b in bins], -1, spec,
                         tokenizer=str(tokenizer_json), extensions=str(folder / EXTENSIONS))
     merge(cfg["dialog"], extra or {})
     path = folder / "genie_config.json"
     path.write_text(json.dumps(cfg, indent=1))
     return path
+
+
+def rope_theta(manifest) -> float:
+    cfg = manifest.hf_config
+    return float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta")))
 
 
 def merge(into: dict, extra: dict) -> None:
@@ -121,7 +128,8 @@ def main() -> int:
 
     from hexforge.families import load_family
     from hexforge.families.blocks import calibrate_norm_scales
-    from hexforge.forge.genie import GenieForm, compile_genie_graphs, export_genie_graphs
+    from hexforge.families.genieio import DenseGenieStep, GenieForm
+    from hexforge.forge.genie import compile_genie_graphs, export_genie_graphs
     from hexforge.forge.htp.compile import compile_shared
     from hexforge.forge.pipeline import BuildOptions, build
     from hexforge.manifest import load_manifest
@@ -195,8 +203,11 @@ def main() -> int:
         if not (wanted(name) or wanted(name + "e") or (name == "F0" and wanted("S0"))):
             continue
         folder = work / "forms" / name
-        paths = export_genie_graphs(fam, hf, args, host, folder / "onnx", prefill, context, form,
-                                    1.0, "torchscript", print)
+        def step(hf, args, host, layers, T, context, scale, form=form):
+            return DenseGenieStep.make(fam, hf, args, host, layers, T, context, form, scale)
+
+        (paths,) = export_genie_graphs(fam, hf, args, host, folder / "onnx", prefill, context,
+                                       1.0, "torchscript", print, step=step)
         compiled[name] = paths
         bins = compile_genie_graphs(paths, folder / "bin", arch, soc, print)
         # hexforge's names: point the default group's mask at ours

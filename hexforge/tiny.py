@@ -47,6 +47,18 @@ TINY_CONFIGS: dict[str, dict] = {
         sliding_window=8, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
         rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=4096,
     ),
+    # 6 layers: sliding x2, full, sliding x2, full (Gemma-3-270M's 5:1 pattern, shortened); window
+    # 8 < the test prompts; the two rope bases of Gemma-3 (1e4 sliding, 1e6 full)
+    "gemma3": dict(
+        model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        layer_types=["sliding_attention"] * 2 + ["full_attention"]
+        + ["sliding_attention"] * 2 + ["full_attention"],
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=8, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+        tie_word_embeddings=True, max_position_embeddings=4096,
+        rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=1e4),
+                             full_attention=dict(rope_type="default", rope_theta=1e6)),
+    ),
     # 8 layers: (linear x3, full) x2; GatedDeltaNet with 2 key / 4 value heads, conv kernel 4;
     # gated full attention with partial rotary (25% of head_dim 32)
     "qwen3_5": dict(

@@ -81,7 +81,8 @@ def test_genie_rope_from_its_config_equals_hfs(scaling):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from hexforge.forge.genie_bundle import rope_config
+    from hexforge.families.base import GenieRope, genie_rope_scaling
+    from hexforge.forge.genie_bundle import rope_block
     from hexforge.forge.genie_verify import genie_inv_freq
 
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, rope_theta=50000.0,
@@ -91,8 +92,8 @@ def test_genie_rope_from_its_config_equals_hfs(scaling):
         want = 1.0 / 50000.0 ** (torch.arange(0, 32, 2).double() / 32)
     else:
         want, _ = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
-    got = genie_inv_freq(rope_config(cfg.to_dict(), 32))
-    np.testing.assert_allclose(got, want.double().numpy(), rtol=1e-6)
+    rope = GenieRope("", 16, 50000.0, genie_rope_scaling(dict(scaling or {})))
+    np.testing.assert_allclose(genie_inv_freq(rope_block(rope)), want.double().numpy(), rtol=1e-6)
 
 
 def test_qnn_sessions_still_work_after_genie_in_one_process(genie_bundle):

@@ -55,6 +55,50 @@ def from_config(cls, config: dict):
     return cls(**{k: v for k, v in config.items() if k in names})
 
 
+@dataclass(frozen=True)
+class GenieRope:
+    """One of Genie's positional-encoding entries: Genie computes the tables itself, cos / sin of
+    position * 1 / theta^(2i / (2 dim)) for i < dim (with ``scaling`` applied), into the inputs
+    ``<prefix>position_ids_cos`` / ``_sin`` [1, 1, AR, dim]."""
+
+    prefix: str  # "" for the default rope
+    dim: int  # Genie's rope-dim: the frequencies, half the rotated dims
+    theta: float
+    scaling: dict | None = None  # Genie's rope-scaling block (llama3, linear), as it spells it
+    rope: str = "default"  # the host recipe's rope (RopeSpec.name) it stands for
+
+
+@dataclass(frozen=True)
+class GenieSpec:
+    """What a family's Genie graphs need from Genie's config beside the dialog (docs/genie.md):
+    the default cache group's kv-dim (a head of D = f x kv_dim is f Genie heads), the ropes, the
+    per-layer embedding table Genie gathers into ``per_layer_inputs`` (a host table name, its
+    scale), and whether layers carry a linear-attention state."""
+
+    kv_dim: int
+    ropes: tuple[GenieRope, ...]
+    per_layer_table: tuple[str, float] | None = None
+    linear_attention: bool = False
+
+
+def genie_rope_scaling(params: dict) -> dict | None:
+    """Genie's rope-scaling block for an HF rope_parameters dict (types Genie computes as HF)."""
+    from ..errors import UnsupportedModelError
+
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind == "llama3":
+        return {"rope-type": "llama3", "factor": params["factor"],
+                "low-freq-factor": params["low_freq_factor"],
+                "high-freq-factor": params["high_freq_factor"],
+                "original-max-position-embeddings": params["original_max_position_embeddings"]}
+    if kind == "linear":
+        return {"rope-type": "linear", "factor": params["factor"]}
+    raise UnsupportedModelError(f"--genie: rope type {kind!r} is not mapped to Genie's "
+                                "rope-scaling")
+
+
 @dataclass
 class DenseArgs:
     """HF field names shared by the llama-like dense decoders (llama, qwen2, mistral, qwen3)."""
@@ -256,6 +300,39 @@ class DecoderFamily:
             hf_layer.self_attn, n_heads=args.num_attention_heads, n_kv=args.num_key_value_heads,
             head_dim=args.head_dim, scaling=args.head_dim**-0.5,
         )
+
+
+    # ---- Genie: the decoder in Qualcomm's runtime (forge/genie.py writes the bundle) ----
+    def genie_spec(self, hf, args) -> GenieSpec:
+        """One cache group of head_dim, one rope (the config's), no per-layer inputs."""
+        from ..errors import UnsupportedModelError
+
+        cfg = hf.config.get_text_config().to_dict()
+        params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = params.get("rope_theta", cfg.get("rope_theta"))
+        if theta is None:
+            raise UnsupportedModelError("--genie: the config names no rope_theta")
+        rotated = len(self.text_model(hf).rotary_emb.inv_freq)
+        return GenieSpec(kv_dim=args.head_dim,
+                         ropes=(GenieRope("", rotated, float(theta), genie_rope_scaling(params)),))
+
+    def genie_step(self, hf, args, host, layers: tuple[int, int], seq_len: int, context: int,
+                   residual_scale: float):
+        """Decoder layers ``layers`` for AR ``seq_len`` in Genie's I/O contract (the embedding
+        gather in the first split, the head in the last): ``genieio.DenseGenieStep``."""
+        from .genieio import DenseGenieStep, GenieForm
+
+        return DenseGenieStep.make(self, hf, args, host, layers, seq_len, context, GenieForm(),
+                                   residual_scale)
+
+    def check_genie(self, args) -> None:
+        """Refuse, before any work, a config these Genie graphs do not express."""
+        from ..errors import UnsupportedModelError
+
+        own = type(self).decoder_module is not DecoderFamily.decoder_module
+        if own or getattr(args, "layer_types", None):
+            raise UnsupportedModelError(
+                f"--genie: {args.model_type} states no Genie mapping of its own")
 
 
 class EncoderFamily:

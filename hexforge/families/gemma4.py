@@ -197,6 +197,49 @@ class Gemma4Family(DecoderFamily):
         return blocks.use_cpu_kernels(Gemma4Shard(self, hf, args, layers, seq_len, context,
                                                   cpu=True))
 
+    # ---- Genie --------------------------------------------------------------------------------
+    def genie_spec(self, hf, args: Args):
+        """One cache group whose kv-dim is the smallest head dim (a wider head is several Genie
+        heads), a rope per layer type: the full layers' as ``position_ids_*``, the sliding
+        layers' as ``swa_position_ids_*``; Gemma-4's per-layer table gathered by Genie.
+
+        The full layers' proportional rope (Gemma-4: the first m = 25 % of each half rotates,
+        inv_freq_i = theta^(-2i / D)) is Genie's default rope over m frequencies with theta' =
+        theta^(2m / D), the same numbers; the graph pads the rest with cos 1 / sin 0."""
+        import numpy as np
+
+        from .base import GenieRope, GenieSpec, genie_rope_scaling
+
+        cfg = hf.config.get_text_config().to_dict()
+        params = cfg.get("rope_parameters") or {}
+        tm = self.text_model(hf)
+        ropes = []
+        for t in sorted(set(args.layer_types), key=lambda t: t != FULL):
+            inv = getattr(tm.rotary_emb, f"{t}_inv_freq").double().numpy()
+            m = int(np.count_nonzero(inv))
+            D = args.head_dims[args.layer_types.index(t)]
+            p = dict(params.get(t) or {})
+            theta = float(p.get("rope_theta", 10000.0)) ** (2 * m / D)
+            if p.get("rope_type") == "proportional":
+                p["rope_type"] = "default"
+            ropes.append(GenieRope(prefix="" if t == FULL else SWA_ROPE, dim=m, theta=theta,
+                                   scaling=genie_rope_scaling(p), rope=GROUP[t]))
+        cached = [args.head_dims[i] for i in range(args.num_hidden_layers)
+                  if args.donors[i] is None]
+        P = args.hidden_size_per_layer_input
+        return GenieSpec(kv_dim=min(cached), ropes=tuple(ropes),
+                         per_layer_table=("embed_tokens_per_layer", math.sqrt(P)) if P else None)
+
+    def genie_step(self, hf, args: Args, host, layers: tuple[int, int], seq_len: int,
+                   context: int, residual_scale: float):
+        spec = self.genie_spec(hf, args)
+        dims = {FULL if r.prefix == "" else SLIDING: r.dim for r in spec.ropes}
+        return GemmaGenieStep(self, hf, args, host, layers, seq_len, context, residual_scale,
+                              spec.kv_dim, dims)
+
+    def check_genie(self, args: Args) -> None:
+        """Every Gemma-3 / Gemma-4 text config the graphs take: nothing more to refuse."""
+
 
 # ---- export modules (torch) ----------------------------------------------------------------------
 
@@ -311,10 +354,11 @@ class Gemma4Shard(nn.Module):
     """
 
     def __init__(self, fam: Gemma4Family, hf, args: Args, layers: tuple[int, int], seq_len: int,
-                 context: int, cpu: bool = False):
+                 context: int, cpu: bool = False, rings: bool = True):
         super().__init__()
         tm = fam.text_model(hf)
         self.args, self.seq_len, self.context, self.cpu = args, seq_len, context, cpu
+        self.rings = rings  # False: sliding layers keep every row too, windowed by their mask
         self.entry_scale = 1.0
         self.a, self.b = layers
         ids = list(range(*layers))
@@ -361,7 +405,9 @@ class Gemma4Shard(nn.Module):
 
     def _capacity(self, t: str) -> int:
         """Cache rows of a layer type: the context (full), the ring's window (sliding)."""
-        return self.context if t == FULL else min(self.args.sliding_window, self.context)
+        if t == FULL or not self.rings:
+            return self.context
+        return min(self.args.sliding_window, self.context)
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         a, T = self.args, self.seq_len
@@ -459,6 +505,168 @@ class Gemma4Shard(nn.Module):
                 tuple(ortops.leading_rows(c, held[types[i]], 2) for c in kv)
                 for i, kv in past.items()}
         return masks, past
+
+
+
+# ---- Genie (forge/genie.py; docs/genie.md) ---------------------------------------------------------
+
+SWA_ROPE = "swa_"  # the sliding layers' rope inputs: swa_position_ids_cos / _sin
+TOKEN_EMBEDS = "token_embeds"  # split 1's scaled embeddings, for the later splits' PLE
+
+
+def shared_names(donor: int) -> tuple[str, str]:
+    """A donor's keys / values [cache | new] for its sharers in later splits."""
+    return f"shared_key_{donor}", f"shared_value_{donor}"
+
+
+class GemmaGenieStep(nn.Module):
+    """Layers [a, b) of Gemma-3 / Gemma-4 text in Genie's I/O contract (``genieio``), around the
+    family's own static shard (``Gemma4Shard``, sliding layers unringed)::
+
+        input_ids | residual_a ─┐  per_layer_inputs [1,AR,L*P] (Genie's perlayer LUT: PLE)
+        token_embeds (split>1) ─┼─▶ Gemma4Shard ─▶ logits (softcap) | residual_b
+        attention_mask ─────────┤                 (+ token_embeds out of split 1 with PLE,
+          └ window_mask ─▶ sliding layers          + shared_key/value_<d> for later sharers)
+        position_ids_*     full layers' rope, proportional: padded with cos 1 / sin 0
+        swa_position_ids_* sliding layers' rope
+        past_key/value_<L>_in/out  every layer with a cache, in Genie's one default group:
+                                   a head of D = f x kv_dim is f heads (genieio.split_heads)
+
+    Why one group: Genie 1.21's sliding-window cache group masks ring slots by position while
+    writing the cache index as if the new rows came last; a graph cannot line its keys up with
+    both (measured, docs/genie.md). So every layer keeps CL - AR past rows and the sliding ones
+    are windowed in the graph from Genie's full mask."""
+
+    def __init__(self, fam: Gemma4Family, hf, args: Args, host, layers: tuple[int, int],
+                 seq_len: int, context: int, residual_scale: float, kv_dim: int,
+                 rope_dims: dict[str, int]):
+        super().__init__()
+        from .blocks import use_fp16_form
+        from .genieio import (
+            INPUT_IDS,
+            LOGITS,
+            MASK,
+            PER_LAYER_INPUTS,
+            TokenGather,
+            kv_names,
+            residual_name,
+            rope_names,
+            split_heads,
+        )
+
+        a, b = layers
+        L = args.num_hidden_layers
+        self.args, self.T, self.S, self.kv_dim = args, seq_len, context - seq_len, kv_dim
+        self.rope_dims = rope_dims
+        if seq_len > args.sliding_window:
+            raise UnsupportedModelError(f"--genie: --prefill-len {seq_len} is over the sliding "
+                                        f"window ({args.sliding_window})")
+        self.first, self.last = a == 0, b == L
+        self.shard = use_fp16_form(Gemma4Shard(fam, hf, args, layers, seq_len, self.S,
+                                               rings=False), residual_scale)
+        self.head = use_fp16_form(fam.head_module(hf, args), residual_scale) if self.last else None
+        self.entry = (TokenGather(fam.text_model(hf).embed_tokens.weight, host.embed.scale)
+                      if self.first else None)
+        self.ple = bool(args.hidden_size_per_layer_input)
+        self.types = self.shard.types
+        sh = self.shard
+        self.factor = {i: split_heads(kv_dim, args.head_dims[i]) for i in sh.own}
+        # donors here whose sharers come in later splits: their [cache | new] rows go out
+        self.exported = sorted({args.donors[i] for i in range(b, L)
+                                if args.donors[i] is not None and a <= args.donors[i] < b})
+        ins = [(INPUT_IDS if self.first else residual_name(a), "tokens")]
+        if self.ple:
+            ins += ([] if self.first else [(TOKEN_EMBEDS, "embed")]) + [(PER_LAYER_INPUTS, "ple")]
+        ins.append((MASK, "mask"))
+        for t in self.types:
+            ins += [(n, "rope") for n in rope_names("" if t == FULL else SWA_ROPE)]
+        for i in sh.own:
+            ins += [(n, f"state:L{i}") for n in kv_names(i, "in")]
+        for d in sh.external:
+            ins += [(n, f"shared:L{d}") for n in shared_names(d)]
+        outs = [(LOGITS if self.last else residual_name(b), "out")]
+        if self.ple and self.first and not self.last:
+            outs.append((TOKEN_EMBEDS, "embed"))
+        for i in sh.own:
+            outs += [(n, f"state:L{i}") for n in kv_names(i, "out")]
+        for d in self.exported:
+            outs += [(n, f"shared:L{d}") for n in shared_names(d)]
+        self.io = GraphIO(inputs=ins, outputs=outs)
+
+    def _rope_width(self, t: str) -> tuple[int, int]:
+        """(Genie's rope-dim, the head's half width) of layer type t."""
+        a = self.args
+        i = a.layer_types.index(t)
+        return self.rope_dims[t], a.head_dims[i] // 2
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        from .genieio import genie_kv_shapes
+
+        a, T, S = self.args, self.T, self.S
+        out = [torch.zeros(1, T, dtype=torch.int32) if self.first
+               else torch.randn(1, T, a.hidden_size)]
+        if self.ple:
+            if not self.first:
+                out.append(torch.randn(1, T, a.hidden_size))
+            out.append(torch.randn(1, T, a.num_hidden_layers * a.hidden_size_per_layer_input))
+        out.append(torch.zeros(1, 1, T, S + T))
+        for t in self.types:
+            R, _ = self._rope_width(t)
+            out += [torch.ones(1, 1, T, R), torch.zeros(1, 1, T, R)]
+        for i in self.shard.own:
+            ks, vs = genie_kv_shapes(a.kv_heads[i], a.head_dims[i], self.kv_dim, S)
+            out += [torch.zeros(ks), torch.zeros(vs)]
+        for d in self.shard.external:
+            out += [torch.zeros(1, a.kv_heads[d], S + T, a.head_dims[d]) for _ in "kv"]
+        return tuple(out)
+
+    def forward(self, *inputs):
+        from .genieio import clean_past, full_rope, kv_from_genie, kv_to_genie, pad_rope, window_mask
+
+        a, sh, S = self.args, self.shard, self.S
+        rest = list(inputs)
+        x = rest.pop(0)
+        hidden = self.entry(x) if self.first else x
+        shard_in = [hidden]
+        embed = None
+        if self.ple:
+            embed = hidden if self.first else rest.pop(0)
+            # the shard scales its hidden to 1/s itself; the PLE projection reads HF's embedding
+            shard_in += [embed, rest.pop(0)]
+        mask = rest.pop(0)
+        ropes = {}
+        for t in self.types:
+            c, s_ = rest.pop(0), rest.pop(0)
+            _, half = self._rope_width(t)
+            ropes[t] = (full_rope(pad_rope(c, half, 1.0)), full_rope(pad_rope(s_, half, 0.0)))
+        for t in self.types:
+            shard_in += list(ropes[t])
+        for t in self.types:
+            shard_in.append(mask if t == FULL else window_mask(mask, S, a.sliding_window))
+        own = []
+        for i in sh.own:
+            own += kv_from_genie(rest.pop(0), rest.pop(0), self.factor[i])
+        own = clean_past(mask, own, S)
+        shared = {d: (rest.pop(0), rest.pop(0)) for d in sh.external}
+        shard_in += own
+        for d in sh.external:
+            shard_in += [shared[d][0][:, :, :S], shared[d][1][:, :, :S]]
+        for d in sh.external:
+            if d not in sh.in_place:
+                shard_in += [shared[d][0][:, :, S:], shared[d][1][:, :, S:]]
+        out, *new = sh(*shard_in)
+        result = [self.head(out) if self.last else out]
+        if self.ple and self.first and not self.last:
+            result.append(embed)
+        genie_new = []
+        for j, i in enumerate(sh.own):
+            genie_new += kv_to_genie(new[2 * j], new[2 * j + 1], self.factor[i])
+        result += genie_new
+        for d in self.exported:  # [cache | new] of the donor, as its sharers read it
+            j = sh.own.index(d)
+            result += [torch.cat((own[2 * j], new[2 * j]), dim=2),
+                       torch.cat((own[2 * j + 1], new[2 * j + 1]), dim=2)]
+        return tuple(result)
 
 
 FAMILY = Gemma4Family()

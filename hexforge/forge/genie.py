@@ -3,173 +3,71 @@
 Genie (``libGenie.so``, what AI Hub's phone bundles run) drives QNN context binaries itself: it
 makes the attention mask and the rope tables, keeps the KV cache, feeds token ids and reads
 logits. It finds all of that by tensor name and shape (docs/genie.md has the evidence), so the
-graphs hexforge's own runtime drives (``hidden`` in, host-made cos/sin, ``past.L{i}.k``
-[1, KVH, S, D], head as a graph of its own) are wrapped into AI Hub's contract:
+graphs hexforge's own runtime drives are wrapped into that contract by each family
+(``fam.genie_step``, names and layout in ``families/genieio.py``), split as the planner splits
+the target's graphs, the splits in AI Hub's order::
 
-    per AR in (prefill_len, 1), one graph with every decoder layer and the head:
-      input_ids          int32 [1, AR]           the embedding gather is in the graph
-      attention_mask     f32   [1, 1, AR, CL]    additive; Genie writes it
-      position_ids_cos   f32   [1, 1, AR, D/2]   Genie computes them (rope-theta, rope-dim D/2)
-      position_ids_sin   f32   [1, 1, AR, D/2]
-      past_key_{L}_in    f32   [KVH, 1, D, CL-AR]   keys transposed
-      past_value_{L}_in  f32   [KVH, 1, CL-AR, D]
-    ->
-      logits             f32   [1, AR, V]
-      past_key_{L}_out   f32   [KVH, 1, D, AR]
-      past_value_{L}_out f32   [KVH, 1, AR, D]
+    prompt_ar<N>_cl<C>_<i>_of_<n>.bin   AR-N: a prompt in chunks of N
+    token_ar1_cl<C>_<i>_of_<n>.bin      AR-1: a token a step
+      split 1: input_ids ... residual_<b>;  split n: residual_<a> ... logits;  every split: the
+      mask, the ropes and its own layers' caches
 
-The inner modules are hexforge's own (``fam.decoder_module`` / ``fam.head_module`` in the fp16
-form), so the arithmetic is the arithmetic the oracle checked; only the boundary changes.
+The inner modules are the family's own shard and head in the fp16 form, so the arithmetic is the
+arithmetic the oracle checked; only the boundary changes. This module knows no family.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from torch import nn
-
 from ..errors import BuildError
-from ..families.graphio import GraphIO
 
 
-@dataclass(frozen=True)
-class GenieForm:
-    """Which parts of the Genie contract an export takes (the probe walks them one by one;
-    ``GenieForm()`` is the whole contract)."""
-
-    names: bool = True  # Genie's tensor names (else hexforge's: hidden, mask_full, past.L0.k ..)
-    genie_kv_layout: bool = True  # keys [KVH, 1, D, S], values [KVH, 1, S, D] (else [1, KVH, S, D])
-    past_is_cl_minus_ar: bool = True  # past rows CL - AR, mask CL wide (else past CL, mask CL + AR)
-    half_rope: bool = True  # cos/sin [1, 1, AR, D/2] (else hexforge's [1, AR, D])
-    with_head: bool = True  # logits out of the same graph (else hidden_out, head separate)
-    token_ids: bool = True  # input_ids + the gather in the graph (else the embedded hidden)
-    embeds_name: str = "input_embeds"  # the embedded input's name without token_ids (AI Hub's)
-    sanitize_past: bool = True  # masked past slots zeroed in the graph (Genie leaves them dirty)
-
-
-class GenieStep(nn.Module):
-    """A whole-decoder step in Genie's I/O contract around hexforge's shard and head modules."""
-
-    def __init__(self, shard: nn.Module, head: nn.Module | None, embed: torch.Tensor | None,
-                 embed_scale: float, args, seq_len: int, past_len: int, form: GenieForm):
-        super().__init__()
-        self.shard, self.head, self.form = shard, head, form
-        self.embed = nn.Parameter(embed, requires_grad=False) if embed is not None else None
-        self.embed_scale = float(embed_scale)
-        self.n_kv, self.head_dim, self.hidden = args.num_key_value_heads, args.head_dim, args.hidden_size
-        self.T, self.S = seq_len, past_len
-        layers = shard.layer_ids
-        f = form
-        n = (lambda genie, ours: genie if f.names else ours)  # noqa: E731
-        ins = [(n("input_ids" if f.token_ids else f.embeds_name, "hidden"), "tokens"),
-               (n("attention_mask", "mask_full"), "mask"),
-               (n("position_ids_cos", "cos"), "rope_cos"), (n("position_ids_sin", "sin"), "rope_sin")]
-        outs = [(n("logits", "logits") if f.with_head else n("hidden_states", "hidden_out"),
-                 "logits" if f.with_head else "hidden")]
-        for i in layers:
-            for kv, word in (("k", "key"), ("v", "value")):
-                ins.append((n(f"past_{word}_{i}_in", f"past.L{i}.{kv}"), f"state:L{i}.{kv}"))
-                outs.append((n(f"past_{word}_{i}_out", f"new.L{i}.{kv}"), f"state:L{i}.{kv}"))
-        self.io = GraphIO(inputs=ins, outputs=outs)
-
-    def example_inputs(self) -> tuple[torch.Tensor, ...]:
-        f, T, S, KV, D = self.form, self.T, self.S, self.n_kv, self.head_dim
-        tokens = (torch.zeros(1, T, dtype=torch.int32) if f.token_ids
-                  else torch.randn(1, T, self.hidden))
-        mask = torch.zeros(1, 1, T, S + T)
-        R = D // 2 if f.half_rope else D
-        rope_shape = (1, 1, T, R) if f.half_rope else (1, T, R)
-        past = []
-        for _ in self.shard.layer_ids:
-            if f.genie_kv_layout:
-                past += [torch.zeros(KV, 1, D, S), torch.zeros(KV, 1, S, D)]
-            else:
-                past += [torch.zeros(1, KV, S, D), torch.zeros(1, KV, S, D)]
-        return (tokens, mask, torch.ones(rope_shape), torch.zeros(rope_shape), *past)
-
-    def forward(self, tokens, mask, cos, sin, *past):
-        f = self.form
-        if f.token_ids:
-            # int32 ids gathered as they come: a Cast to int64 would be a node the HTP refuses
-            hidden = torch.nn.functional.embedding(tokens, self.embed)
-            if self.embed_scale != 1.0:
-                hidden = hidden * self.embed_scale
-        else:
-            hidden = tokens
-        if f.half_rope:  # Genie's tables hold each frequency once; HF's cos is cat(f, f)
-            cos = torch.cat([cos, cos], dim=-1)[:, 0]
-            sin = torch.cat([sin, sin], dim=-1)[:, 0]
-        if f.genie_kv_layout:
-            ours = []
-            for j in range(0, len(past), 2):
-                ours += [past[j].permute(1, 0, 3, 2), past[j + 1].permute(1, 0, 2, 3)]
-            past = ours
-        if f.sanitize_past:
-            # Genie does not clear float caches: a dialog made after another in one process
-            # reads the freed buffers' bytes (5e27 in a masked slot: q.k overflows fp16 and the
-            # -1000 of Genie's mask no longer masks it). A past slot row 0 does not attend to
-            # is zeroed, so nothing read from a masked slot can reach the output.
-            keep = (mask[:, :, :1, :self.S] > -1.0).transpose(2, 3)  # [1, 1, S, 1]
-            past = [torch.where(keep, p, torch.zeros_like(p)) for p in past]
-        out, *new = self.shard(hidden, cos, sin, mask, *past)
-        if f.genie_kv_layout:
-            new = [t.permute(1, 0, 3, 2) if j % 2 == 0 else t.permute(1, 0, 2, 3)
-                   for j, t in enumerate(new)]
-        if self.head is not None:
-            out = self.head(out)
-        return (out, *new)
-
-
-def genie_step(fam, hf, args, host, seq_len: int, context: int, form: GenieForm,
-               residual_scale: float) -> GenieStep:
-    """The whole decoder (one shard) + head for AR ``seq_len`` and context ``context``, in the
-    fp16 form of HTP graphs."""
-    from ..families.blocks import use_fp16_form
-
-    past = context - seq_len if form.past_is_cl_minus_ar else context
-    layers = (0, args.num_hidden_layers)
-    shard = use_fp16_form(fam.decoder_module(hf, args, layers, seq_len, past), residual_scale)
-    head = (use_fp16_form(fam.head_module(hf, args), residual_scale) if form.with_head else None)
-    embed = (fam.text_model(hf).embed_tokens.weight.detach().float().clone()
-             if form.token_ids else None)
-    return GenieStep(shard, head, embed, host.embed.scale, args, seq_len, past, form)
-
-
-def graph_name(seq_len: int, context: int) -> str:
-    """AI Hub's naming (``prompt_ar128_cl4096_1_of_1``): Genie reads AR and CL from names like it
-    when the tensors do not tell it."""
+def graph_name(seq_len: int, context: int, split: int = 0, splits: int = 1) -> str:
+    """AI Hub's naming (``prompt_ar128_cl4096_2_of_3``): Genie orders a model's splits by the
+    ``_<i>_of_<n>`` suffix, and reads AR and CL from the name when the tensors do not tell it."""
     kind = "token" if seq_len == 1 else "prompt"
-    return f"{kind}_ar{seq_len}_cl{context}_1_of_1"
+    return f"{kind}_ar{seq_len}_cl{context}_{split + 1}_of_{splits}"
 
 
 def export_genie_graphs(fam, hf, args, host, folder: Path, prefill_len: int, context: int,
-                        form: GenieForm, residual_scale: float, exporter: str, log) -> list[Path]:
-    """One ONNX graph per AR (prefill, then decode) in ``folder``, weights shared in one file.
-    -> the graph paths."""
+                        residual_scale: float, exporter: str, log,
+                        shards: list[tuple[int, int]] | None = None, step=None
+                        ) -> list[list[Path]]:
+    """Per split (the planner's ``shards``; default one), one ONNX graph per AR (prefill, then
+    decode) in ``folder``, the split's weights in one file; ``step`` (default
+    ``fam.genie_step``) makes each module. -> per split, its graph paths."""
     from .export import export_module, share_weights
 
     folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    with fam.float32(hf, layers=(0, args.num_hidden_layers), head=True, towers=False):
-        for T in dict.fromkeys((prefill_len, 1)):
-            module = genie_step(fam, hf, args, host, T, context, form, residual_scale)
-            path = folder / f"{graph_name(T, context)}.onnx"
-            t = time.perf_counter()
-            export_module(module, path, exporter, fold=True)
-            log(f"  exported {path.name} ({time.perf_counter() - t:.1f}s)")
-            paths.append(path)
-    share_weights(paths, "genie.weights")
-    return paths
+    shards = shards or [(0, args.num_hidden_layers)]
+    out = []
+    for s, (a, b) in enumerate(shards):
+        paths = []
+        last = b == args.num_hidden_layers
+        with fam.float32(hf, layers=(a, b), head=last, towers=False):
+            for T in dict.fromkeys((prefill_len, 1)):
+                module = (step or fam.genie_step)(hf, args, host, (a, b), T, context,
+                                                  residual_scale)
+                path = folder / f"{graph_name(T, context, s, len(shards))}.onnx"
+                t = time.perf_counter()
+                export_module(module, path, exporter, fold=True)
+                log(f"  exported {path.name} ({time.perf_counter() - t:.1f}s)")
+                paths.append(path)
+                module = None
+        share_weights(paths, f"genie_{s + 1}_of_{len(shards)}.weights")
+        out.append(paths)
+    return out
 
 
 def compile_genie_graphs(paths: list[Path], work: Path, out: Path | None, htp_arch: int,
                          soc_model: int, log) -> list[Path]:
     """Each graph to its own context binary in ``work`` (beside the EPContext model the oracle
-    loads it by, ``genie_verify``), linked into ``out/<name>.bin`` (Genie's ctx-bins list) unless
-    ``out`` is None (the unshared twins of a weight-shared bundle). -> the binaries in ``out``."""
+    loads it by, ``genie_verify``), its QNN graph named as Genie orders splits
+    (``name_for_genie``), linked into ``out/<name>.bin`` (Genie's ctx-bins list) unless ``out``
+    is None (the unshared twins of a weight-shared bundle). -> the binaries in ``out``."""
     from .htp.compile import compile_graph
 
     work.mkdir(parents=True, exist_ok=True)
@@ -177,12 +75,24 @@ def compile_genie_graphs(paths: list[Path], work: Path, out: Path | None, htp_ar
     for src in paths:
         name = src.name.split(".")[0]  # prompt_ar16_cl128_1_of_1(.wo).onnx
         res = compile_graph(src, work / f"{name}.ctx.onnx", htp_arch, soc_model, fp16=True)
+        name_for_genie(res["ctx"], res["bin"], name)
         log(f"  compiled {name}: {res['bin_bytes']:,} B ({res['seconds']:.1f}s)")
         if out is not None:
             binary = out / f"{name}.bin"
             _link(res["bin"], binary)
             bins.append(binary)
     return bins
+
+
+def name_for_genie(ctx: Path, binary: Path, name: str) -> str:
+    """Give the QNN graph in ``binary`` Genie's split naming from ``name``
+    (``prompt_ar16_cl128_2_of_3`` -> ``prompt_ar16_cl128_<filler>_2_of_3``, forge/ctxname.py)."""
+    from .ctxname import rename_graph
+
+    m = re.fullmatch(r"(.+?)(_\d+_of_\d+)", name)
+    if m is None:
+        raise BuildError(f"{name}: not a Genie split name")
+    return rename_graph(ctx, binary, m.group(1), m.group(2))
 
 
 def _link(src: Path, dst: Path) -> None:
@@ -197,22 +107,11 @@ def _link(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def check_family(fam, args) -> None:
-    """Genie's decoder model types express a dense decoder with one KV cache group: refuse the
-    families whose state or inputs it has no place for (docs/genie.md says which and why)."""
-    from ..families.base import DecoderFamily
-
-    own = type(fam).decoder_module is not DecoderFamily.decoder_module
-    if own or getattr(args, "layer_types", None):
-        raise BuildError(f"--genie: {args.model_type} is not a dense single-cache decoder; Genie "
-                         "bundles are built for llama / qwen2 / qwen3 (docs/genie.md)")
-
-
 def check_options(fam, args, opts) -> None:
     """Refuse a --genie build Genie bundles are not made for, before any work."""
     from .htp.recipes import get_recipe
 
-    check_family(fam, args)
+    fam.check_genie(args)
     recipe = get_recipe(opts.quant)
     if recipe.activations is not None:
         raise BuildError(f"--genie: --quant {opts.quant} (fixed-point activations) is not built "
@@ -224,9 +123,10 @@ def check_options(fam, args, opts) -> None:
 def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, residual_scale: float,
                         log) -> dict[str, Path]:
     """For each HTP target, ``root/genie-<target>/``: the decoder in Genie's contract
-    (``GenieStep``), weight-only quantized like the target's graphs when the recipe says so,
-    compiled per arch, with genie_config.json, htp_backend_ext_config.json and tokenizer.json
-    (build/genie_bundle.py). -> {target name: folder}."""
+    (``GenieStep``), split as the planner splits the target's graphs, weight-only quantized like
+    them when the recipe says so, compiled per arch, with genie_config.json,
+    htp_backend_ext_config.json and tokenizer.json (forge/genie_bundle.py).
+    -> {target name: folder}."""
     from .genie_bundle import folder_name, write_bundle_files
     from .graphs import plan_target
     from .htp.recipes import get_recipe
@@ -234,44 +134,79 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
     recipe = get_recipe(opts.quant)
     work = root / "_work" / "genie"
     host = manifest.host
-    paths = None
+    spec = fam.genie_spec(hf, args)
+    check_ropes(spec, root / "host.safetensors")
+    splits: dict[tuple, list[list[Path]]] = {}  # the graphs are arch-independent: per plan
     out = {}
     for target in targets:
         shards = plan_target(fam, hf, target, opts, lambda m: None)
-        if len(shards) > 1:  # splits pass the hidden state by name: not made (or seen) yet
-            raise BuildError(f"--genie: the decoder needs {len(shards)} contexts on {target.name}; "
-                             "Genie bundles are built for models that fit one")
-        if paths is None:  # the graphs are arch-independent: exported once
+        key = tuple(shards)
+        if key not in splits:
             t = time.perf_counter()
-            paths = export_genie_graphs(fam, hf, args, host, work, opts.prefill_len, opts.context,
-                                        GenieForm(), residual_scale, opts.exporter, log)
+            paths = export_genie_graphs(fam, hf, args, host, work / f"onnx{len(splits)}",
+                                        opts.prefill_len, opts.context, residual_scale,
+                                        opts.exporter, log, shards)
             if recipe.weight_only:
-                paths = _weight_only(paths, recipe, args.vocab_size)
-            log(f"[genie] exported {len(paths)} graphs ({time.perf_counter() - t:.1f}s)")
+                paths = [_weight_only(p, recipe, args.vocab_size, s, len(paths))
+                         for s, p in enumerate(paths)]
+            splits[key] = paths
+            log(f"[genie] exported {len(shards)} split(s) x {len(paths[0])} graphs "
+                f"({time.perf_counter() - t:.1f}s)")
+        paths = splits[key]
         folder = root / folder_name(target.name)
         folder.mkdir()
         soc = target.default_soc.soc_model
         say = (lambda m, t=target.name: log(f"[{t}] genie {m.strip()}"))  # noqa: E731
-        if opts.share_weights:  # devices: one context for both variants (Genie's usual bundle)
-            from .htp.compile import compile_shared
+        bins = []
+        for s, split in enumerate(paths):
+            if opts.share_weights:  # devices: one context per split for both variants
+                from .htp.compile import compile_shared
 
-            res = compile_shared([(p, work / f"{target.name}-{p.stem}.ctx.onnx") for p in paths],
-                                 target.htp_arch, soc, fp16=True)
-            bins = [folder / "decoder_1_of_1.bin"]
-            res["bin"].replace(bins[0])
-            if opts.verify:  # the simulator loads no shared context: the oracle's twins
-                compile_genie_graphs(paths, work / target.name, None, target.htp_arch, soc, say)
-        else:
-            bins = compile_genie_graphs(paths, work / target.name, folder, target.htp_arch, soc,
-                                        say)
+                ctxs = [(p, work / f"{target.name}-{p.stem}.ctx.onnx") for p in split]
+                res = compile_shared(ctxs, target.htp_arch, soc, fp16=True)
+                for p, ctx in ctxs:
+                    name_for_genie(ctx, res["bin"], p.name.split(".")[0])
+                bins.append(folder / f"decoder_{s + 1}_of_{len(paths)}.bin")
+                res["bin"].replace(bins[-1])
+                if opts.verify:  # the simulator loads no shared context: the oracle's twins
+                    compile_genie_graphs(split, work / target.name, None, target.htp_arch, soc,
+                                         say)
+            else:
+                bins += compile_genie_graphs(split, work / target.name, folder, target.htp_arch,
+                                             soc, say)
         write_bundle_files(folder, manifest, bins, root / manifest.tokenizer.dir / "tokenizer.json",
-                           soc, target.htp_arch, args.head_dim, weight_sharing=opts.share_weights)
-        log(f"[{target.name}] Genie bundle {folder.name}/ ({len(bins)} context binaries)")
+                           soc, target.htp_arch, spec, root / "host.safetensors",
+                           weight_sharing=opts.share_weights)
+        log(f"[{target.name}] Genie bundle {folder.name}/ ({len(bins)} context binaries, "
+            f"{len(paths)} split(s))")
         out[target.name] = folder
     return out
 
 
-def _weight_only(paths: list[Path], recipe, vocab_size: int) -> list[Path]:
+def check_ropes(spec, host_file: Path) -> None:
+    """Each rope Genie will compute from the config (``genie_verify.genie_inv_freq``) must be the
+    host recipe's (HF's inv_freq): a rope Genie would compute otherwise is refused at build
+    time, not found as wrong tokens on a phone."""
+    import numpy as np
+    from safetensors.numpy import safe_open
+
+    from .genie_bundle import rope_block
+    from .genie_verify import genie_inv_freq
+
+    with safe_open(str(host_file), "np") as f:
+        for rope in spec.ropes:
+            want = f.get_tensor(f"rope.{rope.rope}.inv_freq").astype(np.float64)
+            got = genie_inv_freq(rope_block(rope))
+            n = len(got)
+            if n > len(want) or not np.allclose(got, want[:n], rtol=1e-5, atol=0) or (
+                    np.abs(want[n:]) > 0).any():
+                raise BuildError(f"--genie: Genie's rope {rope.prefix or 'default'} (theta "
+                                 f"{rope.theta}, dim {rope.dim}) is not HF's "
+                                 f"rope.{rope.rope} inv_freq")
+
+
+def _weight_only(paths: list[Path], recipe, vocab_size: int, split: int, splits: int
+                 ) -> list[Path]:
     """MatMulNBits weights, as ``htp.weight_only`` makes the target's graphs (the embedding
     gather stays fp16: the HTP has no NBits gather)."""
     import onnx
@@ -286,5 +221,5 @@ def _weight_only(paths: list[Path], recipe, vocab_size: int) -> list[Path]:
         quantize_cpu_graph(dst, recipe.weight_bits, recipe.block_size, vocab_size,
                            whole_blocks=True)
         out.append(dst)
-    share_weights(out, "genie.wo.weights")
+    share_weights(out, f"genie_{split + 1}_of_{splits}.wo.weights")
     return out

@@ -33,8 +33,8 @@ MASKED = -1000.0  # what Genie writes into a float32 mask (docs/genie.md)
 
 
 def genie_inv_freq(positional_encoding: dict) -> np.ndarray:
-    """inv_freq [D/2] as Genie computes it from the config's positional-encoding block (the rope
-    types ``genie_bundle.rope_config`` writes: default, linear, llama3)."""
+    """inv_freq [rope-dim] as Genie computes it from one positional-encoding entry (the rope
+    types ``families.base.genie_rope_scaling`` writes: default, linear, llama3)."""
     half = int(positional_encoding["rope-dim"])
     theta = float(positional_encoding["rope-theta"])
     inv = 1.0 / theta ** (np.arange(half, dtype=np.float64) * 2 / (2 * half))
@@ -52,22 +52,52 @@ def genie_inv_freq(positional_encoding: dict) -> np.ndarray:
         mid = (1 - smooth) * inv / factor + smooth * inv
         return np.where(wavelen > old / lo, inv / factor,
                         np.where(wavelen < old / hi, inv, mid))
-    raise BuildError(f"genie oracle: rope-type {kind!r} is not one genie_bundle writes")
+    raise BuildError(f"genie oracle: rope-type {kind!r} is not one hexforge writes")
+
+
+def _entries(positional_encoding) -> list[dict]:
+    return positional_encoding if isinstance(positional_encoding, list) else [positional_encoding]
 
 
 class GenieGraphs:
-    """The Genie variants of one bundle (AR -> session) and the KV cache Genie would keep."""
+    """The Genie variants of one bundle (AR -> its splits' sessions, in order) driven as Genie
+    drives them, from the bundle alone (its genie_config.json and the graphs' tensor names), so
+    no family code can make the oracle agree with itself:
 
-    def __init__(self, sessions: dict[int, object], context: int, layers: int, kv_heads: int,
-                 head_dim: int, inv_freq: np.ndarray, pad_id: int):
-        self.sessions, self.C, self.L = sessions, context, layers
-        self.KV, self.D, self.inv_freq, self.pad = kv_heads, head_dim, inv_freq, pad_id
+      * a step runs the splits one after another over one table of named tensors (Genie's
+        buffers are shared by name: a split's ``residual_<b>`` output is the next one's input);
+      * every ``past_key_<L>_in`` a graph takes gets a cache of CL rows on the host, its first
+        CL - AR rows fed, the step's rows of ``past_key_<L>_out`` appended (SMART_MASK);
+      * each positional-encoding entry fills ``<prefix>position_ids_cos/sin``;
+      * ``per_layer_inputs`` are the ids' rows of the perlayer-embedding LUT."""
+
+    def __init__(self, sessions: dict[int, list], config: dict, folder: Path):
+        d = config["dialog"]
+        self.sessions, self.C = sessions, int(d["context"]["size"])
         self.N = max(sessions)
+        eos = d["context"]["eos-token"]
+        self.pad = max(int(d["context"].get("pad-token", eos[0] if isinstance(eos, list)
+                                            else eos)), 0)
+        self.ropes = {e.get("prefix", ""): genie_inv_freq(e)
+                      for e in _entries(d["engine"]["model"]["positional-encoding"])}
+        self.lut = None
+        ple = d.get("perlayer-embedding")
+        if ple is not None:
+            width = int(ple["size"])
+            self.lut = np.memmap(folder / ple["lut-path"], np.float32, "r").reshape(-1, width)
+        self.shapes: dict[str, tuple] = {}  # cache name -> [H, 1, d, S] (keys) / [H, 1, S, d]
+        for sess in sessions[1]:
+            for x in sess.get_inputs():
+                if x.name.startswith("past_") and x.name.endswith("_in"):
+                    self.shapes[x.name[:-3]] = tuple(x.shape)
         self.reset()
 
     def reset(self) -> None:
-        self.k = np.zeros((self.L, self.KV, 1, self.D, self.C), np.float32)
-        self.v = np.zeros((self.L, self.KV, 1, self.C, self.D), np.float32)
+        self.cache = {}
+        for name, (H, _, a, b) in self.shapes.items():  # AR-1: the past is CL - 1 rows
+            keys = name.startswith("past_key_")
+            self.cache[name] = np.zeros((H, 1, a, self.C) if keys else (H, 1, self.C, b),
+                                        np.float32)
         self.n = 0
 
     def run(self, ids: list[int]) -> np.ndarray:
@@ -82,44 +112,48 @@ class GenieGraphs:
         mask[..., :self.n] = 0.0
         for i in range(AR):
             mask[0, 0, i, S:S + i + 1] = 0.0
-        angles = (self.n + np.arange(AR, dtype=np.float64))[:, None] * self.inv_freq[None]
-        feeds = {"input_ids": np.array([ids + [self.pad] * (AR - T)], np.int32),
-                 "attention_mask": mask,
-                 "position_ids_cos": np.cos(angles).astype(np.float32)[None, None],
-                 "position_ids_sin": np.sin(angles).astype(np.float32)[None, None]}
-        for i in range(self.L):
-            feeds[f"past_key_{i}_in"] = self.k[i, ..., :S]
-            feeds[f"past_value_{i}_in"] = self.v[i, :, :, :S]
-        sess = self.sessions[AR]
-        out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
-        for i in range(self.L):
-            self.k[i, ..., self.n:self.n + T] = out[f"past_key_{i}_out"][..., :T]
-            self.v[i, :, :, self.n:self.n + T] = out[f"past_value_{i}_out"][:, :, :T]
+        padded = ids + [self.pad] * (AR - T)
+        bus = {"input_ids": np.array([padded], np.int32), "attention_mask": mask}
+        positions = (self.n + np.arange(AR, dtype=np.float64))[:, None]
+        for prefix, inv in self.ropes.items():
+            angles = positions * inv[None]
+            bus[f"{prefix}position_ids_cos"] = np.cos(angles).astype(np.float32)[None, None]
+            bus[f"{prefix}position_ids_sin"] = np.sin(angles).astype(np.float32)[None, None]
+        if self.lut is not None:
+            bus["per_layer_inputs"] = np.asarray(self.lut[padded], np.float32)[None]
+        for name, c in self.cache.items():
+            bus[f"{name}_in"] = c[..., :S] if name.startswith("past_key_") else c[:, :, :S]
+        for sess in self.sessions[AR]:
+            feeds = {x.name: bus[x.name] for x in sess.get_inputs()}
+            names = [o.name for o in sess.get_outputs()]
+            bus.update(zip(names, sess.run(None, feeds), strict=True))
+        for name, c in self.cache.items():
+            new = bus[f"{name}_out"]
+            if name.startswith("past_key_"):
+                c[..., self.n:self.n + T] = new[..., :T]
+            else:
+                c[:, :, self.n:self.n + T] = new[:, :, :T]
         self.n += T
-        return out["logits"][0, :T].astype(np.float32)
+        return bus["logits"][0, :T].astype(np.float32)
 
     def prompt(self, ids: list[int]) -> np.ndarray:
         """A prompt in AR-N chunks, as Genie runs one -> every position's logits [n, V]."""
         return np.concatenate([self.run(ids[i:i + self.N]) for i in range(0, len(ids), self.N)])
 
 
-def open_genie_graphs(ctx_files: dict[int, Path], genie_folder: Path, htp_arch: int,
-                      soc_model: int, layers: int, kv_heads: int, head_dim: int) -> GenieGraphs:
+def open_genie_graphs(ctx_files: dict[int, list[Path]], genie_folder: Path, htp_arch: int,
+                      soc_model: int) -> GenieGraphs:
     import onnxruntime as ort
 
     from ..runtime import qnn
 
-    cfg = json.loads((genie_folder / "genie_config.json").read_text())["dialog"]
+    cfg = json.loads((genie_folder / "genie_config.json").read_text())
     so = qnn.session_options(qnn.provider_options(htp_arch, soc_model, True), {})
     sessions = {}
-    for ar, path in ctx_files.items():
+    for ar, paths in ctx_files.items():
         with qnn.native_stdout_to_stderr():
-            sessions[ar] = ort.InferenceSession(str(path), so)
-    eos = cfg["context"]["eos-token"]
-    pad = cfg["context"].get("pad-token", eos[0] if isinstance(eos, list) else eos)
-    return GenieGraphs(sessions, cfg["context"]["size"], layers, kv_heads, head_dim,
-                       genie_inv_freq(cfg["engine"]["model"]["positional-encoding"]),
-                       max(int(pad), 0))
+            sessions[ar] = [ort.InferenceSession(str(p), so) for p in paths]
+    return GenieGraphs(sessions, cfg, genie_folder)
 
 
 def verify_genie(graphs: GenieGraphs, ref: dict, quant: str, new_tokens: int,
@@ -165,16 +199,18 @@ def verify_genie(graphs: GenieGraphs, ref: dict, quant: str, new_tokens: int,
             "passed": not failures, "failures": failures}
 
 
-def genie_ctx_files(work: Path, target: str, context: int) -> dict[int, Path]:
-    """AR -> the EPContext model of a target's unshared Genie binary in the build's _work/
-    (``genie.compile_genie_graphs``; named ``genie.graph_name``)."""
+def genie_ctx_files(work: Path, target: str, context: int) -> dict[int, list[Path]]:
+    """AR -> the EPContext models of a target's unshared Genie binaries in the build's _work/,
+    split 1 first (``genie.compile_genie_graphs``; named ``genie.graph_name``)."""
     import re
 
-    files = {int(re.search(r"_ar(\d+)_", p.name).group(1)): p
-             for p in (work / target).glob(f"*_ar*_cl{context}_1_of_1.ctx.onnx")}
-    if 1 not in files or len(files) != 2:
+    found: dict[int, dict[int, Path]] = {}
+    for p in (work / target).glob(f"*_ar*_cl{context}_*_of_*.ctx.onnx"):
+        m = re.search(r"_ar(\d+)_cl\d+_(\d+)_of_(\d+)\.", p.name)
+        found.setdefault(int(m.group(1)), {})[int(m.group(2))] = p
+    if 1 not in found or len(found) != 2:
         raise BuildError(f"genie oracle: no prefill + decode EPContext models in {work / target}")
-    return files
+    return {ar: [splits[i] for i in sorted(splits)] for ar, splits in found.items()}
 
 
 def verify_genie_bundles(root: Path, manifest, args, refs: dict[str, dict], new_tokens: int,
@@ -190,10 +226,8 @@ def verify_genie_bundles(root: Path, manifest, args, refs: dict[str, dict], new_
         if spec.htp_arch is None:
             continue
         with stage(f"oracle {folder_name(name)}", 1) as advance:
-            graphs = open_genie_graphs(
-                genie_ctx_files(work, name, manifest.context),
-                root / folder_name(name), spec.htp_arch, spec.soc_model,
-                args.num_hidden_layers, args.num_key_value_heads, args.head_dim)
+            graphs = open_genie_graphs(genie_ctx_files(work, name, manifest.context),
+                                       root / folder_name(name), spec.htp_arch, spec.soc_model)
             out[folder_name(name)] = verify_genie(graphs, refs[name], spec.quant, new_tokens,
                                                   text_name)
             del graphs

@@ -1,0 +1,247 @@
+"""The torch pieces every family's Genie step shares: Genie's tensor names, its KV layout, its rope
+tables, the masks it writes (build time only: imports torch; docs/genie.md has the evidence).
+
+Genie (``libGenie.so``) drives a model's context binaries itself and finds everything by tensor
+name and shape. A family's Genie step (``DecoderFamily.genie_step``) is its own shard module
+wrapped at this boundary::
+
+    input_ids  int32 [1, AR]               split 1: the embedding gather is in the graph
+    residual_<a>     [1, AR, H]            split i > 1: the stream from the split before
+    attention_mask   [1, 1, AR, CL]        additive 0 / -1000 (Genie's SMART_MASK); past slot r
+                                           holds position r, the AR new rows come last
+    <p>position_ids_cos / _sin [1, 1, AR, R]   each rope's frequencies once (prefix p per rope)
+    past_key_<L>_in  [KVH*, 1, d, CL-AR]   keys transposed; a head of D = f*d is f heads of the
+    past_value_<L>_in [KVH*, 1, CL-AR, d]  group's kv-dim d (``split_heads``)
+    ->
+    logits [1, AR, V] (last split) | residual_<b> [1, AR, H]
+    past_key_<L>_out [KVH*, 1, d, AR], past_value_<L>_out [KVH*, 1, AR, d]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+INPUT_IDS, MASK, LOGITS = "input_ids", "attention_mask", "logits"
+PER_LAYER_INPUTS = "per_layer_inputs"  # Genie's per-layer embedding rows (Gemma-4's PLE)
+MASKED = -1000.0  # what Genie writes into a float mask for a slot not attended
+
+
+def residual_name(layer: int) -> str:
+    """The tensor carrying the residual stream into ``layer`` from the split before it: Genie
+    gives an output and a later split's input of the same name one buffer."""
+    return f"residual_{layer}"
+
+
+def rope_names(prefix: str = "") -> tuple[str, str]:
+    """Genie's rope inputs for a positional-encoding entry with ``prefix`` (it prepends the
+    prefix to the names as they are: "swa_" -> swa_position_ids_cos)."""
+    return f"{prefix}position_ids_cos", f"{prefix}position_ids_sin"
+
+
+def kv_names(layer: int, direction: str) -> tuple[str, str]:
+    """past_key_<L>_<in|out>, past_value_<L>_<in|out>: Genie's default cache group."""
+    return f"past_key_{layer}_{direction}", f"past_value_{layer}_{direction}"
+
+
+@dataclass(frozen=True)
+class GenieForm:
+    """Which parts of the Genie contract a dense export takes (bench/genie_probe.py walks them one
+    by one; ``GenieForm()`` is the whole contract)."""
+
+    names: bool = True  # Genie's tensor names (else hexforge's: hidden, mask_full, past.L0.k ..)
+    genie_kv_layout: bool = True  # keys [KVH, 1, D, S], values [KVH, 1, S, D] (else [1, KVH, S, D])
+    past_is_cl_minus_ar: bool = True  # past rows CL - AR, mask CL wide (else past CL, mask CL + AR)
+    half_rope: bool = True  # cos/sin [1, 1, AR, D/2] (else hexforge's [1, AR, D])
+    with_head: bool = True  # logits out of the same graph (else hidden_out, head separate)
+    token_ids: bool = True  # input_ids + the gather in the graph (else the embedded hidden)
+    embeds_name: str = "input_embeds"  # the embedded input's name without token_ids (AI Hub's)
+    sanitize_past: bool = True  # masked past slots zeroed in the graph (Genie leaves them dirty)
+
+
+class TokenGather(nn.Module):
+    """int32 ids -> table rows x scale (the first split's entry). Gathered as they come: a Cast
+    to int64 would be a node the HTP refuses."""
+
+    def __init__(self, table: torch.Tensor, scale: float):
+        super().__init__()
+        self.table = nn.Parameter(table.detach().float().clone(), requires_grad=False)
+        self.scale = float(scale)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.embedding(ids, self.table)
+        return x * self.scale if self.scale != 1.0 else x
+
+
+def full_rope(half: torch.Tensor) -> torch.Tensor:
+    """Genie's [1, 1, AR, R] (each frequency once) -> HF's [1, AR, 2R] = cat(f, f)."""
+    f = half[:, 0]
+    return torch.cat([f, f], dim=-1)
+
+
+def pad_rope(half: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    """[1, 1, AR, R] -> [1, 1, AR, width]: R frequencies then ``value`` (1 for cos, 0 for sin)
+    for the frequencies Genie was not asked to compute (Gemma-4's proportional rope leaves 3/4 of
+    each head unrotated: HF zero-pads its inv_freq)."""
+    R = half.shape[-1]
+    if R == width:
+        return half
+    return torch.cat([half, torch.full((*half.shape[:-1], width - R), value)], dim=-1)
+
+
+def split_heads(d: int, head_dim: int) -> int:
+    """How many Genie heads of the group's kv-dim ``d`` carry one head of ``head_dim``."""
+    if head_dim % d:
+        raise ValueError(f"head dim {head_dim} is not a multiple of the cache's kv-dim {d}")
+    return head_dim // d
+
+
+def kv_from_genie(k: torch.Tensor, v: torch.Tensor, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Genie's k [H*f, 1, d, S], v [H*f, 1, S, d] -> ours [1, H, S, f*d] each."""
+    Hf, _, d, S = k.shape
+    H = Hf // f
+    k = k.reshape(H, f * d, S).transpose(1, 2)[None]  # [1, H, S, D]
+    v = v.reshape(H, f, S, d).permute(0, 2, 1, 3).reshape(H, S, f * d)[None]
+    return k, v
+
+
+def kv_to_genie(k: torch.Tensor, v: torch.Tensor, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ours k, v [1, H, T, D] -> Genie's k [H*f, 1, D/f, T], v [H*f, 1, T, D/f]."""
+    _, H, T, D = k.shape
+    d = D // f
+    k = k[0].transpose(1, 2).reshape(H * f, 1, d, T)
+    v = v[0].reshape(H, T, f, d).permute(0, 2, 1, 3).reshape(H * f, 1, T, d)
+    return k, v
+
+
+def genie_kv_shapes(n_kv: int, head_dim: int, d: int, rows: int) -> tuple[tuple, tuple]:
+    f = split_heads(d, head_dim)
+    return (n_kv * f, 1, d, rows), (n_kv * f, 1, rows, d)
+
+
+def clean_past(mask: torch.Tensor, past: list[torch.Tensor], S: int) -> list[torch.Tensor]:
+    """Each past [1, H, S, D] with the slots row 0 of ``mask`` does not attend zeroed.
+
+    Why: Genie does not clear float caches; a dialog made after another in one process reads
+    the freed buffers' bytes (5e27 in a masked slot: q.k overflows fp16 and the -1000 of
+    Genie's mask no longer masks it), so nothing read from a masked slot may reach the output."""
+    keep = (mask[:, :, :1, :S] > -1.0).transpose(2, 3)  # [1, 1, S, 1]
+    return [torch.where(keep, p, torch.zeros_like(p)) for p in past]
+
+
+def window_mask(mask: torch.Tensor, S: int, window: int) -> torch.Tensor:
+    """A sliding-window layer's mask from Genie's full one [1, 1, AR, S + AR].
+
+    Genie's SMART_MASK cache holds position r in past slot r, filled from 0, so the tokens held
+    are n = the slots row 0 attends, query i sits at position n + i, and a past slot r is in its
+    window iff n + i - r < W. The new rows keep Genie's causal part (AR <= W: all in window)::
+
+        slots:      0 .. n-W+i | n-W+i+1 .. n-1 | (unfilled) | new 0 .. AR-1
+        query i:     masked    |   as Genie's   |  masked    |  as Genie's
+    """
+    AR = mask.shape[2]
+    held = (mask[:, :, :1, :S] > -1.0).float().sum(-1, keepdim=True)  # [1, 1, 1, 1]: n
+    slot = torch.arange(S, dtype=torch.float32)[None, None, None, :]  # [1, 1, 1, S]
+    query = torch.arange(AR, dtype=torch.float32)[None, None, :, None]  # [1, 1, AR, 1]
+    inside = (held + query - slot) < float(window)  # [1, 1, AR, S]
+    past = torch.where(inside, mask[..., :S], torch.full_like(mask[..., :S], MASKED))
+    return torch.cat([past, mask[..., S:]], dim=-1)
+
+
+class DenseGenieStep(nn.Module):
+    """Layers [a, b) of a dense decoder (``blocks.DenseShard``) in Genie's contract: one split of
+    a model cut over several contexts (AI Hub's ``<name>_<i>_of_<n>`` graphs)::
+
+        split 1 of n:  input_ids ─▶ gather ─▶ layers [0, b)    ─▶ residual_<b>
+        split i of n:  residual_<a>         ─▶ layers [a, b)    ─▶ residual_<b>
+        split n of n:  residual_<a>         ─▶ layers [a, L) ─▶ head ─▶ logits
+
+    ``form`` switches parts of the contract off, for bench/genie_probe.py's ablations."""
+
+    def __init__(self, shard: nn.Module, head: nn.Module | None, entry: TokenGather | None,
+                 args, seq_len: int, past_len: int, form: GenieForm):
+        super().__init__()
+        self.shard, self.head, self.entry, self.form = shard, head, entry, form
+        self.n_kv, self.head_dim, self.hidden = args.num_key_value_heads, args.head_dim, args.hidden_size
+        self.T, self.S = seq_len, past_len
+        layers = shard.layer_ids
+        self.first, self.last = layers[0] == 0, layers[-1] == args.num_hidden_layers - 1
+        f = form
+        n = (lambda genie, ours: genie if f.names else ours)  # noqa: E731
+        if not self.first:
+            entry_name = residual_name(layers[0])
+        else:
+            entry_name = n(INPUT_IDS if f.token_ids else f.embeds_name, "hidden")
+        cos, sin = rope_names()
+        ins = [(entry_name, "tokens"), (n(MASK, "mask_full"), "mask"),
+               (n(cos, "cos"), "rope_cos"), (n(sin, "sin"), "rope_sin")]
+        if not self.last:
+            out = (residual_name(layers[-1] + 1), "hidden")
+        elif f.with_head:
+            out = (n(LOGITS, "logits"), "logits")
+        else:
+            out = (n("hidden_states", "hidden_out"), "hidden")
+        outs = [out]
+        for i in layers:
+            for kv, j in (("k", 0), ("v", 1)):
+                ins.append((n(kv_names(i, "in")[j], f"past.L{i}.{kv}"), f"state:L{i}.{kv}"))
+                outs.append((n(kv_names(i, "out")[j], f"new.L{i}.{kv}"), f"state:L{i}.{kv}"))
+        from .graphio import GraphIO
+
+        self.io = GraphIO(inputs=ins, outputs=outs)
+
+    @classmethod
+    def make(cls, fam, hf, args, host, layers: tuple[int, int], seq_len: int, context: int,
+             form: GenieForm, residual_scale: float) -> DenseGenieStep:
+        """Layers ``layers`` for AR ``seq_len`` and context ``context`` in the fp16 form of HTP
+        graphs (blocks.use_fp16_form)."""
+        from .blocks import use_fp16_form
+
+        past = context - seq_len if form.past_is_cl_minus_ar else context
+        last = layers[1] == args.num_hidden_layers
+        shard = use_fp16_form(fam.decoder_module(hf, args, layers, seq_len, past), residual_scale)
+        head = (use_fp16_form(fam.head_module(hf, args), residual_scale)
+                if form.with_head and last else None)
+        entry = (TokenGather(fam.text_model(hf).embed_tokens.weight, host.embed.scale)
+                 if form.token_ids and layers[0] == 0 else None)
+        return cls(shard, head, entry, args, seq_len, past, form)
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        f, T, S, KV, D = self.form, self.T, self.S, self.n_kv, self.head_dim
+        tokens = (torch.zeros(1, T, dtype=torch.int32) if self.first and f.token_ids
+                  else torch.randn(1, T, self.hidden))
+        mask = torch.zeros(1, 1, T, S + T)
+        R = D // 2 if f.half_rope else D
+        rope_shape = (1, 1, T, R) if f.half_rope else (1, T, R)
+        past = []
+        for _ in self.shard.layer_ids:
+            if f.genie_kv_layout:
+                past += [torch.zeros(KV, 1, D, S), torch.zeros(KV, 1, S, D)]
+            else:
+                past += [torch.zeros(1, KV, S, D), torch.zeros(1, KV, S, D)]
+        return (tokens, mask, torch.ones(rope_shape), torch.zeros(rope_shape), *past)
+
+    def forward(self, tokens, mask, cos, sin, *past):
+        f = self.form
+        hidden = self.entry(tokens) if self.entry is not None else tokens
+        if f.half_rope:
+            cos, sin = full_rope(cos), full_rope(sin)
+        past = list(past)
+        if f.genie_kv_layout:
+            ours = []
+            for j in range(0, len(past), 2):
+                ours += kv_from_genie(past[j], past[j + 1], 1)
+            past = ours
+        if f.sanitize_past:
+            past = clean_past(mask, past, self.S)
+        out, *new = self.shard(hidden, cos, sin, mask, *past)
+        if f.genie_kv_layout:
+            genie = []
+            for j in range(0, len(new), 2):
+                genie += kv_to_genie(new[j], new[j + 1], 1)
+            new = genie
+        if self.head is not None:
+            out = self.head(out)
+        return (out, *new)
