@@ -61,7 +61,7 @@ class GenieRope:
     position * 1 / theta^(2i / (2 dim)) for i < dim (with ``scaling`` applied), into the inputs
     ``<prefix>position_ids_cos`` / ``_sin`` [1, 1, AR, dim]."""
 
-    prefix: str  # "" for the default rope
+    prefix: str  # "" for the default rope, else a cache group's prefix
     dim: int  # Genie's rope-dim: the frequencies, half the rotated dims
     theta: float
     scaling: dict | None = None  # Genie's rope-scaling block (llama3, linear), as it spells it
@@ -69,15 +69,27 @@ class GenieRope:
 
 
 @dataclass(frozen=True)
+class GenieCache:
+    """One of Genie's cache groups: its layers' tensors are ``<prefix>key_<L>_in`` ...; the first
+    group of a spec is the default one, whose mask is ``attention_mask`` (the others read it
+    too: Genie gives a group a mask of its own only with a sliding-window eviction, which
+    hexforge's graphs do not use, docs/genie.md)."""
+
+    prefix: str  # "past_" for the default group
+    kv_dim: int  # its layers' head dim (a head of D = f x kv_dim is f Genie heads)
+
+
+@dataclass(frozen=True)
 class GenieSpec:
     """What a family's Genie graphs need from Genie's config beside the dialog (docs/genie.md):
-    the default cache group's kv-dim (a head of D = f x kv_dim is f Genie heads), the ropes, the
-    per-layer embedding table Genie gathers into ``per_layer_inputs`` (a host table name, its
-    scale), and whether layers carry a linear-attention state."""
+    its cache groups, its ropes (a rope with a prefix applies to the cache group of that
+    prefix), the host tables whose rows (x scale), side by side, make Genie's embedding LUT
+    (the graphs then take ``inputs_embeds``; without it the first graph gathers from
+    ``input_ids``), and whether layers carry a linear-attention state."""
 
-    kv_dim: int
+    caches: tuple[GenieCache, ...]
     ropes: tuple[GenieRope, ...]
-    per_layer_table: tuple[str, float] | None = None
+    lut: tuple[tuple[str, float], ...] = ()
     linear_attention: bool = False
 
 
@@ -313,7 +325,7 @@ class DecoderFamily:
         if theta is None:
             raise UnsupportedModelError("--genie: the config names no rope_theta")
         rotated = len(self.text_model(hf).rotary_emb.inv_freq)
-        return GenieSpec(kv_dim=args.head_dim,
+        return GenieSpec(caches=(GenieCache("past_", args.head_dim),),
                          ropes=(GenieRope("", rotated, float(theta), genie_rope_scaling(params)),))
 
     def genie_step(self, hf, args, host, layers: tuple[int, int], seq_len: int, context: int,

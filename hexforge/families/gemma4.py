@@ -199,21 +199,21 @@ class Gemma4Family(DecoderFamily):
 
     # ---- Genie --------------------------------------------------------------------------------
     def genie_spec(self, hf, args: Args):
-        """One cache group whose kv-dim is the smallest head dim (a wider head is several Genie
-        heads), a rope per layer type: the full layers' as ``position_ids_*``, the sliding
-        layers' as ``swa_position_ids_*``; Gemma-4's per-layer table gathered by Genie.
+        """Two cache groups, one per layer type, each of its head dim: Genie's default past_ for
+        the full layers, swa_ for the sliding ones (each with its rope: a rope entry with a
+        prefix is its group's); with PLE, Genie gathers [embedding | per-layer inputs] rows.
 
         The full layers' proportional rope (Gemma-4: the first m = 25 % of each half rotates,
         inv_freq_i = theta^(-2i / D)) is Genie's default rope over m frequencies with theta' =
         theta^(2m / D), the same numbers; the graph pads the rest with cos 1 / sin 0."""
         import numpy as np
 
-        from .base import GenieRope, GenieSpec, genie_rope_scaling
+        from .base import GenieCache, GenieRope, GenieSpec, genie_rope_scaling
 
         cfg = hf.config.get_text_config().to_dict()
         params = cfg.get("rope_parameters") or {}
         tm = self.text_model(hf)
-        ropes = []
+        ropes, caches = [], []
         for t in sorted(set(args.layer_types), key=lambda t: t != FULL):
             inv = getattr(tm.rotary_emb, f"{t}_inv_freq").double().numpy()
             m = int(np.count_nonzero(inv))
@@ -222,20 +222,21 @@ class Gemma4Family(DecoderFamily):
             theta = float(p.get("rope_theta", 10000.0)) ** (2 * m / D)
             if p.get("rope_type") == "proportional":
                 p["rope_type"] = "default"
-            ropes.append(GenieRope(prefix="" if t == FULL else SWA_ROPE, dim=m, theta=theta,
+            prefix = GENIE_GROUP[t]
+            ropes.append(GenieRope(prefix="" if t == FULL else prefix, dim=m, theta=theta,
                                    scaling=genie_rope_scaling(p), rope=GROUP[t]))
-        cached = [args.head_dims[i] for i in range(args.num_hidden_layers)
-                  if args.donors[i] is None]
+            caches.append(GenieCache(prefix, D))
         P = args.hidden_size_per_layer_input
-        return GenieSpec(kv_dim=min(cached), ropes=tuple(ropes),
-                         per_layer_table=("embed_tokens_per_layer", math.sqrt(P)) if P else None)
+        lut = ((("embed_tokens", float(tm.embed_tokens.embed_scale)),
+                ("embed_tokens_per_layer", math.sqrt(P))) if P else ())
+        return GenieSpec(caches=tuple(caches), ropes=tuple(ropes), lut=lut)
 
     def genie_step(self, hf, args: Args, host, layers: tuple[int, int], seq_len: int,
                    context: int, residual_scale: float):
         spec = self.genie_spec(hf, args)
         dims = {FULL if r.prefix == "" else SLIDING: r.dim for r in spec.ropes}
         return GemmaGenieStep(self, hf, args, host, layers, seq_len, context, residual_scale,
-                              spec.kv_dim, dims)
+                              dims)
 
     def check_genie(self, args: Args) -> None:
         """Every Gemma-3 / Gemma-4 text config the graphs take: nothing more to refuse."""
@@ -510,8 +511,8 @@ class Gemma4Shard(nn.Module):
 
 # ---- Genie (forge/genie.py; docs/genie.md) ---------------------------------------------------------
 
-SWA_ROPE = "swa_"  # the sliding layers' rope inputs: swa_position_ids_cos / _sin
-TOKEN_EMBEDS = "token_embeds"  # split 1's scaled embeddings, for the later splits' PLE
+# Genie cache group (and rope prefix) per layer type: the full layers in the default group
+GENIE_GROUP = {FULL: "past_", SLIDING: "swa_"}
 
 
 def shared_names(donor: int) -> tuple[str, str]:
@@ -523,40 +524,40 @@ class GemmaGenieStep(nn.Module):
     """Layers [a, b) of Gemma-3 / Gemma-4 text in Genie's I/O contract (``genieio``), around the
     family's own static shard (``Gemma4Shard``, sliding layers unringed)::
 
-        input_ids | residual_a ─┐  per_layer_inputs [1,AR,L*P] (Genie's perlayer LUT: PLE)
-        token_embeds (split>1) ─┼─▶ Gemma4Shard ─▶ logits (softcap) | residual_b
-        attention_mask ─────────┤                 (+ token_embeds out of split 1 with PLE,
-          └ window_mask ─▶ sliding layers          + shared_key/value_<d> for later sharers)
+        input_ids | residual_a ─┐  Gemma-3: the first split gathers from input_ids
+        inputs_embeds ──────────┼─▶ Gemma4Shard ─▶ logits (softcap) | residual_b
+          [1,AR,H+L*P]          │    Gemma-4: Genie's LUT rows [embedding | per-layer inputs],
+        attention_mask ─────────┤    every split (+ shared_key/value_<d> out of a donor's
+          └ window_mask ─▶ sliding layers          split for sharers in later splits)
         position_ids_*     full layers' rope, proportional: padded with cos 1 / sin 0
         swa_position_ids_* sliding layers' rope
-        past_key/value_<L>_in/out  every layer with a cache, in Genie's one default group:
-                                   a head of D = f x kv_dim is f heads (genieio.split_heads)
+        past_key/value_<L>_in/out  full layers: Genie's default cache group
+        swa_key/value_<L>_in/out   sliding layers: the group swa_ (its kv-dim, its rope)
 
-    Why one group: Genie 1.21's sliding-window cache group masks ring slots by position while
-    writing the cache index as if the new rows came last; a graph cannot line its keys up with
-    both (measured, docs/genie.md). So every layer keeps CL - AR past rows and the sliding ones
-    are windowed in the graph from Genie's full mask."""
+    Every layer keeps CL - AR past rows, the sliding ones windowed in the graph from Genie's
+    mask: Genie 1.21's sliding-window eviction masks ring slots by position while writing the
+    cache index as if the new rows came last, and a graph cannot line its keys up with both
+    (measured, docs/genie.md). The per-layer inputs ride in the embedding LUT: Genie's own
+    perlayer-embedding ("lut") left per_layer_inputs zero, and given one it refuses token ids."""
 
     def __init__(self, fam: Gemma4Family, hf, args: Args, host, layers: tuple[int, int],
-                 seq_len: int, context: int, residual_scale: float, kv_dim: int,
-                 rope_dims: dict[str, int]):
+                 seq_len: int, context: int, residual_scale: float, rope_dims: dict[str, int]):
         super().__init__()
         from .blocks import use_fp16_form
         from .genieio import (
             INPUT_IDS,
+            INPUTS_EMBEDS,
             LOGITS,
             MASK,
-            PER_LAYER_INPUTS,
             TokenGather,
             kv_names,
             residual_name,
             rope_names,
-            split_heads,
         )
 
         a, b = layers
         L = args.num_hidden_layers
-        self.args, self.T, self.S, self.kv_dim = args, seq_len, context - seq_len, kv_dim
+        self.args, self.T, self.S = args, seq_len, context - seq_len
         self.rope_dims = rope_dims
         if seq_len > args.sliding_window:
             raise UnsupportedModelError(f"--genie: --prefill-len {seq_len} is over the sliding "
@@ -565,30 +566,31 @@ class GemmaGenieStep(nn.Module):
         self.shard = use_fp16_form(Gemma4Shard(fam, hf, args, layers, seq_len, self.S,
                                                rings=False), residual_scale)
         self.head = use_fp16_form(fam.head_module(hf, args), residual_scale) if self.last else None
-        self.entry = (TokenGather(fam.text_model(hf).embed_tokens.weight, host.embed.scale)
-                      if self.first else None)
         self.ple = bool(args.hidden_size_per_layer_input)
+        self.entry = (TokenGather(fam.text_model(hf).embed_tokens.weight, host.embed.scale)
+                      if self.first and not self.ple else None)
         self.types = self.shard.types
         sh = self.shard
-        self.factor = {i: split_heads(kv_dim, args.head_dims[i]) for i in sh.own}
         # donors here whose sharers come in later splits: their [cache | new] rows go out
         self.exported = sorted({args.donors[i] for i in range(b, L)
                                 if args.donors[i] is not None and a <= args.donors[i] < b})
-        ins = [(INPUT_IDS if self.first else residual_name(a), "tokens")]
+        ins = [] if self.first else [(residual_name(a), "hidden")]
         if self.ple:
-            ins += ([] if self.first else [(TOKEN_EMBEDS, "embed")]) + [(PER_LAYER_INPUTS, "ple")]
+            ins.append((INPUTS_EMBEDS, "embed"))
+        elif self.first:
+            ins.append((INPUT_IDS, "tokens"))
         ins.append((MASK, "mask"))
         for t in self.types:
-            ins += [(n, "rope") for n in rope_names("" if t == FULL else SWA_ROPE)]
+            ins += [(n, "rope") for n in rope_names("" if t == FULL else GENIE_GROUP[t])]
         for i in sh.own:
-            ins += [(n, f"state:L{i}") for n in kv_names(i, "in")]
+            group = GENIE_GROUP[args.layer_types[i]]
+            ins += [(n, f"state:L{i}") for n in kv_names(i, "in", group)]
         for d in sh.external:
             ins += [(n, f"shared:L{d}") for n in shared_names(d)]
         outs = [(LOGITS if self.last else residual_name(b), "out")]
-        if self.ple and self.first and not self.last:
-            outs.append((TOKEN_EMBEDS, "embed"))
         for i in sh.own:
-            outs += [(n, f"state:L{i}") for n in kv_names(i, "out")]
+            outs += [(n, f"state:L{i}")
+                     for n in kv_names(i, "out", GENIE_GROUP[args.layer_types[i]])]
         for d in self.exported:
             outs += [(n, f"shared:L{d}") for n in shared_names(d)]
         self.io = GraphIO(inputs=ins, outputs=outs)
@@ -603,18 +605,18 @@ class GemmaGenieStep(nn.Module):
         from .genieio import genie_kv_shapes
 
         a, T, S = self.args, self.T, self.S
-        out = [torch.zeros(1, T, dtype=torch.int32) if self.first
-               else torch.randn(1, T, a.hidden_size)]
+        out = [] if self.first else [torch.randn(1, T, a.hidden_size)]
         if self.ple:
-            if not self.first:
-                out.append(torch.randn(1, T, a.hidden_size))
-            out.append(torch.randn(1, T, a.num_hidden_layers * a.hidden_size_per_layer_input))
+            out.append(torch.randn(1, T, a.hidden_size
+                                   + a.num_hidden_layers * a.hidden_size_per_layer_input))
+        elif self.first:
+            out.append(torch.zeros(1, T, dtype=torch.int32))
         out.append(torch.zeros(1, 1, T, S + T))
         for t in self.types:
             R, _ = self._rope_width(t)
             out += [torch.ones(1, 1, T, R), torch.zeros(1, 1, T, R)]
         for i in self.shard.own:
-            ks, vs = genie_kv_shapes(a.kv_heads[i], a.head_dims[i], self.kv_dim, S)
+            ks, vs = genie_kv_shapes(a.kv_heads[i], a.head_dims[i], a.head_dims[i], S)
             out += [torch.zeros(ks), torch.zeros(vs)]
         for d in self.shard.external:
             out += [torch.zeros(1, a.kv_heads[d], S + T, a.head_dims[d]) for _ in "kv"]
@@ -625,14 +627,14 @@ class GemmaGenieStep(nn.Module):
 
         a, sh, S = self.args, self.shard, self.S
         rest = list(inputs)
-        x = rest.pop(0)
-        hidden = self.entry(x) if self.first else x
-        shard_in = [hidden]
-        embed = None
-        if self.ple:
-            embed = hidden if self.first else rest.pop(0)
-            # the shard scales its hidden to 1/s itself; the PLE projection reads HF's embedding
-            shard_in += [embed, rest.pop(0)]
+        hidden = None if self.first else rest.pop(0)
+        if self.ple:  # the scaled embeddings: the first split's hidden, every split's PLE input
+            rows = rest.pop(0)
+            embed, ple = rows[..., :a.hidden_size], rows[..., a.hidden_size:]
+            # (the shard scales its hidden to 1/s itself; the PLE projection reads HF's)
+            shard_in = [embed if self.first else hidden, embed, ple]
+        else:
+            shard_in = [self.entry(rest.pop(0)) if self.first else hidden]
         mask = rest.pop(0)
         ropes = {}
         for t in self.types:
@@ -644,8 +646,8 @@ class GemmaGenieStep(nn.Module):
         for t in self.types:
             shard_in.append(mask if t == FULL else window_mask(mask, S, a.sliding_window))
         own = []
-        for i in sh.own:
-            own += kv_from_genie(rest.pop(0), rest.pop(0), self.factor[i])
+        for _ in sh.own:
+            own += kv_from_genie(rest.pop(0), rest.pop(0), 1)
         own = clean_past(mask, own, S)
         shared = {d: (rest.pop(0), rest.pop(0)) for d in sh.external}
         shard_in += own
@@ -656,11 +658,9 @@ class GemmaGenieStep(nn.Module):
                 shard_in += [shared[d][0][:, :, S:], shared[d][1][:, :, S:]]
         out, *new = sh(*shard_in)
         result = [self.head(out) if self.last else out]
-        if self.ple and self.first and not self.last:
-            result.append(embed)
         genie_new = []
-        for j, i in enumerate(sh.own):
-            genie_new += kv_to_genie(new[2 * j], new[2 * j + 1], self.factor[i])
+        for j in range(len(sh.own)):
+            genie_new += kv_to_genie(new[2 * j], new[2 * j + 1], 1)
         result += genie_new
         for d in self.exported:  # [cache | new] of the donor, as its sharers read it
             j = sh.own.index(d)

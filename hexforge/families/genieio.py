@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 INPUT_IDS, MASK, LOGITS = "input_ids", "attention_mask", "logits"
-PER_LAYER_INPUTS = "per_layer_inputs"  # Genie's per-layer embedding rows (Gemma-4's PLE)
+INPUTS_EMBEDS = "inputs_embeds"  # Genie's token-embedding LUT rows (its "embedding" config)
 MASKED = -1000.0  # what Genie writes into a float mask for a slot not attended
 
 
@@ -41,9 +41,10 @@ def rope_names(prefix: str = "") -> tuple[str, str]:
     return f"{prefix}position_ids_cos", f"{prefix}position_ids_sin"
 
 
-def kv_names(layer: int, direction: str) -> tuple[str, str]:
-    """past_key_<L>_<in|out>, past_value_<L>_<in|out>: Genie's default cache group."""
-    return f"past_key_{layer}_{direction}", f"past_value_{layer}_{direction}"
+def kv_names(layer: int, direction: str, prefix: str = "past_") -> tuple[str, str]:
+    """<prefix>key_<L>_<in|out>, <prefix>value_<L>_<in|out>: a layer's cache in Genie's cache
+    group ``prefix`` (past_: the default group)."""
+    return f"{prefix}key_{layer}_{direction}", f"{prefix}value_{layer}_{direction}"
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
       tokenizer.json                     the checkpoint's
       prompt_ar{N}_cl{C}_{i}_of_{n}.bin  the context binaries (forge/genie.py), per split i
       token_ar1_cl{C}_{i}_of_{n}.bin     (decoder_{i}_of_{n}.bin: both in one, weight-shared)
-      per_layer_embedding.f32            Gemma-4: the per-layer table Genie gathers from
+      embedding.f32                      Gemma-4: [token embedding | per-layer inputs] rows
 
 Key by key these follow AI Hub's exporter (``qai_hub_models/utils/llm_helpers.py``
 ``create_genie_config``, ``save_htp_config_for_genie_bundle``); docs/genie.md has the sources.
@@ -62,7 +62,7 @@ def bos_token(tokenizer_json: Path) -> int:
 
 def dialog_config(manifest: Manifest, bins: list[str], bos: int, spec,
                   tokenizer: str = TOKENIZER, extensions: str = EXTENSIONS,
-                  per_layer_lut: tuple[str, int] | None = None) -> dict:
+                  lut: tuple[str, int] | None = None) -> dict:
     g = manifest.generation
     eos = g.eos_token_ids or [-1]
     model = {"version": 1, "type": "binary", "binary": {"version": 1, "ctx-bins": bins},
@@ -82,12 +82,16 @@ def dialog_config(manifest: Manifest, bins: list[str], bos: int, spec,
                 # AI Hub's values; cpu-mask picks the big cores of a phone's CPU
                 "QnnHtp": {"version": 1, "use-mmap": True, "spill-fill-bufsize": 0,
                            "mmap-budget": 0, "poll": True, "cpu-mask": "0xe0",
-                           "kv-dim": spec.kv_dim, "allow-async-init": False}},
+                           "kv-dim": spec.caches[0].kv_dim, "allow-async-init": False}},
             "model": model}}
-    if per_layer_lut is not None:  # Genie gathers the rows into per_layer_inputs
-        path, width = per_layer_lut
-        dialog["perlayer-embedding"] = {"version": 1, "type": "lut", "lut-path": path,
-                                        "size": width, "datatype": "float32"}
+    if len(spec.caches) > 1:  # the default group's mask is attention_mask for every group
+        groups = [{"version": 1, "prefix": c.prefix, "kv-dim": c.kv_dim} for c in spec.caches]
+        groups[0]["attention-mask-tensor-name"] = "attention_mask"
+        dialog["engine"]["cache-groups"] = groups
+    if lut is not None:  # Genie gathers the rows itself into inputs_embeds
+        path, width = lut
+        dialog["embedding"] = {"version": 1, "type": "lut", "lut-path": path, "size": width,
+                               "datatype": "float32"}
     return {"dialog": dialog}
 
 
@@ -99,42 +103,44 @@ def backend_extensions(soc_model: int, htp_arch: int, weight_sharing: bool) -> d
             "context": {"weight_sharing_enabled": weight_sharing}}
 
 
-PER_LAYER_LUT = "per_layer_embedding.f32"
+LUT = "embedding.f32"
 
 
-def write_per_layer_lut(host_file: Path, table: str, scale: float, dst: Path) -> int:
-    """The per-layer embedding table [V, L*P] x ``scale`` as raw float32 rows (Genie's ``lut``),
-    a block of rows at a time (Gemma-4-E2B's is 262,144 x 8,960), written beside and renamed.
-    -> the row width."""
+def write_lut(host_file: Path, tables: tuple[tuple[str, float], ...], dst: Path) -> int:
+    """Genie's embedding LUT: each row the rows of ``tables`` (host table, scale) side by side,
+    as raw float32 (Gemma-4: the token embedding x sqrt(H), then its per-layer inputs x
+    sqrt(P): 262,144 x (1,536 + 8,960) on E2B), a block of rows at a time, written beside and
+    renamed. -> the row width."""
     import numpy as np
 
     from ..runtime.hostfile import load_host_tensors
 
-    rows = load_host_tensors(host_file)[table]
+    host = load_host_tensors(host_file)
+    parts = [(host[name], np.float32(scale)) for name, scale in tables]
+    rows = parts[0][0].shape[0]
+    if any(t.shape[0] != rows for t, _ in parts):
+        raise BuildError(f"the tables of Genie's embedding LUT differ in rows: {tables}")
     tmp = dst.with_name(dst.name + ".partial")
     with open(tmp, "wb") as f:
-        for start in range(0, rows.shape[0], 4096):
-            block = np.asarray(rows[start:start + 4096], np.float32)
-            (block * np.float32(scale)).tofile(f)
+        for start in range(0, rows, 4096):
+            np.concatenate([np.asarray(t[start:start + 4096], np.float32) * s for t, s in parts],
+                           axis=1).tofile(f)
     tmp.replace(dst)
-    return int(rows.shape[1])
+    return sum(int(t.shape[1]) for t, _ in parts)
 
 
 def write_bundle_files(folder: Path, manifest: Manifest, bins: list[Path], tokenizer_json: Path,
                        soc_model: int, htp_arch: int, spec, host_file: Path,
                        weight_sharing: bool = False) -> Path:
-    """genie_config.json, htp_backend_ext_config.json, tokenizer.json (and the per-layer
-    embedding table where the family has one) beside ``bins`` (which are in ``folder``
+    """genie_config.json, htp_backend_ext_config.json, tokenizer.json (and the embedding LUT
+    where the family has Genie gather its inputs) beside ``bins`` (which are in ``folder``
     already). -> the config's path."""
     if any(b.parent != folder for b in bins):
         raise BuildError("a Genie bundle's binaries must sit beside its genie_config.json")
     shutil.copy2(tokenizer_json, folder / TOKENIZER)
-    lut = None
-    if spec.per_layer_table is not None:
-        table, scale = spec.per_layer_table
-        lut = (PER_LAYER_LUT, write_per_layer_lut(host_file, table, scale, folder / PER_LAYER_LUT))
+    lut = (LUT, write_lut(host_file, spec.lut, folder / LUT)) if spec.lut else None
     cfg = dialog_config(manifest, [b.name for b in bins], bos_token(tokenizer_json), spec,
-                        per_layer_lut=lut)
+                        lut=lut)
     (folder / EXTENSIONS).write_text(
         json.dumps(backend_extensions(soc_model, htp_arch, weight_sharing), indent=1) + "\n")
     (folder / CONFIG).write_text(json.dumps(cfg, indent=1) + "\n")

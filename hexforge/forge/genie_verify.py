@@ -23,6 +23,7 @@ tokens through AR-1 (teacher-forced), then greedy tokens of its own.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -66,10 +67,11 @@ class GenieGraphs:
 
       * a step runs the splits one after another over one table of named tensors (Genie's
         buffers are shared by name: a split's ``residual_<b>`` output is the next one's input);
-      * every ``past_key_<L>_in`` a graph takes gets a cache of CL rows on the host, its first
-        CL - AR rows fed, the step's rows of ``past_key_<L>_out`` appended (SMART_MASK);
+      * every ``<group>key_<L>_in`` a graph takes (each cache group's prefix; past_ by
+        default) gets a cache of CL rows on the host, its first CL - AR rows fed, the step's
+        rows of ``<group>key_<L>_out`` appended (SMART_MASK);
       * each positional-encoding entry fills ``<prefix>position_ids_cos/sin``;
-      * ``per_layer_inputs`` are the ids' rows of the perlayer-embedding LUT."""
+      * ``inputs_embeds`` are the ids' rows of the embedding LUT."""
 
     def __init__(self, sessions: dict[int, list], config: dict, folder: Path):
         d = config["dialog"]
@@ -80,25 +82,30 @@ class GenieGraphs:
                                             else eos)), 0)
         self.ropes = {e.get("prefix", ""): genie_inv_freq(e)
                       for e in _entries(d["engine"]["model"]["positional-encoding"])}
-        self.lut = None
-        ple = d.get("perlayer-embedding")
-        if ple is not None:
-            width = int(ple["size"])
-            self.lut = np.memmap(folder / ple["lut-path"], np.float32, "r").reshape(-1, width)
+        self.lut = None  # the rows Genie gathers into inputs_embeds
+        if "embedding" in d:
+            width = int(d["embedding"]["size"])
+            self.lut = np.memmap(folder / d["embedding"]["lut-path"], np.float32,
+                                 "r").reshape(-1, width)
+        # cache groups by prefix (the default past_ when the config names none)
+        prefixes = [g["prefix"] for g in d["engine"].get("cache-groups", [])] or ["past_"]
         self.shapes: dict[str, tuple] = {}  # cache name -> [H, 1, d, S] (keys) / [H, 1, S, d]
         for sess in sessions[1]:
             for x in sess.get_inputs():
-                if x.name.startswith("past_") and x.name.endswith("_in"):
+                if x.name.startswith(tuple(prefixes)) and x.name.endswith("_in"):
                     self.shapes[x.name[:-3]] = tuple(x.shape)
         self.reset()
 
     def reset(self) -> None:
         self.cache = {}
         for name, (H, _, a, b) in self.shapes.items():  # AR-1: the past is CL - 1 rows
-            keys = name.startswith("past_key_")
+            keys = self._keys(name)
             self.cache[name] = np.zeros((H, 1, a, self.C) if keys else (H, 1, self.C, b),
                                         np.float32)
         self.n = 0
+
+    def _keys(self, name: str) -> bool:
+        return re.search(r"key_\d+$", name) is not None
 
     def run(self, ids: list[int]) -> np.ndarray:
         """``ids`` through AR-1 (one id) or AR-N (2..N ids, padded) -> their logits [T, V]."""
@@ -120,16 +127,16 @@ class GenieGraphs:
             bus[f"{prefix}position_ids_cos"] = np.cos(angles).astype(np.float32)[None, None]
             bus[f"{prefix}position_ids_sin"] = np.sin(angles).astype(np.float32)[None, None]
         if self.lut is not None:
-            bus["per_layer_inputs"] = np.asarray(self.lut[padded], np.float32)[None]
+            bus["inputs_embeds"] = np.asarray(self.lut[padded], np.float32)[None]
         for name, c in self.cache.items():
-            bus[f"{name}_in"] = c[..., :S] if name.startswith("past_key_") else c[:, :, :S]
+            bus[f"{name}_in"] = c[..., :S] if self._keys(name) else c[:, :, :S]
         for sess in self.sessions[AR]:
             feeds = {x.name: bus[x.name] for x in sess.get_inputs()}
             names = [o.name for o in sess.get_outputs()]
             bus.update(zip(names, sess.run(None, feeds), strict=True))
         for name, c in self.cache.items():
             new = bus[f"{name}_out"]
-            if name.startswith("past_key_"):
+            if self._keys(name):
                 c[..., self.n:self.n + T] = new[..., :T]
             else:
                 c[:, :, self.n:self.n + T] = new[:, :, :T]

@@ -20,9 +20,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import BundleError, ContextOverflowError, RequestError
+from ..errors import BundleError, RequestError
 from . import genie
-from .options import GenerationResult
+from .genie_checks import check_folder
+from .options import GenerationResult, check_request
 from .text import ChatTemplate, TextTokenizer, encode_prompt
 
 CONFIG = "genie_config.json"
@@ -73,8 +74,9 @@ def absolute_paths(config: dict, folder: Path) -> dict:
     for key in ("ctx-bins", "fcb"):
         if key in binary:
             binary[key] = [fix(p) for p in binary[key]]
-    if "lut-path" in d.get("embedding", {}):
-        d["embedding"]["lut-path"] = fix(d["embedding"]["lut-path"])
+    for key in ("embedding", "perlayer-embedding"):  # the tables Genie gathers rows of
+        if "lut-path" in d.get(key, {}):
+            d[key]["lut-path"] = fix(d[key]["lut-path"])
     return cfg
 
 
@@ -85,9 +87,12 @@ class GenieModel:
         self.bundle = Path(bundle)
         self.folder = find_folder(self.bundle, arch if arch is None or arch.startswith("v")
                                   else f"v{arch}")
-        self.config = json.loads((self.folder / CONFIG).read_text())
+        # integrity (genie_checks.py): the folder's files, paths and tokenizer judged before
+        # libGenie sees them
+        self.config = check_folder(self.folder)
         d = self.config["dialog"]
         self.context = int(d["context"]["size"])
+        self.n_vocab = int(d["context"]["n-vocab"])
         eos = d["context"].get("eos-token", -1)
         self.eos = [e for e in (eos if isinstance(eos, list) else [eos]) if e >= 0]
         self.tokenizer = TextTokenizer(self.folder)
@@ -136,10 +141,9 @@ class GenieModel:
         top_p = sampler.get("top-p", 1.0) if top_p is None else top_p
         t0 = time.perf_counter()
         ids = self.encode(prompt)
-        max_new = (min(256, self.context - len(ids)) if max_new_tokens is None
+        max_new = (max(1, min(256, self.context - len(ids))) if max_new_tokens is None
                    else max_new_tokens)
-        if len(ids) + max_new > self.context:
-            raise ContextOverflowError(len(ids), max_new, self.context)
+        check_request(ids, max_new, self.n_vocab, self.context)  # integrity: before libGenie
         dialog = self._dialog_for(temperature, top_k, top_p, seed, ignore_eos)
         detok = self.tokenizer.detokenizer()
         tokens: list[int] = []
