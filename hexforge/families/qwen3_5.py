@@ -165,6 +165,21 @@ class Qwen35Family(DecoderFamily):
         return blocks.Head(self.text_model(hf).norm, hf.lm_head, softcap=None, unit_offset=True,
                            hidden_size=args.hidden_size)
 
+    # ---- Genie --------------------------------------------------------------------------------
+    def genie_spec(self, hf, args: Args):
+        """The default spec (the full layers' cache and rope), plus Genie's linear-attention
+        state for the GatedDeltaNet layers."""
+        import dataclasses
+
+        return dataclasses.replace(super().genie_spec(hf, args), linear_attention=True)
+
+    def genie_step(self, hf, args: Args, host, layers: tuple[int, int], seq_len: int,
+                   context: int, residual_scale: float):
+        return Qwen35GenieStep(self, hf, args, host, layers, seq_len, context, residual_scale)
+
+    def check_genie(self, args: Args) -> None:
+        """Text-only Qwen3.5 (the vision tower's M-RoPE positions are not Genie's text rope)."""
+
 
 # ---- export modules (torch) ----------------------------------------------------------------------
 
@@ -404,6 +419,105 @@ class Qwen35Shard(nn.Module):
             hidden, s0, s1 = layer(hidden, step, rest.pop(0), rest.pop(0))
             new += [s0, s1]
         return (hidden, *new)
+
+
+
+# ---- Genie (forge/genie.py; docs/genie.md) ---------------------------------------------------------
+
+
+def conv_state_names(layer: int, direction: str) -> tuple[str, str]:
+    """Genie's linear-attention state of a layer (its ``linear-attention`` model flag): the conv
+    fifo and the recurrent (delta-rule) state, each ``_in`` -> ``_out``, copied back by Genie."""
+    return f"conv_state_{layer}_{direction}", f"recurrent_state_{layer}_{direction}"
+
+
+class Qwen35GenieStep(nn.Module):
+    """Layers [a, b) of Qwen3.5 text in Genie's I/O contract (``genieio``) around the family's
+    static shard::
+
+        input_ids | residual_a ─▶ Qwen35Shard ─▶ logits | residual_b
+        attention_mask ──┬─▶ full layers (past_key/value_<L>, Genie's default cache group)
+                         └─▶ valid rows, tail one-hot ─▶ linear layers' pad handling
+        position_ids_*       the full layers' partial rope (the rotated dims' frequencies)
+        conv_state_<L>_in/out [1, K-1, C], recurrent_state_<L>_in/out [1, Hv, dk, dv]
+
+    Genie right-pads a prompt's last AR-N chunk and masks the pad rows whole, so a row is real
+    iff its mask row attends anything: the pad rows then leave the recurrent state untouched
+    (beta = g = 0, the shard's ``valid``) and the fifo keeps the last K-1 real inputs (the
+    shard's ``tail``, a one-hot made here from the count of real rows)."""
+
+    def __init__(self, fam: Qwen35Family, hf, args: Args, host, layers: tuple[int, int],
+                 seq_len: int, context: int, residual_scale: float):
+        super().__init__()
+        from .blocks import use_fp16_form
+        from .genieio import INPUT_IDS, LOGITS, MASK, TokenGather, kv_names, residual_name, rope_names
+
+        a, b = layers
+        self.args, self.T, self.S = args, seq_len, context - seq_len
+        self.first, self.last = a == 0, b == args.num_hidden_layers
+        self.shard = use_fp16_form(Qwen35Shard(fam, hf, args, layers, seq_len, self.S),
+                                   residual_scale)
+        self.head = use_fp16_form(fam.head_module(hf, args), residual_scale) if self.last else None
+        self.entry = (TokenGather(fam.text_model(hf).embed_tokens.weight, host.embed.scale)
+                      if self.first else None)
+        sh = self.shard
+        ins = [(INPUT_IDS if self.first else residual_name(a), "tokens"), (MASK, "mask")]
+        if sh.has_full:
+            ins += [(n, "rope") for n in rope_names()]
+        outs = [(LOGITS if self.last else residual_name(b), "out")]
+        for i in sh.ids:
+            names = kv_names if args.layer_types[i] == FULL else conv_state_names
+            ins += [(n, f"state:L{i}") for n in names(i, "in")]
+            outs += [(n, f"state:L{i}") for n in names(i, "out")]
+        self.io = GraphIO(inputs=ins, outputs=outs)
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        from .genieio import genie_kv_shapes
+
+        a, T, S = self.args, self.T, self.S
+        out = [torch.zeros(1, T, dtype=torch.int32) if self.first
+               else torch.randn(1, T, a.hidden_size), torch.zeros(1, 1, T, S + T)]
+        if self.shard.has_full:
+            R = self.shard.rot_dim // 2
+            out += [torch.ones(1, 1, T, R), torch.zeros(1, 1, T, R)]
+        for i in self.shard.ids:
+            if a.layer_types[i] == FULL:
+                ks, vs = genie_kv_shapes(a.num_key_value_heads, a.head_dim, a.head_dim, S)
+                out += [torch.zeros(ks), torch.zeros(vs)]
+            else:
+                out += [torch.zeros(1, a.linear_conv_kernel_dim - 1, a.conv_dim),
+                        torch.zeros(1, a.linear_num_value_heads, a.linear_key_head_dim,
+                                    a.linear_value_head_dim)]
+        return tuple(out)
+
+    def forward(self, tokens, mask, *rest):
+        from .genieio import clean_past, full_rope, kv_from_genie, kv_to_genie
+
+        a, sh, T, S = self.args, self.shard, self.T, self.S
+        rest = list(rest)
+        shard_in = [self.entry(tokens) if self.first else tokens]
+        if sh.has_full:
+            shard_in += [full_rope(rest.pop(0)), full_rope(rest.pop(0)), mask]
+        if sh.padded:
+            K1 = a.linear_conv_kernel_dim - 1
+            valid = (mask > -1.0).any(-1).float()[:, 0]  # [1, T]: a pad row attends nothing
+            n = valid.sum(-1, keepdim=True)  # [1, 1] real rows (the first n)
+            # the fifo after the step: rows n .. n+K-2 of [fifo | the T inputs]
+            rows = torch.arange(K1 + T, dtype=torch.float32)[None, None, :]  # [1, 1, K1+T]
+            want = n[:, :, None] + torch.arange(K1, dtype=torch.float32)[None, :, None]
+            shard_in += [valid, (rows == want).float()]  # tail [1, K1, K1+T]
+        states = []
+        for i in sh.ids:
+            s0, s1 = rest.pop(0), rest.pop(0)
+            if a.layer_types[i] == FULL:
+                s0, s1 = clean_past(mask, list(kv_from_genie(s0, s1, 1)), S)
+            states += [s0, s1]
+        out, *new = sh(*shard_in, *states)
+        result = [self.head(out) if self.last else out]
+        for j, i in enumerate(sh.ids):
+            n0, n1 = new[2 * j], new[2 * j + 1]
+            result += list(kv_to_genie(n0, n1, 1)) if a.layer_types[i] == FULL else [n0, n1]
+        return tuple(result)
 
 
 FAMILY = Qwen35Family()

@@ -31,6 +31,7 @@ import numpy as np
 from ..errors import BuildError
 
 MASKED = -1000.0  # what Genie writes into a float32 mask (docs/genie.md)
+STATES = ("conv_state_", "recurrent_state_")  # Genie's linear-attention tensors
 
 
 def genie_inv_freq(positional_encoding: dict) -> np.ndarray:
@@ -71,6 +72,8 @@ class GenieGraphs:
         default) gets a cache of CL rows on the host, its first CL - AR rows fed, the step's
         rows of ``<group>key_<L>_out`` appended (SMART_MASK);
       * each positional-encoding entry fills ``<prefix>position_ids_cos/sin``;
+      * with ``linear-attention``, each ``conv_state_<L>_in`` / ``recurrent_state_<L>_in``
+        starts at zero and takes the step's ``_out`` after it (measured with dump-tensors);
       * ``inputs_embeds`` are the ids' rows of the embedding LUT."""
 
     def __init__(self, sessions: dict[int, list], config: dict, folder: Path):
@@ -90,10 +93,14 @@ class GenieGraphs:
         # cache groups by prefix (the default past_ when the config names none)
         prefixes = [g["prefix"] for g in d["engine"].get("cache-groups", [])] or ["past_"]
         self.shapes: dict[str, tuple] = {}  # cache name -> [H, 1, d, S] (keys) / [H, 1, S, d]
+        self.state_shapes: dict[str, tuple] = {}  # linear-attention state -> its shape
+        linear = bool(d["engine"]["model"].get("linear-attention"))
         for sess in sessions[1]:
             for x in sess.get_inputs():
                 if x.name.startswith(tuple(prefixes)) and x.name.endswith("_in"):
                     self.shapes[x.name[:-3]] = tuple(x.shape)
+                elif linear and x.name.startswith(STATES) and x.name.endswith("_in"):
+                    self.state_shapes[x.name[:-3]] = tuple(x.shape)
         self.reset()
 
     def reset(self) -> None:
@@ -102,6 +109,7 @@ class GenieGraphs:
             keys = self._keys(name)
             self.cache[name] = np.zeros((H, 1, a, self.C) if keys else (H, 1, self.C, b),
                                         np.float32)
+        self.states = {name: np.zeros(shape, np.float32) for name, shape in self.state_shapes.items()}
         self.n = 0
 
     def _keys(self, name: str) -> bool:
@@ -130,6 +138,8 @@ class GenieGraphs:
             bus["inputs_embeds"] = np.asarray(self.lut[padded], np.float32)[None]
         for name, c in self.cache.items():
             bus[f"{name}_in"] = c[..., :S] if self._keys(name) else c[:, :, :S]
+        for name, state in self.states.items():
+            bus[f"{name}_in"] = state
         for sess in self.sessions[AR]:
             feeds = {x.name: bus[x.name] for x in sess.get_inputs()}
             names = [o.name for o in sess.get_outputs()]
@@ -140,6 +150,8 @@ class GenieGraphs:
                 c[..., self.n:self.n + T] = new[..., :T]
             else:
                 c[:, :, self.n:self.n + T] = new[:, :, :T]
+        for name in self.states:  # Genie hands each state's output to the next step's input
+            self.states[name] = bus[f"{name}_out"]
         self.n += T
         return bus["logits"][0, :T].astype(np.float32)
 
