@@ -461,7 +461,11 @@ class Qwen35GenieStep(nn.Module):
         self.entry = (TokenGather(fam.text_model(hf).embed_tokens.weight, host.embed.scale)
                       if self.first else None)
         sh = self.shard
-        ins = [(INPUT_IDS if self.first else residual_name(a), "tokens"), (MASK, "mask")]
+        # the mask: the full layers' and, in a prompt chunk, the pad rows' (a decode step of
+        # linear layers alone reads none: the exporter drops an input no node reads)
+        self.masked = sh.has_full or sh.padded
+        ins = [(INPUT_IDS if self.first else residual_name(a), "tokens")]
+        ins += [(MASK, "mask")] if self.masked else []
         if sh.has_full:
             ins += [(n, "rope") for n in rope_names()]
         outs = [(LOGITS if self.last else residual_name(b), "out")]
@@ -476,7 +480,8 @@ class Qwen35GenieStep(nn.Module):
 
         a, T, S = self.args, self.T, self.S
         out = [torch.zeros(1, T, dtype=torch.int32) if self.first
-               else torch.randn(1, T, a.hidden_size), torch.zeros(1, 1, T, S + T)]
+               else torch.randn(1, T, a.hidden_size)]
+        out += [torch.zeros(1, 1, T, S + T)] if self.masked else []
         if self.shard.has_full:
             R = self.shard.rot_dim // 2
             out += [torch.ones(1, 1, T, R), torch.zeros(1, 1, T, R)]
@@ -490,11 +495,12 @@ class Qwen35GenieStep(nn.Module):
                                     a.linear_value_head_dim)]
         return tuple(out)
 
-    def forward(self, tokens, mask, *rest):
+    def forward(self, tokens, *rest):
         from .genieio import clean_past, full_rope, kv_from_genie, kv_to_genie
 
         a, sh, T, S = self.args, self.shard, self.T, self.S
         rest = list(rest)
+        mask = rest.pop(0) if self.masked else None
         shard_in = [self.entry(tokens) if self.first else tokens]
         if sh.has_full:
             shard_in += [full_rope(rest.pop(0)), full_rope(rest.pop(0)), mask]
