@@ -72,4 +72,18 @@ def run_demo(workdir: str | None = None, tiny: bool = False, family: str = "llam
     print(f"4. done in {time.perf_counter() - t0:.1f}s; next: hexforge inspect {bundle}")
     if "qnn-sim" in results:
         print("   (simulator speed says nothing about a device: see the roofline in inspect)")
-    return {"bundle": str(bundle), "results": results}
+    left = [(root, "the bundle" + (" and the tiny checkpoint" if source.is_dir() else ""))]
+    if source.suffix == ".gguf":  # the conversion is cached for the next build of this file
+        from .forge.gguf import cache_root
+
+        left.append((cache_root(), "the GGUF's fp32 checkpoint, reused by the next build of "
+                                   "it ($HEXFORGE_CACHE moves it)"))
+    print("5. left on disk: " + "; ".join(f"{p} ({disk_bytes(p) / 1e9:.2f} GB: {what})"
+                                          for p, what in left))
+    print("   remove with: rm -rf " + " ".join(str(p) for p, _ in left))
+    return {"bundle": str(bundle), "results": results, "left": [str(p) for p, _ in left]}
+
+
+def disk_bytes(folder: Path) -> int:
+    """The bytes of the files under ``folder``."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())

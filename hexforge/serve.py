@@ -16,16 +16,23 @@ with llguidance (runtime/constrain.py); every finished output parses, finish_rea
 it was cut by max_tokens.
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with 400 for bad
-requests (context overflow: code ``context_length_exceeded``), 401 for a wrong API key.
+requests (context overflow: code ``context_length_exceeded``), 401 for a wrong API key, and 404
+``model_not_found`` for a ``model`` that is not the one served — as OpenAI's API answers an
+unknown model, not a silent answer from another model (llama.cpp's server ignores the field; a
+client asking for "gpt-4" here should learn it is not talking to gpt-4). A request without a
+``model`` gets the bundle's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -236,6 +243,13 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
                  "top_logprobs": [{"token": tok.decode([t]), "logprob": lp}
                                   for t, lp in e["top"]]} for e in result.logprobs or []]
 
+    def unknown_model(name: str | None):
+        """OpenAI's answer to a model it does not serve (None: the request named none)."""
+        if name is None or name == model_id:
+            return None
+        return error(404, f"The model `{name}` does not exist; this server serves "
+                     f"`{model_id}` (GET /v1/models)", "model_not_found")
+
     async def respond(request: Request, ids: list[int], kw: dict, chat: bool, stream: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -314,6 +328,8 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
+        if (refused := unknown_model(req.model)) is not None:
+            return refused
         try:
             kw = req.generation_kwargs()
             kw["max_new_tokens"] = req.max_completion_tokens or req.max_tokens
@@ -336,6 +352,8 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        if (refused := unknown_model(req.model)) is not None:
+            return refused
         try:
             kw = req.generation_kwargs()
             if req.logprobs is not None:
@@ -348,12 +366,36 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
     return app
 
 
+def served_id(model, bundle: str | Path) -> str:
+    """The ``model`` name a bundle is served as: <model_type>:<bundle folder>."""
+    return model.manifest.model_type + ":" + Path(bundle).absolute().name
+
+
 def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          backend: str = "cpu", arch: str | None = None) -> None:
+          backend: str = "cpu", arch: str | None = None, model_name: str | None = None) -> None:
+    """Load the bundle, bind the port (a port in use is the one-line OSError, before uvicorn
+    starts), say where it listens, serve until Ctrl-C."""
     import uvicorn
 
     from .runtime.model import load
 
     model = load(bundle, backend=backend, arch=arch)
-    model_id = model.manifest.model_type + ":" + str(bundle).rstrip("/").split("/")[-1]
-    uvicorn.run(create_app(model, model_id, api_key), host=host, port=port, log_level="warning")
+    model_id = model_name or served_id(model, bundle)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    bound = sock.getsockname()[1]  # --port 0: the one the system gave
+    where = f"[{host}]" if family == socket.AF_INET6 else host
+    print(f"hexforge serve: {model_id} ({model.manifest.model_type}, backend {model.backend.name}, "
+          f"target {model.target}) at http://{where}:{bound}/v1 — OpenAI API: /v1/chat/completions, "
+          f"/v1/completions, /v1/models; model={model_id!r}"
+          + ("; API key required" if api_key else "") + "; Ctrl-C stops", file=sys.stderr,
+          flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(model, model_id, api_key),
+                                           log_level="warning"))
+    server.run(sockets=[sock])

@@ -12,6 +12,13 @@ as quantized, which ``save_pretrained`` refuses, so its state dict is copied int
 The conversion runs once per file: the cache key is the file's sha256, and a conversion writes
 into a temp dir renamed into place at the end (a killed conversion leaves nothing that looks
 done). The cache lives in ``$HEXFORGE_CACHE/gguf`` (default ``~/.cache/hexforge/gguf``).
+
+Before any of that the file's layout is walked (``check_gguf``): a download cut short or a file
+damaged on the way is named as such in one line, where transformers' reader fails deep inside
+with a ``struct.error`` traceback (or reshapes a short tensor)::
+
+    "GGUF" │ version │ n_tensors │ n_kv │ n_kv × (key, type, value) │ n_tensors × (name, dims,
+    ggml type, offset) │ pad to general.alignment │ tensor data: offset + bytes(dims, type) each
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import struct
 from pathlib import Path
+from typing import BinaryIO
 
 from ..errors import CheckpointError
+from .partial import TempDir, remove_stale
 
 GGUF_MAGIC = b"GGUF"
 
@@ -54,30 +63,128 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def gguf_checkpoint(path: str | Path, log=None) -> Path:
-    """The checkpoint dir converted from GGUF file ``path`` (converted now if not cached)."""
-    src = Path(path)
+# the fixed sizes of GGUF's metadata value types (GGUFValueType: 8 string, 9 array are not)
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+           12: "d"}
+_STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+
+
+class _Damaged(Exception):
+    """The layout read so far contradicts itself (a count or length no file of this size holds)."""
+
+
+class _Reader:
+    """Little-endian reads from a GGUF file's start; reading past its end raises EOFError."""
+
+    def __init__(self, f: BinaryIO, size: int):
+        self.f, self.size = f, size
+
+    def take(self, n: int) -> bytes:
+        if n > self.size - self.f.tell():
+            raise EOFError
+        return self.f.read(n)
+
+    def unpack(self, fmt: str):
+        return struct.unpack("<" + fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def count(self, what: str) -> int:
+        """A uint64 count of items of at least a byte each: more than the file holds is damage."""
+        n = self.unpack("Q")
+        if n > self.size:
+            raise _Damaged(f"{what} {n:,} > the file's {self.size:,} bytes")
+        return n
+
+    def string(self) -> bytes:
+        return self.take(self.count("a string's length"))
+
+    def skip_value(self, kind: int) -> object:
+        """Read past one metadata value; -> it when it is a scalar (general.alignment is one)."""
+        if kind in _SCALAR:
+            return self.unpack(_SCALAR[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            raise _Damaged(f"metadata value type {kind}")
+        item, n = self.unpack("I"), self.count("an array's length")
+        if item in _SCALAR:
+            self.take(n * struct.calcsize(_SCALAR[item]))
+        else:
+            for _ in range(n):
+                self.skip_value(item)
+        return None
+
+
+def check_gguf(src: Path) -> None:
+    """Refuse, in one line, a file that is not a whole GGUF: no magic, a header that runs past
+    the end (a truncated download), counts no file of its size holds, or tensor data ending
+    past the end. Reads the header only (the tokenizer's arrays included), never the tensors."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = src.stat().st_size
     with open(src, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise CheckpointError(f"{src} is not a GGUF file (no GGUF magic)")
+        r = _Reader(f, size)
+        try:
+            version = r.unpack("I")
+            if version not in (2, 3):
+                raise CheckpointError(f"{src}: GGUF version {version} is not supported (2 or 3)")
+            n_tensors, n_kv = r.count("the tensor count"), r.count("the metadata count")
+            alignment = 32  # GGUF's default
+            for _ in range(n_kv):
+                key, kind = r.string(), r.unpack("I")
+                value = r.skip_value(kind)
+                if key == b"general.alignment" and isinstance(value, int) and value > 0:
+                    alignment = value
+            end = 0  # where the last tensor's data ends, from the data section's start
+            for _ in range(n_tensors):
+                name = r.string().decode("utf-8", "replace")
+                n_dims = r.unpack("I")
+                if not 1 <= n_dims <= _MAX_DIMS:
+                    raise _Damaged(f"tensor {name!r} has {n_dims} dimensions")
+                elements = 1
+                for _ in range(n_dims):
+                    elements *= r.unpack("Q")
+                kind, offset = r.unpack("I"), r.unpack("Q")
+                try:
+                    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+                except (ValueError, KeyError):
+                    raise _Damaged(f"tensor {name!r} has ggml type {kind}") from None
+                end = max(end, offset + elements // block * block_bytes)
+            data = -(-f.tell() // alignment) * alignment
+        except EOFError:
+            raise CheckpointError(f"{src} is truncated: its header runs past the file's end at "
+                                  f"{size:,} bytes (a partial download? fetch it again)") from None
+        except _Damaged as e:
+            raise CheckpointError(f"{src} is damaged or cut short: {e} (fetch it again)") from None
+    if data + end > size:
+        raise CheckpointError(f"{src} is truncated: {size:,} bytes, its {n_tensors} tensors end at "
+                              f"{data + end:,} (a partial download? fetch it again)")
+
+
+def gguf_checkpoint(path: str | Path, log=None) -> Path:
+    """The checkpoint dir converted from GGUF file ``path`` (converted now if not cached)."""
+    src = Path(path)
+    check_gguf(src)
     out = cache_root() / _sha256(src)[:24]
     if (out / "config.json").is_file():
         return out
     if log:
         log(f"converting {src.name} (GGUF, dequantized to fp32) into {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_stale(out.parent)  # conversions killed earlier (the OOM killer runs no finally)
+    temp = TempDir(out)
     try:
-        _convert(src, tmp)
-        (tmp / "hexforge_gguf.json").write_text(json.dumps({"source": src.name}))
+        _convert(src, temp.path)
+        (temp.path / "hexforge_gguf.json").write_text(json.dumps({"source": src.name}))
         try:
-            os.replace(tmp, out)
+            os.replace(temp.path, out)
         except OSError:  # a concurrent conversion of the same file finished first
             if not (out / "config.json").is_file():
                 raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        temp.discard()
     return out
 
 
@@ -95,8 +202,8 @@ def _convert(src: Path, dst: Path) -> None:
         config = AutoConfig.from_pretrained(str(src.parent), **kw)
         loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), dtype=torch.float32, **kw)
         tokenizer = AutoTokenizer.from_pretrained(str(src.parent), **kw)
-    except (ValueError, KeyError, RuntimeError, OSError) as e:  # an architecture transformers'
-        # GGUF loader does not know, or a corrupt file
+    except (ValueError, KeyError, RuntimeError, OSError, struct.error) as e:  # an architecture
+        # transformers' GGUF loader does not know, or damage check_gguf's layout walk cannot see
         raise CheckpointError(f"{src}: transformers cannot load this GGUF file "
                               f"({' '.join(str(e).split())[:300]})") from None
     finally:
@@ -113,7 +220,7 @@ def _convert(src: Path, dst: Path) -> None:
     missing = [k for k in missing if k not in _tied(model)]
     if missing:
         raise CheckpointError(f"{src}: the GGUF has no values for {', '.join(missing[:3])}")
-    dst.mkdir(parents=True)
+    dst.mkdir(parents=True, exist_ok=True)  # the locked temp dir, empty
     model.save_pretrained(str(dst), safe_serialization=True)
     tokenizer.save_pretrained(str(dst))
     GenerationConfig.from_model_config(loaded.config).save_pretrained(str(dst))

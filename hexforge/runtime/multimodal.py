@@ -118,7 +118,7 @@ def decode_media(manifest, images: list | None, audios: list | None, preps: dict
         spec = manifest.encoder(modality)
         if spec is None:
             raise RequestError(f"this bundle has no {modality} encoder; {modality} inputs need a "
-                               f"bundle built from a checkpoint with a {modality} tower")
+                               f"bundle built from a checkpoint with an {modality} tower")
         if spec.name not in preps:
             preps[spec.name] = load_preprocessor(spec.preprocessor, spec.params)
         prep = preps[spec.name]
