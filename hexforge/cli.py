@@ -203,6 +203,15 @@ def cmd_estimate(a) -> int:
 
 
 def cmd_verify(a) -> int:
+    if a.files:  # every file against the manifest's sizes and digests, before any oracle
+        from .bundlefiles import print_file_check
+
+        if not print_file_check(Path(a.bundle), a.json):
+            return 1  # a damaged bundle is not judged by the oracle: its verdict would be noise
+        if a.reference is None:
+            return 0
+    if a.reference is None:
+        raise RequestError("hexforge verify needs --reference CHECKPOINT (the oracle) or --files")
     from .families import load_family
     from .forge.checkpoint import read_checkpoint
     from .forge.pipeline import BuildOptions, _evaluation
@@ -228,6 +237,13 @@ def cmd_verify(a) -> int:
             for f in r["failures"]:
                 print(f"    FAIL {f}")
     return 0 if all(r["passed"] for r in report.values()) else 1
+
+
+def cmd_deploy(a) -> int:
+    from .deploy import deploy
+
+    return deploy(a.bundle, a.qairt, prompt=a.prompt, serial=a.serial, dry_run=a.dry_run,
+                  arch=a.arch, device_dir=a.device_dir, chat=a.chat)
 
 
 def cmd_targets(a) -> int:
@@ -395,14 +411,37 @@ def parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="re-run the HF oracle on a bundle")
     v.add_argument("bundle", help="a bundle dir")
-    v.add_argument("--reference", required=True,
+    v.add_argument("--reference", default=None,
                    help="what the bundle was built from: a hub id, an HF checkpoint dir or a "
-                        ".gguf file")
+                        ".gguf file (the oracle; needed unless --files is given)")
+    v.add_argument("--files", action="store_true",
+                   help="check every file against the manifest's size and SHA-256 and name each "
+                        "one missing, short, different or not written by the build (exit 1 if "
+                        "any); with --reference the oracle runs after a clean check")
     v.add_argument("--target", default=None, help="judge this target only (default: every one)")
     v.add_argument("-n", type=int, default=64, help="greedy tokens to compare")
     _eval_args(v)
     v.add_argument("--json", action="store_true", help="print the oracle report as JSON")
     v.set_defaults(fn=cmd_verify)
+
+    dp = sub.add_parser("deploy", help="push a bundle's Genie folder and QAIRT's files to an "
+                        "Android phone with adb, and run a prompt there (docs/deploy.md)")
+    dp.add_argument("bundle", help="a bundle built with --genie (or its genie-v<arch> folder)")
+    dp.add_argument("--qairt", required=True, metavar="QAIRT_HOME",
+                    help="a QAIRT SDK: genie-t2t-run, the Android libraries, the arch's skel")
+    dp.add_argument("--prompt", default=None,
+                    help="run this prompt on the phone and stream the answer (default: push only)")
+    dp.add_argument("--chat", action="store_true",
+                    help="wrap --prompt as a user turn in the bundle's chat template")
+    dp.add_argument("--serial", default=None, help="the phone's adb serial (adb devices)")
+    dp.add_argument("--arch", default=None,
+                    help="the phone's Hexagon arch, e.g. v81: checked against its SoC; needed "
+                         "with --dry-run when the bundle has Genie folders for several arches")
+    dp.add_argument("--device-dir", default=None,
+                    help="the folder on the phone (default /data/local/tmp/hexforge/<bundle>)")
+    dp.add_argument("--dry-run", action="store_true",
+                    help="print every adb command instead of running it (the phone is not asked)")
+    dp.set_defaults(fn=cmd_deploy)
 
     t = sub.add_parser("targets", help="the target table")
     t.set_defaults(fn=cmd_targets)

@@ -44,7 +44,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from .errors import BundleError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: ``files`` records every file of the bundle (size, SHA-256)
+READABLE_SCHEMAS = (1, 2)  # 1: bundles built before the file list; they load without its checks
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024  # refuse before parsing anything bigger
 
@@ -348,6 +349,14 @@ def _graphs_in(value) -> list[GraphSpec]:
     return []
 
 
+class FileRecord(_Model):
+    """One file of the bundle as the build wrote it (checked by bundlefiles.py)."""
+
+    path: RelPath
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 class Manifest(_Model):
     schema_version: int
     hexforge_version: str
@@ -367,6 +376,9 @@ class Manifest(_Model):
     targets: dict[str, TargetSpec]
     encoders: list[EncoderSpec] = Field(default_factory=list)
     report: RelPath | None = "report.json"
+    # every file of the bundle but manifest.json (which cannot hold its own digest), recorded
+    # last by the build; None: a schema-1 bundle, or one still being built
+    file_records: list[FileRecord] | None = None
 
     def _alias_problem(self, graph: GraphSpec, bind: str) -> str | None:
         """An ``alias:<input>`` output must write a cache input of the same shape and dtype."""
@@ -382,11 +394,8 @@ class Manifest(_Model):
 
     @model_validator(mode="after")
     def _check(self) -> Manifest:
-        if self.schema_version != SCHEMA_VERSION:
-            raise ValueError(
-                f"schema_version {self.schema_version} is not supported (this hexforge reads "
-                f"{SCHEMA_VERSION}); rebuild the bundle with this version"
-            )
+        if self.schema_version not in READABLE_SCHEMAS:
+            raise ValueError(_schema_problem(self.schema_version))
         names = {s.name for s in self.state}
         groups = {g.name for g in self.mask_groups}
         for s in self.state:
@@ -427,6 +436,13 @@ class Manifest(_Model):
         return out
 
 
+def _schema_problem(version) -> str:
+    readable = ", ".join(map(str, READABLE_SCHEMAS))
+    fix = ("upgrade hexforge" if isinstance(version, int) and version > SCHEMA_VERSION
+           else "rebuild the bundle with this version of hexforge")
+    return f"schema_version {version!r} is not supported (this hexforge reads {readable}); {fix}"
+
+
 def confine(bundle: Path, rel: str) -> Path:
     """Resolve ``rel`` inside ``bundle``; refuse anything (symlinks too) that lands outside."""
     try:
@@ -440,7 +456,7 @@ def confine(bundle: Path, rel: str) -> Path:
     return p
 
 
-def _refuse_symlinks_outside(bundle: Path) -> None:
+def refuse_symlinks_outside(bundle: Path) -> None:
     """Any symlink in the bundle that resolves outside it is refused, not only the paths the
     manifest names: the runtime also reads files by fixed name (tokenizer/chat_template.jinja,
     tokenizer_config.json, ONNX external data), and a bundle is untrusted input."""
@@ -465,7 +481,7 @@ def load_manifest(bundle: str | os.PathLike, check_files: bool = True) -> Manife
         raise BundleError(f"{bundle} has no {MANIFEST_NAME}; is it a hexforge bundle?")
     confine(bundle, MANIFEST_NAME)  # a manifest.json symlinked outside is a read outside
     if check_files:
-        _refuse_symlinks_outside(bundle)  # also files the runtime reads by fixed name
+        refuse_symlinks_outside(bundle)  # also files the runtime reads by fixed name
     size = mpath.stat().st_size
     if size > MAX_MANIFEST_BYTES:
         raise BundleError(f"{mpath} is {size} bytes (> {MAX_MANIFEST_BYTES}); refused")
@@ -477,11 +493,8 @@ def load_manifest(bundle: str | os.PathLike, check_files: bool = True) -> Manife
         raise BundleError(f"{mpath} nests JSON too deeply; refused") from None
     if not isinstance(raw, dict):
         raise BundleError(f"{mpath} must hold a JSON object")
-    if raw.get("schema_version") != SCHEMA_VERSION:
-        raise BundleError(
-            f"{mpath}: schema_version {raw.get('schema_version')!r} is not supported (this hexforge "
-            f"reads {SCHEMA_VERSION}); rebuild the bundle with this version of hexforge"
-        )
+    if raw.get("schema_version") not in READABLE_SCHEMAS:
+        raise BundleError(f"{mpath}: {_schema_problem(raw.get('schema_version'))}")
     try:
         m = Manifest.model_validate(raw)
     except ValidationError as e:

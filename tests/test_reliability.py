@@ -374,13 +374,20 @@ def test_check_08_corrupted_safetensors_refused_before_any_allocation(tmp_path, 
     assert not reached  # refused by our header check, before the library maps or allocates
 
 
+@pytest.mark.parametrize("listed", [False, True])
 @pytest.mark.parametrize("damage", ["manifest_deep_json", "manifest_bad_bind", "graph_truncated",
                                     "graph_garbage", "weights_truncated", "host_header_lies"])
-def test_check_08_corrupted_bundle_files_are_clean_errors(bundle, copy_of, damage):
+def test_check_08_corrupted_bundle_files_are_clean_errors(bundle, copy_of, damage, listed):
     """Also: test_bundle_contract.test_not_json_and_wrong_types_are_refused; the fuzz harness
-    (tests/test_fuzz.py) runs the same loaders on mutated inputs."""
+    (tests/test_fuzz.py) runs the same loaders on mutated inputs. listed: the manifest's file
+    list (check 16) names a damaged file first; without one (a schema-1 bundle) the loaders'
+    own checks do, as here."""
     b = copy_of(bundle("llama"))
     m = json.loads((b / "manifest.json").read_text())
+    if not listed:
+        del m["file_records"]
+        m["schema_version"] = 1
+        (b / "manifest.json").write_text(json.dumps(m))
     if damage == "manifest_deep_json":  # found by the fuzzer: RecursionError escaped
         (b / "manifest.json").write_text("[" * 100_000)
         match = "nests JSON too deeply"
@@ -403,6 +410,8 @@ def test_check_08_corrupted_bundle_files_are_clean_errors(bundle, copy_of, damag
         data[:8] = (2**40).to_bytes(8, "little")
         h.write_bytes(bytes(data))
         match = "header claims"
+    if listed and damage not in ("manifest_deep_json", "manifest_bad_bind"):
+        match = r"bundle file \S+ is (truncated or )?corrupted .*verify .* --files"
     with pytest.raises(BundleError, match=match) as e:
         hexforge.load(b)
     assert "\n" not in str(e.value)
@@ -696,12 +705,23 @@ def no_session(monkeypatch):
     return made
 
 
+def _as_built(b: Path) -> None:
+    """Files changed here recorded in the manifest's file list as they are, as a build that
+    wrote them so would have (else check 16 names them as damaged before the check tested)."""
+    from hexforge.bundlefiles import record
+
+    m = json.loads((b / "manifest.json").read_text())
+    m["file_records"] = [r.model_dump() for r in record(b)]
+    (b / "manifest.json").write_text(json.dumps(m))
+
+
 def _patch_bins(b: Path, old: bytes, new: bytes) -> None:
     assert len(old) == len(new)
     for f in (b / "v81").glob("*.bin"):
         data = f.read_bytes()
         assert old in data
         f.write_bytes(data.replace(old, new))
+    _as_built(b)
 
 
 @pytest.mark.parametrize("mismatch,error,match", [
@@ -787,6 +807,7 @@ def _add_cpu_only_node(ctx: Path) -> None:
 def test_check_14_graph_that_would_split_onto_cpu_is_refused_naming_the_split(htp_copy):
     """Also: test_htp.test_graph_with_a_node_the_htp_rejects_fails_to_compile (build side)."""
     _add_cpu_only_node(htp_copy / "v81" / "head.ctx.onnx")
+    _as_built(htp_copy)
     with pytest.raises(BackendError) as e:
         hexforge.load(htp_copy, backend="qnn-sim")
     msg = str(e.value)

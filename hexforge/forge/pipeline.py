@@ -331,6 +331,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         _drop_verify_twins(tmp, manifest)
         if opts.device_only:  # the towers' float graphs served the compiles and the oracle
             shutil.rmtree(tmp / "cpu", ignore_errors=True)
+        _seal(tmp, out.name, checkpoint, log)
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -390,6 +391,27 @@ def _drop_verify_twins(root: Path, manifest: Manifest) -> None:
         shutil.rmtree(root / t.name / "verify", ignore_errors=True)
     if changed:
         save_manifest(root, manifest)
+
+
+def _seal(tmp: Path, name: str, checkpoint, log: Log) -> None:
+    """The bundle's last writes, once every other file is final: its model card, then every
+    file's size and SHA-256 into the manifest (bundlefiles.py), all inside the temp dir, so the
+    rename publishes them together."""
+    from .. import modelcard
+    from ..bundlefiles import record
+    from ..manifest import load_manifest
+    from .hub import is_hub_id
+
+    t = time.perf_counter()
+    manifest = load_manifest(tmp)  # as saved: the stages after the export may have saved it again
+    hub = is_hub_id(checkpoint)
+    modelcard.write(tmp, manifest, name, source=str(checkpoint) if hub else Path(checkpoint).name,
+                    base_model=str(checkpoint) if hub else None)
+    manifest.file_records = record(tmp)
+    save_manifest(tmp, manifest)
+    total = sum(f.bytes for f in manifest.file_records)
+    log(f"recorded {len(manifest.file_records)} files' SHA-256 ({total / 1e9:.2f} GB, "
+        f"{time.perf_counter() - t:.1f}s) and the model card {modelcard.CARD}")
 
 
 def _has_chat_template(ckpt) -> bool:

@@ -22,12 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import BundleError, ContextOverflowError, RequestError
+from ..errors import BundleError, RequestError
 from ..manifest import GraphSpec, Manifest, confine
 from .backends import Backend
 from .host import HostInputs
 from .hostfile import load_host_tensors, shared_table
 from .multimodal import MediaRows
+from .options import check_request
 from .sampling import Sampler
 from .speculative import PromptLookup, StepCosts, check_speculation, speculative_steps
 from .state import NP_DTYPES, State
@@ -371,16 +372,7 @@ class Engine:
 
     # ---- the loop ------------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], max_new_tokens: int, past: int = 0) -> None:
-        if not prompt_ids:
-            raise RequestError("the prompt is empty (0 tokens)")
-        if max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        bad = [t for t in prompt_ids if not (isinstance(t, int | np.integer)
-                                             and 0 <= t < self.vocab_size)]
-        if bad:
-            raise RequestError(f"token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if past + len(prompt_ids) + max_new_tokens > self.context:
-            raise ContextOverflowError(past + len(prompt_ids), max_new_tokens, self.context)
+        check_request(prompt_ids, max_new_tokens, self.vocab_size, self.context, past)
 
     def generate_step(self, prompt_ids: list[int], sampler: Sampler, max_new_tokens: int,
                       prefill_mode: str = "chunked", fresh: bool = True,

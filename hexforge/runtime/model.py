@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
 
+from ..bundlefiles import check_load, for_target
 from ..errors import BackendError, RequestError
 from ..manifest import Manifest, confine, load_manifest
 from .backends import Backend
@@ -85,12 +86,15 @@ class StopStrings:
 class Model:
     def __init__(self, bundle: str | Path, backend: str | Backend = "cpu",
                  arch: str | int | None = None, target: str | None = None,
-                 allow_cpu_fallback: bool = False):
+                 allow_cpu_fallback: bool = False, check_digests: bool | None = None):
         self.bundle = Path(bundle)
         self.manifest = load_manifest(self.bundle)
         self.backend = (backend if isinstance(backend, Backend) else
                         Backend.resolve(backend, parse_arch(arch), allow_cpu_fallback))
         self.target = pick_target(self.manifest, self.backend, target)
+        # before any graph is opened: a short or damaged file of this target is named here
+        check_load(self.bundle, self.manifest, for_target(self.manifest, self.target),
+                   check_digests)
         if self.backend.is_htp and self.backend.device_arch is None:
             # qnn-sim simulates the target's arch; on a device QNN itself checks the SoC
             self.backend.device_arch = self.manifest.targets[self.target].htp_arch
@@ -251,7 +255,11 @@ def parse_arch(arch: str | int | None) -> int | None:
 
 
 def load(bundle: str | Path, backend: str | Backend = "cpu", arch: str | int | None = None,
-         target: str | None = None, allow_cpu_fallback: bool = False) -> Model:
+         target: str | None = None, allow_cpu_fallback: bool = False,
+         check_digests: bool | None = None) -> Model:
     """Load a bundle: backend "cpu" (default), "qnn", "qnn-sim" or "auto" (or a resolved
-    ``Backend``); ``arch`` = the device's Hexagon arch (e.g. "v81") when running HTP targets."""
-    return Model(bundle, backend, arch, target, allow_cpu_fallback)
+    ``Backend``); ``arch`` = the device's Hexagon arch (e.g. "v81") when running HTP targets.
+    The files the target reads are checked against the manifest's sizes every time, and against
+    its SHA-256 digests where ``check_digests`` is True, or (None) where this machine has not
+    verified them as they are now (bundlefiles.py); False: sizes only."""
+    return Model(bundle, backend, arch, target, allow_cpu_fallback, check_digests)

@@ -9,6 +9,25 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Annotated, Any, get_type_hints
 
+from ..errors import ContextOverflowError, RequestError
+
+
+def check_request(prompt_ids: list[int], max_new_tokens: int, vocab_size: int, context: int,
+                  past: int = 0) -> None:
+    """A request every runtime refuses before running anything (hexforge's engine and Genie's
+    alike): no prompt, no tokens asked for, ids outside the vocabulary, more than the context."""
+    import numpy as np
+
+    if not prompt_ids:
+        raise RequestError("the prompt is empty (0 tokens)")
+    if max_new_tokens < 1:
+        raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    bad = [t for t in prompt_ids if not (isinstance(t, int | np.integer) and 0 <= t < vocab_size)]
+    if bad:
+        raise RequestError(f"token ids out of the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if past + len(prompt_ids) + max_new_tokens > context:
+        raise ContextOverflowError(past + len(prompt_ids), max_new_tokens, context)
+
 
 @dataclass
 class GenerationResult:

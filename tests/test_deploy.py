@@ -1,0 +1,230 @@
+"""``hexforge deploy``: plumbing tests. No phone is involved: ``adb`` is a stand-in on PATH
+(tests/adb_standin.py) that records its calls and plays a phone whose storage is a folder, and
+the QAIRT SDK is a stand-in folder with QAIRT's layout (its Android libraries are placeholders).
+The bundle is real (the tiny llama's v81 Genie bundle); one test runs the prompt "on the phone"
+with a genie-t2t-run stand-in that is the wheel's libGenie on the x86 HTP simulator, started in
+the pushed folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from hexforge.cli import main
+from hexforge.deploy import qairt_files
+
+HERE = Path(__file__).resolve().parent
+DEVICE_DIR = "/data/local/tmp/hexforge/b"
+
+
+@pytest.fixture(scope="module")
+def genie_bundle(htp_bundle):
+    return htp_bundle("llama", "fp16", genie=True)
+
+
+@pytest.fixture
+def qairt(tmp_path):
+    """A QAIRT SDK stand-in: QAIRT's layout and version file; genie-t2t-run runs the wheel's
+    libGenie (tests/genie_t2t_standin.py), the libraries are placeholders."""
+    root = tmp_path / "qairt"
+    for rel in qairt_files(81):
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(f"placeholder for QAIRT's {p.name}\n".encode() * 64)
+    runner = root / "bin" / "aarch64-android" / "genie-t2t-run"
+    runner.write_text("#!/bin/sh\n# the pushed placeholders are not x86 libraries\n"
+                      "unset LD_LIBRARY_PATH ADSP_LIBRARY_PATH\n"
+                      f'exec {sys.executable} {HERE / "genie_t2t_standin.py"} "$@"\n')
+    (root / "sdk.yaml").write_text("name: qairt\nversion: 2.51.0.260929\n")
+    return root
+
+
+class Phone:
+    """The adb stand-in's state: its calls, the phone's folder, what goes wrong on a push."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.set(soc="SM8850")
+
+    def set(self, **cfg) -> None:
+        path = self.root / "phone.json"
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        path.write_text(json.dumps(old | cfg))
+
+    def calls(self) -> list[list[str]]:
+        log = self.root / "calls.jsonl"
+        lines = log.read_text().splitlines() if log.is_file() else []
+        return [json.loads(line) for line in lines]
+
+    def clear(self) -> None:
+        (self.root / "calls.jsonl").unlink(missing_ok=True)
+
+    def pushed(self) -> list[str]:
+        return [Path(c[c.index("push") + 2]).name for c in self.calls() if "push" in c]
+
+    def folder(self) -> Path:
+        return self.root / "phone" / DEVICE_DIR.lstrip("/")
+
+
+@pytest.fixture
+def phone(tmp_path, monkeypatch):
+    root = tmp_path / "adb"
+    (root / "bin").mkdir(parents=True)
+    adb = root / "bin" / "adb"
+    adb.write_text(f'#!/bin/sh\nexec {sys.executable} {HERE / "adb_standin.py"} "$@"\n')
+    adb.chmod(0o755)
+    (root / "bin" / "genie-t2t-run").unlink(missing_ok=True)
+    monkeypatch.setenv("PATH", f"{root / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("ADB_STANDIN", str(root))
+    return Phone(root)
+
+
+@pytest.fixture
+def bundle_copy(genie_bundle, tmp_path):
+    """The Genie bundle under the name ``b`` (the phone's folder is named after it)."""
+    dst = tmp_path / "b"
+    shutil.copytree(genie_bundle, dst)
+    return dst
+
+
+def deploy(bundle: Path, qairt: Path, *extra: str) -> int:
+    return main(["deploy", str(bundle), "--qairt", str(qairt), *extra])
+
+
+def test_deploy_pushes_the_genie_folder_and_qairt_then_a_second_deploy_pushes_nothing(
+        bundle_copy, qairt, phone, capsys):
+    assert deploy(bundle_copy, qairt) == 0
+    folder = phone.folder()
+    genie = sorted(p.name for p in (bundle_copy / "genie-v81").iterdir())
+    want = sorted(genie + [Path(r).name for r in qairt_files(81)])
+    assert sorted(p.name for p in folder.iterdir()) == want
+    for name in genie:
+        assert (folder / name).read_bytes() == (bundle_copy / "genie-v81" / name).read_bytes()
+    assert sorted(phone.pushed()) == want
+    calls = phone.calls()
+    first_push = next(i for i, c in enumerate(calls) if "push" in c)
+    asked = [c[-1] for c in calls[:first_push]]
+    assert "getprop ro.soc.model" in asked  # the phone's SoC, before anything was pushed
+    assert any("sha256sum" in c[-1] for c in calls[first_push:])  # digests read after the push
+    assert "adb -s STANDIN1 shell" in capsys.readouterr().err  # how to run it, printed
+    phone.clear()
+    assert deploy(bundle_copy, qairt) == 0
+    assert phone.pushed() == []  # every file already matches its digest on the phone
+
+
+def test_an_interrupted_push_is_resumed_by_the_next_deploy(bundle_copy, qairt, phone, capsys):
+    phone.set(cut={"libQnnHtp.so": 1})
+    assert deploy(bundle_copy, qairt) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "adb push of libQnnHtp.so stopped" in err and "run deploy again" in err
+    before = set(phone.pushed())
+    phone.clear()
+    assert deploy(bundle_copy, qairt) == 0
+    again = phone.pushed()
+    assert "libQnnHtp.so" in again  # the half-written one, found by its digest
+    assert not (set(again) & (before - {"libQnnHtp.so"}))  # what had arrived is not pushed again
+    assert (phone.folder() / "libQnnHtp.so").read_bytes() == \
+        (qairt / "lib/aarch64-android/libQnnHtp.so").read_bytes()
+
+
+def test_a_partial_push_is_found_by_its_digest_and_repaired_by_a_second_deploy(
+        bundle_copy, qairt, phone, capsys):
+    """The stand-in drops the binary's second half while saying it pushed it, on both pushes
+    of the first deploy: its digests after the push find it, it is pushed once more, then named.
+    The second deploy pushes it alone."""
+    name = "token_ar1_cl128_1_of_1.bin"
+    phone.set(drop={name: 2})
+    assert deploy(bundle_copy, qairt) == 2
+    err = capsys.readouterr().err
+    assert "pushing them again" in err
+    assert err.strip().splitlines()[-1].endswith(f"still differ on the phone (sha256sum there): "
+                                                 f"{name}; check the phone's free space")
+    assert phone.pushed().count(name) == 2
+    phone.clear()
+    assert deploy(bundle_copy, qairt) == 0
+    assert phone.pushed() == [name]
+    assert (phone.folder() / name).read_bytes() == (bundle_copy / "genie-v81" / name).read_bytes()
+
+
+def test_a_silent_drop_is_pushed_again_within_one_deploy(bundle_copy, qairt, phone):
+    name = "prompt_ar16_cl128_1_of_1.bin"
+    phone.set(drop={name: 1})
+    assert deploy(bundle_copy, qairt) == 0
+    assert phone.pushed().count(name) == 2
+
+
+@pytest.mark.parametrize("case,words", [
+    ("missing_skel", "lacks what a v81 phone needs: lib/hexagon-v81/unsigned/libQnnHtpV81Skel.so"),
+    ("old_qairt", "QAIRT 2.40.0.250101 at .* is older than QNN 2.51.0, which compiled "
+                  "genie-v81/'s binaries"),
+    ("no_version", "cannot tell which QAIRT"),
+    ("phone_v79", r"the phone is Hexagon v79 but the bundle's Genie folders are genie-v81"),
+    ("phone_unknown", "the phone's SoC SM1234 is not in hexforge's target table"),
+    ("arch_flag", r"the phone is SM8750 \(Hexagon v79\), not the v81 --arch says"),
+    ("no_phone", "no phone: adb devices lists none ready"),
+    ("two_phones", r"several phones \(A, B\): pick one with --serial"),
+    ("damaged_bundle", "bundle file genie-v81/tokenizer.json is truncated or corrupted"),
+])
+def test_deploy_refuses_in_one_line_before_anything_is_pushed(bundle_copy, qairt, phone, capsys,
+                                                              case, words):
+    import re
+
+    extra: list[str] = []
+    if case == "missing_skel":
+        (qairt / "lib/hexagon-v81/unsigned/libQnnHtpV81Skel.so").unlink()
+    elif case == "old_qairt":
+        (qairt / "sdk.yaml").write_text("version: 2.40.0.250101\n")
+    elif case == "no_version":
+        (qairt / "sdk.yaml").unlink()
+    elif case == "phone_v79":
+        phone.set(soc="SM8750")
+    elif case == "phone_unknown":
+        phone.set(soc="SM1234")
+    elif case == "arch_flag":
+        phone.set(soc="SM8750")
+        extra = ["--arch", "v81"]
+    elif case == "no_phone":
+        phone.set(devices={})
+    elif case == "two_phones":
+        phone.set(devices={"A": "device", "B": "device"})
+    elif case == "damaged_bundle":
+        t = bundle_copy / "genie-v81" / "tokenizer.json"
+        t.write_bytes(t.read_bytes()[:100])
+    assert deploy(bundle_copy, qairt, "--prompt", "Hi", *extra) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("hexforge: error: ") and "Traceback" not in "".join(lines)
+    assert re.search(words, lines[-1]), lines[-1]
+    assert phone.pushed() == [] and not (phone.root / "phone").exists()
+    local = ("missing_skel", "old_qairt", "no_version", "damaged_bundle")
+    if case in local:
+        assert phone.calls() == []  # judged without asking the phone anything
+
+
+def test_dry_run_prints_every_command_and_runs_none(bundle_copy, qairt, phone, capsys):
+    assert deploy(bundle_copy, qairt, "--dry-run", "--prompt", "Hi", "--serial", "X") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert phone.calls() == []
+    pushes = [line for line in out if line.startswith("adb -s X push ")]
+    assert len(pushes) == len(list((bundle_copy / "genie-v81").iterdir())) + len(
+        qairt_files(81)) + 1  # + prompt.txt
+    assert out[0] == "adb -s X devices" and "getprop ro.soc.model" in out[1]
+    assert any("sha256sum" in line for line in out)
+    assert "./genie-t2t-run -c genie_config.json -p \"$(cat prompt.txt)\"" in out[-1]
+
+
+def test_deploy_runs_the_prompt_on_the_phone_and_streams_the_answer(bundle_copy, qairt, phone,
+                                                                    capfd):
+    """The prompt goes as a file (no shell quoting of the user's text); the stand-in
+    genie-t2t-run is libGenie on the simulator, started in the pushed folder."""
+    prompt = "It's \"quoted\" $(not run) `nor this`"
+    assert deploy(bundle_copy, qairt, "--prompt", prompt) == 0
+    out = capfd.readouterr().out
+    assert f"[PROMPT]: {prompt}" in out  # the text arrived as typed
+    answer = out.split("[BEGIN]: ", 1)[1].split("[END]", 1)[0]
+    assert answer.strip()  # Genie generated from the pushed files
+    assert (phone.folder() / "prompt.txt").read_text() == prompt
