@@ -559,9 +559,6 @@ class GemmaGenieStep(nn.Module):
         L = args.num_hidden_layers
         self.args, self.T, self.S = args, seq_len, context - seq_len
         self.rope_dims = rope_dims
-        if seq_len > args.sliding_window:
-            raise UnsupportedModelError(f"--genie: --prefill-len {seq_len} is over the sliding "
-                                        f"window ({args.sliding_window})")
         self.first, self.last = a == 0, b == L
         self.shard = use_fp16_form(Gemma4Shard(fam, hf, args, layers, seq_len, self.S,
                                                rings=False), residual_scale)

@@ -136,19 +136,24 @@ def window_mask(mask: torch.Tensor, S: int, window: int) -> torch.Tensor:
     """A sliding-window layer's mask from Genie's full one [1, 1, AR, S + AR].
 
     Genie's SMART_MASK cache holds position r in past slot r, filled from 0, so the tokens held
-    are n = the slots row 0 attends, query i sits at position n + i, and a past slot r is in its
-    window iff n + i - r < W. The new rows keep Genie's causal part (AR <= W: all in window)::
+    are n = the slots row 0 attends, query i sits at position n + i, a past slot r is in its
+    window iff n + i - r < W and a new row t iff i - t < W::
 
-        slots:      0 .. n-W+i | n-W+i+1 .. n-1 | (unfilled) | new 0 .. AR-1
-        query i:     masked    |   as Genie's   |  masked    |  as Genie's
+        slots:      0 .. n-W+i | n-W+i+1 .. n-1 | (unfilled) | new 0 .. i-W | i-W+1 .. i
+        query i:     masked    |   as Genie's   |  masked    |   masked     | as Genie's
     """
     AR = mask.shape[2]
     held = (mask[:, :, :1, :S] > -1.0).float().sum(-1, keepdim=True)  # [1, 1, 1, 1]: n
-    slot = torch.arange(S, dtype=torch.float32)[None, None, None, :]  # [1, 1, 1, S]
     query = torch.arange(AR, dtype=torch.float32)[None, None, :, None]  # [1, 1, AR, 1]
-    inside = (held + query - slot) < float(window)  # [1, 1, AR, S]
-    past = torch.where(inside, mask[..., :S], torch.full_like(mask[..., :S], MASKED))
-    return torch.cat([past, mask[..., S:]], dim=-1)
+    slot = torch.arange(S, dtype=torch.float32)[None, None, None, :]  # [1, 1, 1, S]
+    past = torch.where((held + query - slot) < float(window), mask[..., :S],
+                       torch.full_like(mask[..., :S], MASKED))
+    if AR <= window:  # every new row is in every query's window
+        return torch.cat([past, mask[..., S:]], dim=-1)
+    row = torch.arange(AR, dtype=torch.float32)[None, None, None, :]  # [1, 1, 1, AR]
+    new = torch.where((query - row) < float(window), mask[..., S:],
+                      torch.full_like(mask[..., S:], MASKED))
+    return torch.cat([past, new], dim=-1)
 
 
 class DenseGenieStep(nn.Module):

@@ -7,7 +7,7 @@ weights) runs on the HTP — the x86 simulator here — through onnxruntime's QN
 Genie's SMART_MASK KV manager drives it (docs/genie.md, measured with ``dump-tensors``):
 
     cache   past_key_{L}   [KVH, 1, D, CL]   rows 0..n-1 hold the tokens so far (host side)
-    AR-N    a prompt in chunks of N, the last right-padded (pad rows masked, not kept)
+    AR-N    a prompt in chunks of N, the last right-padded (pad rows masked whole, not kept)
     AR-1    one token a step once the prompt is in
     feeds   input_ids [1, AR] int32; past_*_in = the cache's first CL - AR rows;
             attention_mask [1, 1, AR, CL]: 0 on the n valid past rows and causally on the
@@ -124,8 +124,8 @@ class GenieGraphs:
                              f"CL-{self.C}")
         S = self.C - AR
         mask = np.full((1, 1, AR, self.C), MASKED, np.float32)
-        mask[..., :self.n] = 0.0
-        for i in range(AR):
+        mask[..., :T, :self.n] = 0.0
+        for i in range(T):  # the pad rows of a last chunk attend nothing, as Genie masks them
             mask[0, 0, i, S:S + i + 1] = 0.0
         padded = ids + [self.pad] * (AR - T)
         bus = {"input_ids": np.array([padded], np.int32), "attention_mask": mask}
