@@ -391,14 +391,14 @@ def deploy(bundle: str | Path, qairt: str | Path, prompt: str | None = None,
         _chat_template(bundle, prompt, chat)  # an empty prompt, --chat without a template: now
     chosen = stated if stated is not None else (next(iter(folders)) if len(folders) == 1
                                                 else None)
-    plan = None if chosen is None else local_plan(folders[chosen], chosen, qairt, say)
-    adb = Adb(serial, dry_run, say)
-    adb.serial = pick_serial(adb, serial)
-    on_phone = phone_arch(adb, stated, say)
     if dry_run and chosen is None:
         raise RequestError(f"the bundle has Genie folders for several arches "
                            f"({', '.join(f.name for f in folders.values())}): --dry-run asks the "
                            "phone nothing, so say which with --arch")
+    plan = None if chosen is None else local_plan(folders[chosen], chosen, qairt, say)
+    adb = Adb(serial, dry_run, say)
+    adb.serial = pick_serial(adb, serial)
+    on_phone = phone_arch(adb, stated, say)
     if on_phone is not None and on_phone not in folders:
         raise BackendError(f"the phone is Hexagon v{on_phone} but the bundle's Genie folders are "
                            f"{', '.join(f.name for f in folders.values())}: rebuild with "

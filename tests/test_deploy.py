@@ -228,3 +228,18 @@ def test_deploy_runs_the_prompt_on_the_phone_and_streams_the_answer(bundle_copy,
     answer = out.split("[BEGIN]: ", 1)[1].split("[END]", 1)[0]
     assert answer.strip()  # Genie generated from the pushed files
     assert (phone.folder() / "prompt.txt").read_text() == prompt
+
+
+def test_the_phone_picks_the_genie_folder_of_its_arch(bundle_copy, qairt, phone, capsys):
+    """A bundle with Genie folders for two arches: the phone's SoC says which one goes (the
+    other, here a stand-in the build did not write, is not read); --dry-run cannot ask it."""
+    other = bundle_copy / "genie-v79"
+    shutil.copytree(bundle_copy / "genie-v81", other)
+    (other / "token_ar1_cl128_1_of_1.bin").unlink()  # would fail every check, were it judged
+    assert deploy(bundle_copy, qairt, "--dry-run") == 2
+    assert "several arches (genie-v79, genie-v81)" in capsys.readouterr().err
+    assert phone.calls() == []
+    assert deploy(bundle_copy, qairt) == 0
+    assert "token_ar1_cl128_1_of_1.bin" in phone.pushed()
+    assert (phone.folder() / "token_ar1_cl128_1_of_1.bin").read_bytes() == \
+        (bundle_copy / "genie-v81" / "token_ar1_cl128_1_of_1.bin").read_bytes()
