@@ -65,10 +65,12 @@ def _targets(m: Manifest, genie: list[str]) -> list[str]:
         out.append(f"| {g} | Qualcomm's Genie (libGenie, `genie-t2t-run`) on Hexagon {arch} "
                    f"| {t.quant if t else '?'} | {arch} ({_soc(t.htp_arch, t.soc_model) if t else '?'}) "
                    f"| QAIRT {sdk or '?'} or newer |")
-    out += ["", "Each HTP context binary is finalized for one Hexagon arch and SoC and loads only "
-            "there; a QNN runtime older than the one that compiled it refuses it. `hexforge run` "
-            "and `hexforge deploy` check both before anything is loaded or pushed.", ""]
-    return out
+    if any(t.htp_arch for t in m.targets.values()):
+        out += ["", "Each HTP context binary is finalized for one Hexagon arch and SoC and loads "
+                "only there; a QNN runtime older than the one that compiled it refuses it. "
+                "`hexforge run` and `hexforge deploy` check both before anything is loaded or "
+                "pushed."]
+    return [*out, ""]
 
 
 def _modalities(m: Manifest, report: dict) -> list[str]:
@@ -173,6 +175,16 @@ def _files(root: Path, m: Manifest) -> list[str]:
                   "the bundle (or a file changed since).", ""]
 
 
+def _what_it_holds(m: Manifest, genie: list[str]) -> str:
+    htp = sorted(f"v{t.htp_arch}" for t in m.targets.values() if t.htp_arch)
+    parts = (["static-shape ONNX graphs for onnxruntime's CPU EP"] if "cpu" in m.targets else [])
+    if htp:
+        parts.append(f"QNN context binaries for the Qualcomm Hexagon NPU ({', '.join(htp)})")
+    if genie:
+        parts.append(f"Genie bundles ({', '.join(genie)}) that run on a phone without Python")
+    return " and ".join(parts) + "."
+
+
 def render(root: Path, m: Manifest, name: str, source: str | None = None,
            base_model: str | None = None) -> str:
     """The card of the bundle in ``root`` (``name``: what its commands call it)."""
@@ -185,9 +197,7 @@ def render(root: Path, m: Manifest, name: str, source: str | None = None,
     lines = [
         *_front_matter(m, base_model, genie), f"# {name}", "",
         f"A hexforge {m.hexforge_version} bundle of {what}"
-        + (f", built from `{source}`" if source else "") + ": static-shape ONNX graphs and QNN "
-        "context binaries for the Qualcomm Hexagon NPU (HTP), runnable without Python on a phone "
-        "through Genie where a `genie-*` folder is present.", ""]
+        + (f", built from `{source}`" if source else "") + ": " + _what_it_holds(m, genie), ""]
     lines += _modalities(m, report) + _targets(m, genie) + _quality(report)
     lines += _commands(m, name, genie) + _files(root, m)
     return "\n".join(lines)
