@@ -243,3 +243,12 @@ def test_the_phone_picks_the_genie_folder_of_its_arch(bundle_copy, qairt, phone,
     assert "token_ar1_cl128_1_of_1.bin" in phone.pushed()
     assert (phone.folder() / "token_ar1_cl128_1_of_1.bin").read_bytes() == \
         (bundle_copy / "genie-v81" / "token_ar1_cl128_1_of_1.bin").read_bytes()
+
+
+def test_chat_wraps_the_prompt_in_the_template_less_the_bos_genie_prepends(bundle_copy, qairt,
+                                                                            phone, capsys):
+    assert deploy(bundle_copy, qairt, "--dry-run", "--prompt", "Hi", "--chat") == 0
+    held = next(line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("# prompt.txt"))
+    # the tiny template renders "<s>user\nHi</s>\n<s>assistant\n"; Genie's bos-token 1 is <s>
+    assert held.endswith(repr("user\nHi</s>\n<s>assistant\n"))
