@@ -1,8 +1,6 @@
 """Wall time and peak RSS per build stage of a (real-size) checkpoint.
 
-    python bench/build_profile.py CKPT OUT [--target cpu] [--context 1024] [--cpu-weights int8]
-                                  [--max-shard-bytes 1G] [--no-verify] [--image-size HxW]
-                                  [--share-weights] [--json FILE]
+    python bench/build_profile.py CKPT OUT [every `hexforge build` flag, its defaults] [--json FILE]
 
 Every build log line closes a stage: its wall time and the process's peak RSS since the previous
 line (Linux VmHWM, reset through /proc/self/clear_refs after each line) are recorded next to it,
@@ -98,7 +96,7 @@ class AnonPeak:
 def profile_build(checkpoint: str, output: str, opts) -> dict:
     """Build ``checkpoint`` into ``output`` with BuildOptions ``opts``, one row per log line:
     its wall time, peak RSS and peak anonymous memory; -> the table and the totals."""
-    from hexforge.forge.pipeline import build
+    from hexforge.forge.pipeline import build_bundle
 
     stages: list[dict] = []
     t0 = last = time.perf_counter()
@@ -123,45 +121,26 @@ def profile_build(checkpoint: str, output: str, opts) -> dict:
         _reset_peak()
 
     _reset_peak()
-    build(checkpoint, output, opts, log=log)
+    timings = build_bundle(checkpoint, output, opts, log=log).timings
     log("end")
     return {"checkpoint": str(checkpoint), "targets": opts.targets, "quant": opts.quant,
             "cpu_weights": opts.cpu_weights, "context": opts.context,
             "total_s": round(time.perf_counter() - t0, 1),
             "peak_rss_gb": round(overall_peak / 2**20, 2),
             "peak_anon_gb": round(overall_anon / 2**20, 2),
-            "timings": {k: round(v, 1) for k, v in opts.timings.items()}, "stages": stages}
+            "timings": {k: round(v, 1) for k, v in timings.items()}, "stages": stages}
 
 
 def main() -> None:
+    from hexforge.forge.options import add_build_flags, options_from_args
+
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint")
     ap.add_argument("output")
-    ap.add_argument("--target", default="cpu")
-    ap.add_argument("--quant", default="w8a16")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--prefill-len", type=int, default=64)
-    ap.add_argument("--cpu-weights", default="fp32")
-    ap.add_argument("--max-shard-bytes", default=None, help="e.g. 1G (default: the target's)")
-    ap.add_argument("--no-verify", action="store_true")
-    ap.add_argument("--verify-tokens", type=int, default=16)
-    ap.add_argument("--image-size", default=None, help="HxW of the vision graphs (Qwen-VL)")
-    ap.add_argument("--share-weights", action="store_true")
-    ap.add_argument("--json", default=None)
+    add_build_flags(ap)  # every `hexforge build` flag, with its default
+    ap.add_argument("--json", default=None, help="also write the result to this file")
     a = ap.parse_args()
-
-    from hexforge.forge.pipeline import BuildOptions
-
-    kw = {"cpu_weights": a.cpu_weights} if a.cpu_weights != "fp32" else {}
-    if a.max_shard_bytes:
-        from hexforge.cli import _shard_bytes
-
-        kw["max_shard_bytes"] = _shard_bytes(a.max_shard_bytes)
-    if a.image_size:
-        kw["image_size"] = tuple(int(v) for v in a.image_size.lower().split("x"))
-    opts = BuildOptions(targets=a.target, quant=a.quant, context=a.context,
-                        prefill_len=a.prefill_len, verify=not a.no_verify,
-                        verify_tokens=a.verify_tokens, share_weights=a.share_weights, **kw)
+    opts = options_from_args(a)
     out = profile_build(a.checkpoint, a.output, opts)
     print(json.dumps(out, indent=1))
     if a.json:

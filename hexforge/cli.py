@@ -14,63 +14,23 @@ from pathlib import Path
 from .errors import HexforgeError, RequestError
 
 
-def _int_bytes(s: str) -> int:
-    """'1800000000', '1.8G', '64M', '512k' -> bytes."""
-    mult = {"k": 10**3, "m": 10**6, "g": 10**9}
-    s = s.strip().lower().rstrip("b")
-    try:
-        return int(float(s[:-1]) * mult[s[-1]]) if s and s[-1] in mult else int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte count: {s!r}") from None
-
-
-def _shard_bytes(s: str) -> int | dict[str, int]:
-    """'1.8G' (every target) or 'cpu=300k,v81=80k' (per target)."""
-    if "=" not in s:
-        return _int_bytes(s)
-    out = {}
-    for part in s.split(","):
-        name, _, value = part.partition("=")
-        out[name.strip()] = _int_bytes(value)
-    return out
-
-
-def _image_size(s: str) -> tuple[int, int]:
-    """'512x384' (H x W) or '448' (square) -> (H, W)."""
-    parts = s.lower().replace("*", "x").split("x")
-    try:
-        hw = [int(p) for p in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an image size: {s!r} (e.g. 512x512)") from None
-    if len(hw) not in (1, 2) or min(hw) < 1:
-        raise argparse.ArgumentTypeError(f"not an image size: {s!r} (e.g. 512x512)")
-    return (hw[0], hw[-1])
-
-
 def cmd_build(a) -> int:
-    from .forge.pipeline import BuildOptions, build
+    from .forge.options import options_from_args
+    from .forge.pipeline import build_bundle
 
-    opts = BuildOptions(targets=a.target, context=a.context, prefill_len=a.prefill_len,
-                        verify_len=a.verify_len,
-                        max_shard_bytes=a.max_shard_bytes, verify=not a.no_verify,
-                        exporter=a.exporter, quant=a.quant, calib=a.calib,
-                        share_weights=a.share_weights, audio_seconds=a.audio_seconds,
-                        image_size=a.image_size, cpu_weights=a.cpu_weights,
-                        int4_per_layer_tables=a.int4_per_layer_tables,
-                        verify_tokens=a.verify_tokens, eval_text=a.eval_text,
-                        eval_tokens=a.eval_tokens, keep_work=a.keep_work, genie=a.genie,
-                        device_only=a.device_only, estimate=a.estimate)
+    opts = options_from_args(a)
     if not a.json and sys.stderr.isatty():  # someone watches: bars with ETAs on the long stages
         from .forge.progress import BuildProgress
 
         with BuildProgress() as shown:
-            out = build(a.checkpoint, a.output, opts, log=shown.log)
+            result = build_bundle(a.checkpoint, a.output, opts, log=shown.log)
     else:
-        out = build(a.checkpoint, a.output, opts, log=lambda m: print(m, file=sys.stderr))
+        result = build_bundle(a.checkpoint, a.output, opts,
+                              log=lambda m: print(m, file=sys.stderr))
     if a.json:
         from .inspect import build_summary
 
-        print(json.dumps(build_summary(out, opts.timings)))
+        print(json.dumps(build_summary(result.bundle, result.timings)))
     return 0
 
 
@@ -84,6 +44,7 @@ def cmd_run(a) -> int:
     else:
         model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target,
                      allow_cpu_fallback=a.allow_cpu_fallback)
+        _say_draft_cap(model, a.prompt_lookup)
     kw = _sampling(a)
     kw["response_format"] = _response_format(a)
     if a.image or a.audio:
@@ -121,6 +82,19 @@ def _response_format(a) -> dict | None:
     return {"type": "json_schema", "json_schema": {"schema": schema}}
 
 
+def _say_draft_cap(model, k: int | None) -> None:
+    """--prompt-lookup K above what the bundle's verify graphs take is said, not silently cut."""
+    from .runtime.speculative import draft_limit
+
+    cap = draft_limit(model.engine.verify_len)
+    if k is not None and k > cap:
+        graphs, flag = (("AR-k verify graphs", "--verify-len") if model.engine.target.plan.verify_len
+                        else ("AR-N prefill graphs (its verify steps)", "--prefill-len"))
+        print(f"hexforge: note: --prompt-lookup {k}: this bundle's {graphs} take {cap + 1} rows, "
+              f"so a step drafts at most {cap} tokens (a bundle built with {flag} {k + 1} "
+              f"drafts {k})", file=sys.stderr)
+
+
 def _sampling(a) -> dict:
     return dict(max_new_tokens=a.n, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                 min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed,
@@ -133,6 +107,7 @@ def cmd_chat(a) -> int:
     from . import load
 
     model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target)
+    _say_draft_cap(model, a.prompt_lookup)
     session = model.session(system=a.system)
     kw = _sampling(a)
     attach = [f"/{e.modality} PATH" for e in model.manifest.encoders]
@@ -181,7 +156,8 @@ def cmd_chat(a) -> int:
 def cmd_serve(a) -> int:
     from .serve import serve
 
-    serve(a.bundle, host=a.host, port=a.port, api_key=a.api_key, backend=a.backend, arch=a.arch)
+    serve(a.bundle, host=a.host, port=a.port, api_key=a.api_key, backend=a.backend, arch=a.arch,
+          model_name=a.model_name)
     return 0
 
 
@@ -278,12 +254,30 @@ def cmd_demo(a) -> int:
     return 0
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """``--help`` says each option's default where its help line does not already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.option_strings and "default" not in text and action.nargs != 0
+                and action.default not in (None, argparse.SUPPRESS)):
+            text += " (default: %(default)s)"
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """Its subcommands' parsers (made as this class) take the defaults formatter too."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("formatter_class", _DefaultsHelp)
+        super().__init__(*args, **kw)
+
+
 def parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .forge.htp.recipes import RECIPES
-    from .forge.nbits import CPU_WEIGHTS  # numpy only: no torch, no onnx
+    from .forge.options import add_build_flags
 
-    p = argparse.ArgumentParser(prog="hexforge", description=__doc__.splitlines()[0])
+    p = _Parser(prog="hexforge", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"hexforge {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -293,64 +287,11 @@ def parser() -> argparse.ArgumentParser:
                    ".gguf file")
     b.add_argument("-o", "--output", required=True,
                    help="the bundle dir to write (replaced only if it is a bundle)")
-    b.add_argument("--target", default="cpu", help="cpu (always built) plus e.g. v81 or v79,v81")
-    b.add_argument("--context", type=int, default=2048, help="max tokens (prompt + generated)")
-    b.add_argument("--prefill-len", type=int, default=64, help="N of the AR-N prefill graph")
-    b.add_argument("--verify-len", type=int, default=8,
-                   help="k of the cpu target's AR-k verify graph (run --prompt-lookup); 0: none")
-    b.add_argument("--max-shard-bytes", type=_shard_bytes, default=None,
-                   help="per-graph weight ceiling (default: the target's per-context "
-                        "ceiling, less 4 %% on HTP targets for the binary's overhead): 1.8G, or "
-                        "cpu=3G,v81=1.8G")
-    b.add_argument("--quant", choices=tuple(RECIPES), default="w8a16",
-                   help="HTP targets' precision (the cpu target: see --cpu-weights)")
-    b.add_argument("--cpu-weights", choices=tuple(CPU_WEIGHTS), default="fp32",
-                   help="cpu target weights: fp32 (greedy-exact vs HF) or weight-only int8 / int4 "
-                        "(onnxruntime MatMulNBits, a scale per 32 weights; int8-b128 / int4-b128: "
-                        "per 128, fewer bytes and faster, coarser; the head and embedding int8; "
-                        "gated on KL to HF); vision and audio towers take int8 under all of them")
-    b.add_argument("--int4-per-layer-tables", action="store_true",
-                   help="under --cpu-weights int4 / int4-b128 (no HTP target), Gemma-4's "
-                        "per-layer embedding tables int4 in the weights' blocks too (default: "
-                        "int8; E2B's ~2.6 GB table)")
-    b.add_argument("--calib", default=None, help="calibration text file (default: built-in sample)")
-    b.add_argument("--share-weights", action="store_true",
-                   help="HTP: one weight-shared context per shard for prefill + decode (device "
-                        "only: the x86 simulator cannot load them; the oracle runs unshared twins)")
-    b.add_argument("--device-only", action="store_true",
-                   help="HTP: no cpu target (its fp32 graphs, ~4 B a parameter, are most of a "
-                        "bundle's bytes and build time): the bundle runs with --backend qnn or "
-                        "qnn-sim only")
-    b.add_argument("--no-verify", action="store_true", help="skip the HF oracle and its gates")
-    b.add_argument("--verify-tokens", type=int, default=64, metavar="N",
-                   help="the oracle's teacher-forced / greedy tokens (default 64); on the x86 HTP "
-                        "simulator a real-size decode step takes about a minute "
-                        "(bench/experiments/htp_sim_step.py)")
-    _eval_args(b)
-    b.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript",
-                   help="torch.onnx exporter of the graphs")
-    b.add_argument("--genie", action="store_true",
-                   help="HTP: also write a Genie bundle per target (genie-<target>/: context "
-                        "binaries in Genie's I/O contract, genie_config.json, tokenizer.json)")
-    b.add_argument("--estimate", action="store_true",
-                   help="HTP: each graph compiled once more for QNN's on-host estimator "
-                        "(Hextimate: v81 on SA8797, v73 on QCS9100; none for v75 / v79), the "
-                        "binary thrown away: per graph us, DDR bytes, ops without a cost; decode "
-                        "step, tok/s, prefill, TTFT into report.json (`hexforge estimate`)")
-    b.add_argument("--keep-work", action="store_true",
-                   help="HTP: keep _work/ (each graph's float and QDQ ONNX) in the bundle for "
-                        "per-tensor accuracy probes (bench/htp_tensors.py); large")
-    b.add_argument("--image-size", type=_image_size, default=None, metavar="HxW",
-                   help="fixed-resolution vision graphs (Qwen-VL): the build resolution, e.g. "
-                        "512x512 (default) or 448; images are resized to it (the build log and "
-                        "`hexforge inspect` show it)")
+    add_build_flags(b)  # every BuildOptions field (forge/options.py), with its default
     b.add_argument("--json", action="store_true",
                    help="print one JSON object when done (the bundle, its targets and their oracle "
                         "verdicts, the stage timings); no progress bars (as when stderr is not a "
                         "terminal); the build log stays on stderr")
-    b.add_argument("--audio-seconds", type=float, default=None,
-                   help="audio models: the encoder's fixed window in seconds (default: the "
-                        "model's maximum, 30 s on Gemma-4); longer clips are refused at run time")
     b.set_defaults(fn=cmd_build)
 
     r = sub.add_parser("run", help="generate from a bundle")
@@ -389,8 +330,13 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server for one bundle")
     s.add_argument("bundle", help="a bundle dir")
     s.add_argument("--host", default="127.0.0.1", help="the address to listen on")
-    s.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    s.add_argument("--port", type=int, default=8000, help="the port to listen on (0: any free one, "
+                   "printed at start)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model name clients must send (default: <model_type>:<bundle folder>, "
+                        "printed at start); requests naming another model get OpenAI's 404 "
+                        "model_not_found")
     _backend_args(s)
     s.set_defaults(fn=cmd_serve)
 
@@ -420,7 +366,7 @@ def parser() -> argparse.ArgumentParser:
                         "any); with --reference the oracle runs after a clean check")
     v.add_argument("--target", default=None, help="judge this target only (default: every one)")
     v.add_argument("-n", type=int, default=64, help="greedy tokens to compare")
-    _eval_args(v)
+    add_build_flags(v, only=("eval_text", "eval_tokens"))
     v.add_argument("--json", action="store_true", help="print the oracle report as JSON")
     v.set_defaults(fn=cmd_verify)
 
@@ -471,15 +417,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--eval-text", metavar="FILE", default=None,
-                   help="the oracle's held-out text (UTF-8) for KL / perplexity / top-1 against HF "
-                        "(default: a built-in English text no build calibrates on)")
-    p.add_argument("--eval-tokens", type=int, default=256, metavar="N",
-                   help="score at most N tokens of it (default 256; fewer where the context or "
-                        "whole prefill chunks stop sooner)")
-
-
 def _backend_args(p: argparse.ArgumentParser, genie: bool = False) -> None:
     p.add_argument("--backend", default="cpu",
                    choices=("cpu", "qnn", "qnn-sim", "auto") + (("genie",) if genie else ()),
@@ -514,12 +451,40 @@ def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def missing_extra(module: str | None) -> str | None:
+    """The pip extra (pyproject.toml's optional dependencies, as installed) that brings
+    ``module``: "build" for torch, "serve" for fastapi; None when no extra names it."""
+    import importlib.metadata
+    import re
+
+    if not module:
+        return None
+    top = module.split(".")[0].lower().replace("-", "_")
+    try:
+        requires = importlib.metadata.requires("hexforge") or []
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return None
+    for req in requires:
+        m = re.match(r"([A-Za-z0-9_.-]+).*;\s*extra\s*==\s*\"(\w+)\"", req)
+        if m and m[1].lower().replace("-", "_") == top:
+            return m[2]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.fn(args)
     except HexforgeError as e:
         print(f"hexforge: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # a command of an extra that is not installed
+        extra = missing_extra(e.name)
+        if extra is None:
+            raise  # not a dependency of ours: a bug
+        print(f"hexforge: error: hexforge {args.cmd} needs the {extra} extra ({e.name} is not "
+              f"installed): pip install \"hexforge[{extra}]\" (from a clone: pip install -e "
+              f"\".[{extra}]\")", file=sys.stderr)
         return 2
     except OSError as e:  # disk full, permission denied, ...: the machine's problem, not a bug
         print(f"hexforge: error: {one_line(e)}", file=sys.stderr)

@@ -107,18 +107,30 @@ def test_tiny_demo_builds_and_runs_on_cpu_and_the_simulator(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "oracle" in r.stdout and "tok/s" in r.stdout and "random-weight" in r.stdout
     assert "[v81 HTP, x86 simulator]" in r.stdout
+    # what it leaves and where, with the command that removes it; the simulator's libnative
+    # line is not among what it prints
+    assert f"5. left on disk: {tmp_path} (" in r.stdout and f"rm -rf {tmp_path}" in r.stdout
+    assert "LIBNATIVE" not in r.stdout + r.stderr
 
 
 def test_cli_passes_every_build_option(monkeypatch, tmp_path):
-    """Every BuildOptions field a flag sets reaches build(): each flag given a non-default value
-    comes out non-default (a flag cmd_build forgot was silently dropped, as --image-size was)."""
+    """Every BuildOptions field is a build flag (forge/options.py makes them from the fields) and
+    reaches build_bundle(): each flag given a non-default value comes out non-default. A field
+    added without a value here fails this test: the CLI already has its flag (a flag the CLI's
+    hand copy forgot was silently dropped, as --image-size was)."""
     import dataclasses
 
     from hexforge import cli
     from hexforge.forge import pipeline
+    from hexforge.forge.options import BuildOptions
 
     seen = []
-    monkeypatch.setattr(pipeline, "build", lambda ckpt, out, opts, log: seen.append(opts))
+
+    def fake(ckpt, out, opts, log):
+        seen.append(opts)
+        return pipeline.BuildResult(Path(out), {})
+
+    monkeypatch.setattr(pipeline, "build_bundle", fake)
     (tmp_path / "t.txt").write_text("text")
     argv = ["build", "ckpt", "-o", "out", "--target", "v81", "--context", "512",
             "--prefill-len", "32", "--max-shard-bytes", "1G", "--no-verify", "--quant", "fp16",
@@ -128,11 +140,24 @@ def test_cli_passes_every_build_option(monkeypatch, tmp_path):
             "--audio-seconds", "4", "--image-size", "64x96", "--keep-work", "--verify-len", "4",
             "--genie", "--device-only", "--estimate"]
     assert cli.main(argv) == 0
-    default = pipeline.BuildOptions()
-    unset = [f.name for f in dataclasses.fields(default) if f.name not in ("force", "timings")
-             and getattr(seen[0], f.name) == getattr(default, f.name)]
+    default = BuildOptions()
+    unset = [f.name for f in dataclasses.fields(default)
+             if getattr(seen[0], f.name) == getattr(default, f.name)]
     assert not unset, f"build flags that never reach BuildOptions: {unset}"
-    assert seen[0].image_size == (64, 96)
+    assert seen[0].image_size == (64, 96) and seen[0].max_shard_bytes == 10**9
+
+
+def test_build_help_shows_every_default():
+    """``hexforge build --help`` states each option's default, read from BuildOptions itself."""
+    import dataclasses
+
+    from hexforge.forge.options import BuildOptions
+
+    r = hexforge("build", "--help")
+    text = " ".join(r.stdout.split())
+    for f in dataclasses.fields(BuildOptions):
+        if f.default is not None and not isinstance(f.default, bool):
+            assert f"(default: {f.default})" in text, f.name
 
 
 def test_regression_gemma4_bidirectional_image_attention_was_built_causal(ckpt, tmp_path):

@@ -180,3 +180,55 @@ def test_multibyte_stream_chunks_are_whole_characters(server, client):
         split |= any("\ufffd" in server[1].tokenizer.decode([t]) for t in ids)
     assert split, "no token split a character: the test would not test the detokenizer"
     assert any(ord(c) > 0xFFFF for c in "".join(outputs))  # emoji (4 bytes) came out
+
+
+def test_an_unknown_model_is_refused_as_openais_api_refuses_it(client):
+    """``model="gpt-4"`` was served silently by the bundle: now OpenAI's 404 model_not_found,
+    naming the model that is served; the served name and no name at all are answered."""
+    for call in (lambda m: client.chat.completions.create(model=m, messages=MSGS, max_tokens=2),
+                 lambda m: client.completions.create(model=m, prompt="Hi", max_tokens=2)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call("gpt-4")
+        assert e.value.status_code == 404 and e.value.code == "model_not_found"
+        assert "`gpt-4` does not exist" in e.value.message and "`tiny`" in e.value.message
+        assert call("tiny").choices
+    r = httpx.post(f"{client.base_url}chat/completions", json={"messages": MSGS, "max_tokens": 2},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "tiny"
+
+
+def test_hexforge_serve_says_where_it_listens_and_serves_the_openai_client(bundle, tmp_path):
+    """``hexforge serve`` printed nothing: now one line with the address (``--port 0``: the one
+    the system gave), the model name to send and the backend; the official client then talks
+    to it by that line alone. A port in use is one line and exit code 2, not uvicorn's log."""
+    import re
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "hexforge", "serve", str(bundle("llama")),
+                             "--port", "0", "--model-name", "tiny-llama"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        m = re.search(r"^hexforge serve: tiny-llama \(llama, backend cpu, target cpu\) at "
+                      r"(http://127\.0\.0\.1:(\d+)/v1) .*model='tiny-llama'", line)
+        assert m, line
+        url, port = m[1], int(m[2])
+        c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 30
+        while True:  # the line comes as the socket is bound; uvicorn's loop starts after it
+            try:
+                assert [x.id for x in c.models.list()] == ["tiny-llama"]
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+        r = c.chat.completions.create(model="tiny-llama", messages=MSGS, max_tokens=4, seed=0)
+        assert r.choices[0].message.content and r.usage.completion_tokens <= 4
+        busy = subprocess.run([sys.executable, "-m", "hexforge", "serve", str(bundle("llama")),
+                               "--port", str(port)], capture_output=True, text=True, timeout=120)
+        assert busy.returncode == 2 and busy.stderr.count("\n") == 1, busy.stderr
+        assert f"cannot listen on 127.0.0.1:{port}" in busy.stderr
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -102,8 +102,9 @@ def export_modules(jobs: list[tuple[object, Path]], exporter: str, fold: bool = 
     Why: an export is one core's work (torch's trace, the fold, the proto's serialization) and a
     real-size build runs dozens of them, ~30 s each. A forked child reads the shard's fp32
     weights the parent holds copy-on-write; what it adds is the trace and the proto, about
-    twice the module's fp32 weights at most (``export_need``: Qwen3.5-4B's 4-layer cpu shard
-    side by side 11.7 GB for the build, one at a time 5.3). A child starts while the machine's
+    twice the module's fp32 weights at most (Qwen3.5-4B's 4-layer cpu shard side by side 11.7 GB
+    for the build, one at a time 5.3), and ~3x its example inputs, the caches at --context
+    (``export_need``). A child starts while the machine's
     available memory holds its need and the running children's; the first always starts."""
     from .memory import available_bytes
 
@@ -145,9 +146,24 @@ def export_modules(jobs: list[tuple[object, Path]], exporter: str, fold: bool = 
 
 
 def export_need(module) -> int:
-    """Bytes an export of ``module`` may add to the process: twice its weights in fp32."""
+    """Bytes an export of ``module`` may add to the process (``memory.export_need_bytes``): its
+    weights and its example inputs — at a long --context mostly the caches, which the weights
+    alone missed: three side-by-side exports of a 135M model at 1M tokens of context were killed
+    by the OOM killer. The inputs are sized on torch's meta device: nothing is allocated."""
+    import torch
+
+    from .memory import export_need_bytes
+
     params = getattr(module, "parameters", None)
-    return 8 * sum(p.numel() for p in params()) if params else 0
+    weights = sum(p.numel() for p in params()) if params else 0
+    try:
+        with torch.device("meta"):
+            inputs = module.example_inputs()
+        input_bytes = sum(t.numel() * t.element_size() for t in inputs
+                          if isinstance(t, torch.Tensor))
+    except Exception:  # an input made from data (not shapes) has no meta form: weights alone
+        input_bytes = 0
+    return export_need_bytes(weights, input_bytes)
 
 
 def _fits(need: int, available: int | None) -> bool:

@@ -79,6 +79,29 @@ def _anon_bytes() -> int:
     return int(m[1]) * 1024 if m else 0
 
 
+# ---- what a graph's export takes ------------------------------------------------------------
+# One export (torch's trace, the fold, the proto) adds to the process, measured alone on
+# SmolLM2-135M's and Gemma-3-270M's cpu shards at 4k-32k contexts (bench/export_memory.py,
+# docs/measurements.md): ~9 B a weight of the module for these small ones, 5 at real size
+# (Qwen3-VL-2B's 28-layer HTP shard, docs/realsize.md); and 2.9-3.0 x its example inputs' bytes
+# (the caches at --context: the trace holds them, their updated copies and the attention over
+# them), counted 3.5, which also covers the HTP compile of that graph (3.4 x, SmolLM2 v81 fp16).
+# Two bounds for the weights' part: the export scheduler's must not start a child that does not
+# fit (the upper one), the build's refusal must not refuse a build that would (the lower one).
+EXPORT_BYTES_PER_WEIGHT = 8
+EXPORT_BYTES_PER_WEIGHT_LEAST = 5
+EXPORT_INPUT_FACTOR = 3.5
+# the build process besides its graphs: Python, torch, onnxruntime, the tokenizer (~0.3 GB measured)
+PROCESS_BYTES = 500 * 10**6
+
+
+def export_need_bytes(weights: int, input_bytes: int, least: bool = False) -> int:
+    """Bytes one export of a module with ``weights`` parameters and example inputs of
+    ``input_bytes`` adds at its peak (least: the lower bound)."""
+    per_weight = EXPORT_BYTES_PER_WEIGHT_LEAST if least else EXPORT_BYTES_PER_WEIGHT
+    return int(per_weight * weights + EXPORT_INPUT_FACTOR * input_bytes)
+
+
 def available_bytes() -> int | None:
     """What the machine can still give (Linux MemAvailable: free memory and the page cache it
     can drop); None where it does not say."""

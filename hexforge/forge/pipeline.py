@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import __version__
@@ -33,6 +32,7 @@ from ..manifest import (
     save_manifest,
 )
 from ..targets import Target, parse_targets
+from .budget import check_memory, check_positions
 from .checkpoint import read_checkpoint
 from .encoders import (
     calibrate_encoder_norms,
@@ -46,44 +46,22 @@ from .fuse import fuse_cpu_graph
 from .graphs import disk_need, export_float, plan_target, weight_groups, weights_file
 from .hosttables import share_tied_embedding
 from .hostwrite import write_host_tensors
-from .htp.recipes import get_recipe
 from .memory import release_mapped_pages
 from .nbits import check_cpu_weights, cpu_head_format, host_table_formats, quantize_cpu_graph
+from .options import BuildOptions
+from .partial import TempDir, remove_stale
 from .progress import stage
 
 Log = Callable[[str], None]
 
 
-@dataclass
-class BuildOptions:
-    targets: str = "cpu"
-    context: int = 2048
-    prefill_len: int = 64
-    verify_len: int = 8  # k of the cpu target's AR-k verify graphs (speculative decoding); 0: none
-    max_shard_bytes: int | dict[str, int] | None = None  # all targets, or per target name;
-    # default: each target's per-context ceiling
-    verify: bool = True
-    quant: str = "w8a16"  # HTP targets: fp16 | w8a16 | w4a16 (the cpu target stays fp32)
-    calib: str | None = None  # calibration text file (default: a built-in sample)
-    share_weights: bool = False  # HTP: one context per shard for prefill + decode (device only)
-    cpu_weights: str = "fp32"  # cpu target: fp32 (oracle-exact) | int8 | int4 (MatMulNBits)
-    int4_per_layer_tables: bool = False  # int4 cpu weights, no HTP target: Gemma-4's per-layer
-    # embedding tables int4 as well (int8 by default)
-    exporter: str = "torchscript"  # measured: same tiny-model speed, 2.5x faster export
-    verify_tokens: int = 64
-    eval_text: str | None = None  # the oracle's held-out text file (default: forge/quality.py's)
-    eval_tokens: int = 256  # at most this many of its tokens
-    audio_seconds: float | None = None  # the audio encoder's fixed window (default: the model's)
-    image_size: tuple[int, int] | None = None  # fixed-resolution vision graphs (Qwen-VL): H, W
-    force: bool = True  # replace an existing bundle at the output path
-    keep_work: bool = False  # HTP: leave _work/ (each graph's float and QDQ ONNX) in the bundle,
-    # for per-tensor accuracy probes (bench/htp_tensors.py)
-    genie: bool = False  # HTP: also a Genie bundle per target, genie-<target>/ (forge/genie.py)
-    estimate: bool = False  # HTP: each graph compiled once more for Hextimate, QNN's on-host
-    # estimator (hexforge/estimate.py), into report.json: the binaries cannot be estimated later
-    device_only: bool = False  # HTP: no cpu target (a phone's bundle, run by qnn / qnn-sim): its
-    # decoder graphs are not built; the towers' float graphs are, for the compiles, then dropped
-    timings: dict = field(default_factory=dict)
+@dataclass(frozen=True)
+class BuildResult:
+    """What ``build_bundle`` made: the bundle, and each stage's wall seconds (load_hf_s,
+    export_s, verify_s, total_s)."""
+
+    bundle: Path
+    timings: dict[str, float]
 
 
 def _say_disk(need: int, folder: Path, log) -> None:
@@ -139,19 +117,20 @@ def _build_cpu_target(fam, hf, args, target: Target, opts: BuildOptions, out: Pa
 
 def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None = None,
           log: Log = print) -> Path:
+    """``build_bundle``'s bundle path."""
+    return build_bundle(checkpoint, output, opts, log).bundle
+
+
+def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None = None,
+                 log: Log = print) -> BuildResult:
     opts = opts or BuildOptions()
+    timings: dict[str, float] = {}
     t_start = time.perf_counter()
+    out = Path(output).absolute()
+    remove_stale(out.parent)  # temp dirs of builds killed here earlier (the OOM killer runs no except)
+    opts.validate()  # the options alone, before the checkpoint is read
     ckpt = read_checkpoint(checkpoint, log)
     targets = parse_targets(opts.targets)
-    get_recipe(opts.quant)  # a bad --quant fails before any heavy work
-    cpu_bits = (check_cpu_weights(opts.cpu_weights) or (32, 0))[0]
-    if opts.int4_per_layer_tables and (cpu_bits != 4 or any(t.is_htp for t in targets)):
-        raise BuildError("--int4-per-layer-tables needs --cpu-weights int4 or int4-b128 and no "
-                         "HTP target (HTP graphs run 8/16-bit weights and read the same tables)")
-    if opts.prefill_len < 1 or opts.context < 2:
-        raise BuildError("--prefill-len must be >= 1 and --context >= 2")
-    if not 0 <= opts.verify_len < opts.context:
-        raise BuildError(f"--verify-len must be in [0, --context), got {opts.verify_len}")
     if opts.verify:
         _evaluation(opts)
     fam = load_family(ckpt.model_type).FAMILY
@@ -162,32 +141,23 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         from .genie import check_options
 
         check_options(fam, args, opts)
-        if not any(t.is_htp for t in targets):
-            raise BuildError("--genie needs an HTP --target (e.g. v81)")
-    if opts.estimate and not any(t.is_htp for t in targets):
-        raise BuildError("--estimate needs an HTP --target (e.g. v81)")
-    if opts.device_only:
-        if not any(t.is_htp for t in targets):
-            raise BuildError("--device-only needs an HTP --target (e.g. v81)")
-        if opts.cpu_weights != "fp32":
-            raise BuildError("--cpu-weights sets the cpu target's weights; --device-only leaves "
-                             "the cpu target out of the bundle")
+    check_positions(ckpt.config, opts.context)  # the model's; the memory's once it is loaded
     encoders = encoder_families(ckpt.config)  # vision / audio towers of a multimodal checkpoint
     _check_encoder_options(encoders, opts)
 
-    out = Path(output).absolute()
     if out.exists() and not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
         raise BuildError(f"{out} exists and is not a hexforge bundle; refusing to replace it")
+    t = time.perf_counter()
+    hf = fam.load_hf(ckpt.dir)  # as stored (mapped): seconds, and what the memory check reads
+    timings["load_hf_s"] = time.perf_counter() - t
+    said_memory = check_memory(fam, hf, args, targets, opts)  # before anything is written
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    _remove_stale(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    temp = TempDir(out)  # .<name>.partial-<pid>, locked while this build runs (forge/partial.py)
+    tmp = temp.path
     try:
-        log(f"reading {ckpt.dir} ({ckpt.model_type} -> families/{family_name(ckpt.model_type)}.py)")
-        t = time.perf_counter()
-        hf = fam.load_hf(ckpt.dir)
-        opts.timings["load_hf_s"] = time.perf_counter() - t
+        log(f"read {ckpt.dir} ({ckpt.model_type} -> families/{family_name(ckpt.model_type)}.py) "
+            f"in {timings['load_hf_s']:.1f}s")
+        log(said_memory)
         enc_specs = [_encoder_spec(e, hf, ckpt.config, opts) for e in encoders]  # bad options fail
         for spec in enc_specs:
             log(f"encoder {spec.name}: {encoder_input(spec)['text']}, up to "
@@ -278,7 +248,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
             if not opts.verify and not opts.keep_work:
                 shutil.rmtree(tmp / "_work", ignore_errors=True)
         quantize_cpu_encoders(enc_graphs, tmp, opts.cpu_weights, log)  # the HTP's are compiled
-        opts.timings["export_s"] = time.perf_counter() - t
+        timings["export_s"] = time.perf_counter() - t
         save_manifest(tmp, manifest)
         if estimates and not opts.verify:  # report.json holds the estimates alone
             from ..estimate_bundle import add_to_report
@@ -313,7 +283,7 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
                 report = add_to_report(report, estimates)
             if not opts.keep_work:
                 shutil.rmtree(tmp / "_work", ignore_errors=True)
-            opts.timings["verify_s"] = time.perf_counter() - t
+            timings["verify_s"] = time.perf_counter() - t
             (tmp / "report.json").write_text(json.dumps(report, indent=1))
             for name, r in report.items():
                 log(f"[{name}] oracle: {oracle_line(r)}")
@@ -332,13 +302,13 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
         if opts.device_only:  # the towers' float graphs served the compiles and the oracle
             shutil.rmtree(tmp / "cpu", ignore_errors=True)
         _seal(tmp, out.name, checkpoint, log)
-        _replace(tmp, out)
+        temp.publish()
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        temp.discard()
         raise
-    opts.timings["total_s"] = time.perf_counter() - t_start
-    log(f"wrote {out} in {opts.timings['total_s']:.1f}s")
-    return out
+    timings["total_s"] = time.perf_counter() - t_start
+    log(f"wrote {out} in {timings['total_s']:.1f}s")
+    return BuildResult(out, timings)
 
 
 # the build option each modality's encoders may take: (spec keyword, BuildOptions field, CLI flag)
@@ -419,30 +389,3 @@ def _has_chat_template(ckpt) -> bool:
         return True
     cfg = ckpt.dir / "tokenizer_config.json"
     return cfg.is_file() and "chat_template" in json.loads(cfg.read_text())
-
-
-def _remove_stale(out: Path) -> None:
-    """Temp dirs of earlier builds of ``out`` that were killed (kill -9, power loss: no ``except``
-    ran) are removed when their process is gone; a live concurrent build keeps its own."""
-    for d in out.parent.glob(f".{out.name}.*-*"):
-        kind, _, pid = d.name[len(out.name) + 2:].rpartition("-")
-        if kind not in ("partial", "old") or not pid.isdigit() or not d.is_dir():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # still running
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-        except PermissionError:  # alive, another user's
-            continue
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Swap the finished temp dir into place; an old bundle is removed only after the swap."""
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)

@@ -52,14 +52,37 @@ def sdk_version() -> str:
 
 
 _redirect_lock = threading.Lock()
-_redirect: dict = {"depth": 0, "saved": None}  # fd 1's copy while any thread is redirected
+# fd 1's copy and the relay's thread while any thread is redirected (fds are the process's)
+_redirect: dict = {"depth": 0, "saved": None, "relay": None}
+
+# What the x86 simulator's HVX/HMX emulation (libnative, inside libQnnHtp.so and libHtpPrepare.so)
+# prints once a process, on fd 1, when it loads: it found no optional libnative_tls.conf (nor a
+# LIBNATIVE_CONFIG path) and uses the default thread-local storage. Nothing to act on — a config
+# file only swaps it for a "config file detected" line — so the relay drops it; it is not printed
+# on a device, where the HTP itself runs.
+HARMLESS_NATIVE_LINES = (b"# LIBNATIVE: No alternate configuration present in libnative_tls.conf",)
+
+
+def _relay(read_fd: int) -> None:
+    """Copy what QNN's libraries print (fd 1, redirected into a pipe) to fd 2, line by line, but
+    the HARMLESS_NATIVE_LINES; until the pipe's last writer closes it."""
+    pending = b""
+    with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+        while chunk := pipe.read(65536):
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if not line.strip().startswith(HARMLESS_NATIVE_LINES):
+                    os.write(2, line + b"\n")
+    if pending and not pending.strip().startswith(HARMLESS_NATIVE_LINES):
+        os.write(2, pending)
 
 
 @contextlib.contextmanager
 def native_stdout_to_stderr():
-    """QNN's native libraries print banners on fd 1; keep stdout clean for --json and pipes.
-    Threads may nest it (sessions made in threads): the first in redirects, the last out
-    restores."""
+    """QNN's native libraries print banners on fd 1; keep stdout clean for --json and pipes: fd 1
+    goes into a pipe relayed to fd 2 (less the simulator's one harmless line). Threads may nest
+    it (sessions made in threads): the first in redirects, the last out restores."""
     with _redirect_lock:
         if _redirect["depth"] == 0:
             try:
@@ -68,7 +91,12 @@ def native_stdout_to_stderr():
             except (OSError, ValueError):  # no real fd 1 (e.g. captured): nothing to protect
                 _redirect["saved"] = None
             else:
-                os.dup2(2, 1)
+                read_fd, write_fd = os.pipe()
+                os.dup2(write_fd, 1)
+                os.close(write_fd)
+                _redirect["relay"] = threading.Thread(target=_relay, args=(read_fd,), daemon=True,
+                                                      name="hexforge-qnn-stdout")
+                _redirect["relay"].start()
         _redirect["depth"] += 1
     try:
         yield
@@ -76,9 +104,11 @@ def native_stdout_to_stderr():
         with _redirect_lock:
             _redirect["depth"] -= 1
             if _redirect["depth"] == 0 and _redirect["saved"] is not None:
-                os.dup2(_redirect["saved"], 1)
+                os.dup2(_redirect["saved"], 1)  # the pipe's last writer closed: the relay ends
                 os.close(_redirect["saved"])
                 _redirect["saved"] = None
+                _redirect["relay"].join(timeout=10)
+                _redirect["relay"] = None
 
 
 _register_lock = threading.Lock()

@@ -88,9 +88,10 @@ class SpeculationStats:
     verify_calls: int = 0
     verify_tokens: int = 0  # tokens handed out from verify steps (accepted drafts + one per call)
     decode_calls: int = 0  # plain decode steps (no draft found, or no room for a verify step)
+    max_draft: int = 0  # the most tokens a step drafts: min(prompt_lookup, verify rows - 1)
 
     def to_dict(self) -> dict:
-        return {"drafted": self.drafted, "accepted": self.accepted,
+        return {"drafted": self.drafted, "accepted": self.accepted, "max_draft": self.max_draft,
                 "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
                 "verify_calls": self.verify_calls, "decode_calls": self.decode_calls,
                 "tokens_per_verify": (self.verify_tokens / self.verify_calls
@@ -152,6 +153,12 @@ class PromptLookup:
         self.gain[self.match] = g + GAIN_RATE * (accepted - g)
 
 
+def draft_limit(verify_len: int) -> int:
+    """The most draft tokens a verify step of ``verify_len`` rows takes: its first row is the
+    last token sampled."""
+    return verify_len - 1
+
+
 def check_speculation(engine: Engine) -> None:
     """Refuse families whose state cannot drop the rows of rejected drafts."""
     recurrent = sorted({s.kind for s in engine.state.specs.values()} & {"conv_fifo", "ssm"})
@@ -166,6 +173,7 @@ def speculative_steps(engine: Engine, sampler: Sampler, logits: np.ndarray, max_
     """``Engine.generate_step``'s loop after the prefill, with verify steps wherever a draft is
     found (plain decode steps elsewhere). Yields (token, logits it was sampled from)."""
     stats, costs = drafter.stats, engine.step_costs
+    stats.max_draft = min(drafter.k, draft_limit(engine.verify_len))
     token = sampler(logits)
     yield token, logits
     left = max_new_tokens - 1
@@ -173,7 +181,7 @@ def speculative_steps(engine: Engine, sampler: Sampler, logits: np.ndarray, max_
     while left > 0:
         # a verify step takes the last token + drafts, and its rows must end inside the cache;
         # the last token handed out is never a draft (it comes from the row after them)
-        room = T - 1 if engine.pos + T <= engine.context else 0
+        room = draft_limit(T) if engine.pos + T <= engine.context else 0
         drafts = drafter.draft(min(room, left - 1), costs.ratio)
         if not drafts:
             t = time.perf_counter()
