@@ -135,6 +135,13 @@ def inspect_bundle(bundle: Path) -> dict:
     }
 
 
+def layer_span(layers: tuple[int, int] | list[int]) -> str:
+    """A shard's layers as the build log and ``hexforge inspect`` write them: half-open, as
+    Python's ranges, so [0,30) [30,60) meet at 30."""
+    a, b = layers
+    return f"[{a},{b})"
+
+
 def print_inspection(info: dict) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -162,7 +169,7 @@ def print_inspection(info: dict) -> None:
             tab.add_column(col)
         for g in t["graphs"]:
             row = [g["name"], g["role"], str(g["seq_len"]),
-                   str(g["layers"]) if g["layers"] else "-", f"{g['bytes']:,}", g["file"]]
+                   layer_span(g["layers"]) if g["layers"] else "-", f"{g['bytes']:,}", g["file"]]
             if checked:
                 row.append(f"{g['htp_check']['rel_err']:.2e}" if g["htp_check"] else "-")
             tab.add_row(*row)

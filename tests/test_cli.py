@@ -95,6 +95,17 @@ def test_inspect_and_targets(bundle):
     assert "v81" in t.stdout and "87" in t.stdout
 
 
+def test_regression_inspect_wrote_layers_closed_where_the_build_log_writes_them_half_open(
+        bundle):
+    """``hexforge inspect`` printed a shard's layers as [0, 6] where the build log prints
+    [0,6): one formatter (inspect.layer_span) for both now."""
+    from hexforge.inspect import layer_span
+
+    r = hexforge("inspect", bundle("llama"))
+    assert r.returncode == 0 and "[0,6)" in r.stdout and "[0, 6]" not in r.stdout, r.stdout
+    assert layer_span((0, 30)) == "[0,30)"
+
+
 def test_verify_reruns_the_oracle(bundle, ckpt):
     r = hexforge("verify", bundle("qwen3"), "--reference", ckpt("qwen3"), "-n", "16", "--json")
     assert r.returncode == 0, r.stderr
