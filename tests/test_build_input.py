@@ -208,3 +208,17 @@ def test_a_build_says_its_memory_need_beside_what_is_available(ckpt, tmp_path):
     line = next(x for x in r.stderr.splitlines() if x.startswith("memory: "))
     assert "at the build's peak" in line and "--context 64" in line and "GB available" in line
     assert json.loads(r.stdout)["timings_s"]["total_s"] > 0
+
+
+def test_regression_a_gguf_conversion_printed_transformers_per_tensor_bar(real_gguf, tmp_path):
+    """Converting a GGUF printed transformers' "Converting and de-quantizing GGUF tensors" bar,
+    272 redraws of it, under the build's own line (TQDM_DISABLE was set after tqdm had read it)."""
+    code = ("import sys; from hexforge.forge.gguf import gguf_checkpoint; "
+            "print(gguf_checkpoint(sys.argv[1], log=print))")
+    r = subprocess.run([sys.executable, "-c", code, str(real_gguf("smollm2"))],
+                       capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "HEXFORGE_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "converting SmolLM2-135M-Instruct.Q4_1.gguf" in r.stdout
+    assert (Path(r.stdout.splitlines()[-1]) / "config.json").is_file()
+    assert "Converting and de-quantizing" not in r.stderr and "it/s" not in r.stderr, r.stderr[-500:]

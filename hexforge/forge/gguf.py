@@ -23,6 +23,7 @@ with a ``struct.error`` traceback (or reshapes a short tensor)::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -196,21 +197,16 @@ def _convert(src: Path, dst: Path) -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     kw = {"gguf_file": src.name}
-    quiet = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"  # transformers' per-tensor bar: the build logs its own line
     try:
-        config = AutoConfig.from_pretrained(str(src.parent), **kw)
-        loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), dtype=torch.float32, **kw)
-        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), **kw)
+        with _no_tensor_bar():
+            config = AutoConfig.from_pretrained(str(src.parent), **kw)
+            loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), dtype=torch.float32,
+                                                          **kw)
+            tokenizer = AutoTokenizer.from_pretrained(str(src.parent), **kw)
     except (ValueError, KeyError, RuntimeError, OSError, struct.error) as e:  # an architecture
         # transformers' GGUF loader does not know, or damage check_gguf's layout walk cannot see
         raise CheckpointError(f"{src}: transformers cannot load this GGUF file "
                               f"({' '.join(str(e).split())[:300]})") from None
-    finally:
-        if quiet is None:
-            os.environ.pop("TQDM_DISABLE")
-        else:
-            os.environ["TQDM_DISABLE"] = quiet
     config.quantization_config = None
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -226,6 +222,23 @@ def _convert(src: Path, dst: Path) -> None:
     GenerationConfig.from_model_config(loaded.config).save_pretrained(str(dst))
     if not (dst / "tokenizer.json").is_file():
         raise CheckpointError(f"{src}: its tokenizer has no fast (tokenizer.json) form")
+
+
+@contextlib.contextmanager
+def _no_tensor_bar():
+    """Without transformers' per-tensor "Converting and de-quantizing GGUF tensors" bar (the
+    build logs its own line): its loader calls tqdm directly, which read TQDM_DISABLE when it
+    was imported, so setting that now changed nothing; its tqdm is a disabled one meanwhile."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as loader
+
+    bar = loader.tqdm
+    loader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        loader.tqdm = bar
 
 
 def _tied(model) -> set[str]:
