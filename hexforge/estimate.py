@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import csv
 import io
+import json
+import re
 import tempfile
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -118,3 +121,44 @@ def estimate_graph(src: Path, arch: int, soc: Soc, fp16: bool, level: str = "bas
             return parse_profile(prof.read_text())
         except HexforgeError as e:
             raise BackendError(f"{src.name} on {soc.name}: {e}") from None
+
+
+def optrace(log: Path) -> dict:
+    """The Chrome trace QNN embeds in ``profile_qnn.log`` under ``profiling_level`` optrace
+    (``estimate_graph(..., level="optrace", trace_dir=...)``): {"traceEvents": [...],
+    "Hextimate Configuration": {soc, VTCM, clocks, DDR / NoC widths}, ...}. Times in cycles."""
+    data = Path(log).read_bytes()
+    at = data.find(b'"traceEvents"')
+    start = data.rfind(b"{", 0, at)
+    if at < 0 or start < 0:
+        raise BackendError(f"{Path(log).name} holds no optrace timeline (profiling_level optrace?)")
+    obj, _ = json.JSONDecoder().raw_decode(data[start:].decode("utf-8", "replace"))
+    return obj
+
+
+_UNITS = ("HVX", "HMX", "DMA")
+
+
+def op_breakdown(trace: dict) -> list[dict]:
+    """Where a graph's cycles go, per op and unit: each op's busy cycles on the HVX threads, the
+    HMX and the DMA engines, and the DRAM bytes it moves, largest first. Units overlap in time
+    (a DMA fills VTCM while HVX computes), so the rows add up to more than the graph's span."""
+    threads = {e["tid"]: e["args"]["name"].rstrip(":") for e in trace["traceEvents"]
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    rows: dict[tuple[str, str], dict] = defaultdict(lambda: {"cycles": 0, "calls": 0,
+                                                            "dram_read": 0, "dram_write": 0})
+    for e in trace["traceEvents"]:
+        args = e.get("args") or {}
+        if e.get("ph") != "X" or "scalar" in args.get("flags", ()):
+            continue  # scalar events: the scheduler spawning and waiting, not the work
+        unit = next((u for u in _UNITS if threads.get(e["tid"], "").startswith(u)), "other")
+        m = re.search(r"\(q::(.+)\)", e["name"])  # "default_dma (q::Op)" -> the op it serves
+        op = m.group(1) if m else e["name"].removeprefix("q::")
+        r = rows[(op, unit)]
+        r["cycles"] += int(e.get("dur", 0))
+        r["calls"] += 1
+        bw = args.get("bw_info") or {}
+        r["dram_read"] += int(bw.get("dram_read", 0))
+        r["dram_write"] += int(bw.get("dram_write", 0))
+    out = [{"op": op, "unit": unit, **r} for (op, unit), r in rows.items()]
+    return sorted(out, key=lambda r: -r["cycles"])

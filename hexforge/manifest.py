@@ -76,6 +76,9 @@ class TensorSpec(_Model):
     shape: list[int]
     dtype: DType
     bind: str
+    # a KV cache bind whose rows (positions) run along the last axis, [1, KVH, D, C]: HTP graphs
+    # keep keys transposed, as QK^T reads them (forge/htp/kvcast.py); else [1, KVH, C, D]
+    keys_transposed: bool = False
 
 
 class GraphSpec(_Model):

@@ -10,6 +10,7 @@ import json
 import shutil
 import textwrap
 
+import numpy as np
 import pytest
 
 import hexforge
@@ -587,3 +588,61 @@ print(sum(r["bin_bytes"] > 0 for r in done))
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("2"), r.stderr[-2000:]
+
+
+def test_htp_graphs_take_the_kv_cache_as_fp16_with_keys_transposed(htp_bundle):
+    """fp16-activation HTP graphs read the cache as float16 (the HTP computes fp16 anyway) and
+    keep keys as [1, KVH, D, C], as QK^T reads them (forge/htp/kvcast.py): the manifest says so,
+    the compiled graph takes float16, the runtime's buffers follow the target; the cpu target
+    keeps fp32 rows. Both precisions' oracle gates pass in the build."""
+    import onnx
+
+    from hexforge.manifest import load_manifest
+    from hexforge.runtime.backends import Backend
+    from hexforge.runtime.engine import Engine
+
+    for quant in ("fp16", "w8a16"):
+        b = htp_bundle("llama", quant)
+        m = load_manifest(b)
+        kv = {s.name: s for s in m.state}
+        htp = m.targets["v81"].graph(m.targets["v81"].plan.shards[0].decode)
+        for t in htp.inputs + htp.outputs:
+            if t.bind.startswith("state:"):
+                spec = kv[t.bind[6:]]
+                assert t.dtype == "float16" and t.keys_transposed == t.name.endswith(".k")
+                if t.name.startswith("past."):
+                    C, D = spec.shape[-2:]
+                    assert t.shape[-2:] == ([D, C] if t.keys_transposed else [C, D])
+        cpu = m.targets["cpu"].graph(m.targets["cpu"].plan.shards[0].decode)
+        assert all(t.dtype == "float32" and not t.keys_transposed for t in cpu.inputs
+                   if t.bind.startswith("state:"))
+        ctx = onnx.load(str(b / htp.file), load_external_data=False)
+        types = {i.name: i.type.tensor_type.elem_type for i in ctx.graph.input}
+        assert types["past.L0.k"] == onnx.TensorProto.FLOAT16
+        buf = Engine(b, m, "v81", Backend("qnn-sim", 81)).state.buffer("L0.k")
+        assert buf.dtype == np.float16 and list(buf.shape[-2:]) == [spec.shape[-1], spec.shape[-2]]
+
+
+def test_state_writes_rows_of_transposed_keys_as_columns():
+    """A cache held transposed [1, H, D, C] gets a decode row and a prefill chunk as columns at
+    their positions, as the rows layout gets them as rows (runtime/state.py)."""
+    from types import SimpleNamespace
+
+    from hexforge.manifest import MaskGroup, StateSpec
+    from hexforge.runtime.state import BufferForm, State
+
+    m = SimpleNamespace(  # the two fields State reads
+        state=[StateSpec(name="L0.k", layer=0, kind="kv_full", shape=[2, 8, 4], group="full")],
+        mask_groups=[MaskGroup(name="full", capacity=8)])
+    rows = State(m)
+    cols = State(m, {"L0.k": BufferForm("float16", keys_transposed=True)})
+    rng = np.random.default_rng(0)
+    chunk = rng.standard_normal((1, 2, 3, 4)).astype(np.float32)  # 3 positions
+    rows.commit({"L0.k": chunk}, np.arange(3))
+    cols.commit({"L0.k": chunk.transpose(0, 1, 3, 2)}, np.arange(3))
+    step = rng.standard_normal((1, 2, 1, 4)).astype(np.float32)
+    rows.commit({"L0.k": step}, np.array([3]))
+    cols.commit({"L0.k": step.transpose(0, 1, 3, 2)}, np.array([3]))
+    a, b = rows.buffer("L0.k"), cols.buffer("L0.k")
+    assert b.shape == (1, 2, 4, 8) and b.dtype == np.float16
+    np.testing.assert_array_equal(b.transpose(0, 1, 3, 2), a.astype(np.float16))

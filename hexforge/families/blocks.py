@@ -181,6 +181,18 @@ def use_fp16_form(module: nn.Module, residual_scale: float = 1.0) -> nn.Module:
     return module
 
 
+def use_htp_kv_layout(module: nn.Module) -> bool:
+    """HTP graphs: caches that keep keys transposed, [1, KVH, D, C], where the module can (its
+    ``set_keys_transposed``: the dense shards). -> whether it could; the manifest's TensorSpecs
+    then say ``keys_transposed`` (forge/htp/kvcast.py)."""
+    found = False
+    for m in module.modules():
+        if hasattr(m, "set_keys_transposed"):
+            m.set_keys_transposed()
+            found = True
+    return found
+
+
 def residual_scale(absmax: float, limit: float = 8192.0) -> float:
     """The power of two s that brings a residual stream of peak ``absmax`` (calibrated) under
     ``limit``: 8x headroom below fp16's maximum for prompts that peak higher. 1 if it fits."""
@@ -362,6 +374,9 @@ class StaticAttention(nn.Module):
         # Qwen3.5: q_proj emits [query | gate] per head; the output is out * sigmoid(gate)
         self.output_gate = output_gate
         self.cpu_kernel = False  # use_cpu_kernels: onnxruntime's fused rope
+        # use_htp_kv_layout: the cache holds keys transposed, [1, KVH, D, C], as QK^T reads
+        # them: no transpose of the whole cache each step (kvcast.py has the measurement)
+        self.keys_transposed = False
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         T = x.shape[1]
@@ -375,12 +390,14 @@ class StaticAttention(nn.Module):
         k = self._rope(k, cos, sin)  # [1, KVH, T, D]
         return k, v.transpose(1, 2)
 
-    def attend(self, x, cos, sin, mask, keys, values):
-        """q from x; keys/values [1, KVH, S+T, D] already concatenated; mask [1, 1, T, S+T]."""
+    def attend(self, x, cos, sin, mask, keys, values, keys_transposed: bool = False):
+        """q from x; keys/values [1, KVH, S+T, D] already concatenated (keys [1, KVH, D, S+T]
+        with ``keys_transposed``); mask [1, 1, T, S+T]."""
         T, g, D = x.shape[1], self.n_heads // self.n_kv, self.head_dim
         q, gate = self._query(x, cos, sin)  # [1, nH, T, D]
         q = q.reshape(1, self.n_kv, g * T, self.head_dim)
-        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scaling  # [1, KVH, g*T, S+T]
+        kt = keys if keys_transposed else keys.transpose(2, 3)
+        scores = torch.matmul(q, kt) * self.scaling  # [1, KVH, g*T, S+T]
         if g > 1:
             mask = mask.repeat(1, 1, g, 1)
         probs = torch.softmax(scores + mask, dim=-1)
@@ -394,9 +411,13 @@ class StaticAttention(nn.Module):
         if isinstance(mask, CacheLengths):
             return self.attend_in_place(x, cos, sin, mask, past_k, past_v)
         k, v = self.project_kv(x, cos, sin)
-        keys = torch.cat((past_k, k), dim=2)
         values = torch.cat((past_v, v), dim=2)
-        return self.attend(x, cos, sin, mask, keys, values), k, v
+        if self.keys_transposed:  # past_k [1, KVH, D, C]; the new rows go out as [1, KVH, D, T]
+            k = k.transpose(2, 3)
+            keys = torch.cat((past_k, k), dim=3)
+        else:
+            keys = torch.cat((past_k, k), dim=2)
+        return self.attend(x, cos, sin, mask, keys, values, self.keys_transposed), k, v
 
     def _query(self, x, cos, sin):
         """q [1, nH, T, D] after the head norm and rope, + the output gate [1, T, nH*D] or None."""
@@ -489,6 +510,7 @@ class DenseShard(nn.Module):
 
     inputs : hidden [1,T,H], cos/sin [1,T,R], mask_full [1,1,T,C+T], past.L{i}.k/v [1,KVH,C,D] ...
     outputs: hidden_out [1,T,H], new.L{i}.k/v [1,KVH,T,D] ...
+    (keys [1,KVH,D,C] in, [1,KVH,D,T] out under ``use_htp_kv_layout``)
     """
 
     def __init__(self, fam, hf, args, layers: tuple[int, int], seq_len: int, context: int):
@@ -506,6 +528,16 @@ class DenseShard(nn.Module):
             + [(f"new.L{i}.{kv}", f"state:L{i}.{kv}") for i in self.layer_ids for kv in "kv"],
         )
         self.entry_scale = 1.0
+        self.keys_transposed = False  # use_htp_kv_layout
+
+    def set_keys_transposed(self) -> None:
+        """Every layer's cache keeps its keys as [1, KVH, D, C] (``use_htp_kv_layout``)."""
+        self.keys_transposed = True
+        for m in self.modules():
+            if isinstance(m, StaticAttention):
+                m.keys_transposed = True
+        self.io.keys_transposed = {n for n, _ in self.io.inputs + self.io.outputs
+                                   if n.startswith(("past.", "new.")) and n.endswith(".k")}
 
     def set_residual_scale(self, s: float) -> None:
         """The first shard takes HF's hidden (the embedding) and scales it to 1/s; later shards
@@ -519,8 +551,10 @@ class DenseShard(nn.Module):
         a, T, C = self.args, self.seq_len, self.context
         rot = a.head_dim
         # distinct tensor objects: the dynamo exporter aliases inputs that are the same object
-        past = [torch.zeros(1, a.num_key_value_heads, C, a.head_dim)
-                for _ in range(2 * len(self.layer_ids))]
+        k = ((1, a.num_key_value_heads, a.head_dim, C) if self.keys_transposed
+             else (1, a.num_key_value_heads, C, a.head_dim))
+        past = [torch.zeros(*(k if i % 2 == 0 else (1, a.num_key_value_heads, C, a.head_dim)))
+                for i in range(2 * len(self.layer_ids))]
         return (torch.randn(1, T, a.hidden_size), torch.ones(1, T, rot), torch.zeros(1, T, rot),
                 torch.zeros(1, 1, T, C + T), *past)
 

@@ -22,10 +22,12 @@ class GraphIO:
 
     inputs: list[tuple[str, str]] = field(default_factory=list)  # (onnx name, bind)
     outputs: list[tuple[str, str]] = field(default_factory=list)
+    keys_transposed: set[str] = field(default_factory=set)  # names of caches' keys as [.., D, C]
 
     def specs(self, arrays: list[Any], which: str) -> list[TensorSpec]:
         pairs = self.inputs if which == "inputs" else self.outputs
         return [
-            TensorSpec(name=n, bind=b, shape=list(a.shape), dtype=str(a.dtype).replace("torch.", ""))
+            TensorSpec(name=n, bind=b, shape=list(a.shape), dtype=str(a.dtype).replace("torch.", ""),
+                       keys_transposed=n in self.keys_transposed)
             for (n, b), a in zip(pairs, arrays, strict=True)
         ]

@@ -33,7 +33,7 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
         HTP:  s0.prefill s0.decode -> s0.weights ...  head -> head.weights
         cpu:  s0.prefill s0.decode -> s0.weights ...  sK.prefill sK.decode+head head -> sK.weights
     """
-    from ..families.blocks import WithHead, use_cpu_kernels, use_fp16_form
+    from ..families.blocks import WithHead, use_cpu_kernels, use_fp16_form, use_htp_kv_layout
 
     fuse = fuse_cpu_graph if cpu else None
     folder = root / rel_folder
@@ -43,7 +43,9 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
 
     def export(items: list[tuple[str, str, object]], layers=None) -> list[GraphSpec]:
         """(name, role, module) items exported side by side (export_modules)."""
-        if fp16_residual_scale is not None:
+        if fp16_residual_scale is not None:  # HTP graphs with fp16 activations
+            for _, _, m in items:
+                use_htp_kv_layout(m)  # keys transposed where the shard can (kvcast.py)
             items = [(n, r, use_fp16_form(m, fp16_residual_scale)) for n, r, m in items]
         paths = [folder / f"{n}.onnx" for n, _, _ in items]
 

@@ -31,7 +31,7 @@ from .multimodal import MediaRows
 from .options import check_request
 from .sampling import Sampler
 from .speculative import PromptLookup, StepCosts, check_speculation, speculative_steps
-from .state import NP_DTYPES, State
+from .state import NP_DTYPES, State, target_forms
 
 # observer(graph, feeds {input name: array}, outputs {bind: array}, valid positions): the oracle
 # compares per graph with it, calibration records the feeds
@@ -64,7 +64,7 @@ class Engine:
         self.host = HostInputs(manifest.host, tensors, self.context + self.prefill_len,
                                [e.placeholder_id for e in manifest.encoders])
         self.prompt_offset = 0  # index in the prompt of the current step's first row
-        self.state = State(manifest)
+        self.state = State(manifest, target_forms(manifest, self.target))  # HTP: fp16 KV
         # verify graphs (speculative decoding) load on first use: a request without it pays
         # neither their load time nor their copy of the weights
         self.bundle, self.backend = bundle, backend

@@ -16,9 +16,11 @@ tiny-model token (docs/measurements.md).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from ..manifest import Manifest, MaskGroup, StateSpec
+from ..manifest import Manifest, MaskGroup, StateSpec, TargetSpec
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
              "uint16": np.uint16, "uint8": np.uint8, "int8": np.int8, "bool": np.bool_}
@@ -96,27 +98,62 @@ class SlotGroup:
         self.row_q = q + 1
 
 
-def write_rows(buf: np.ndarray, new: np.ndarray, slots: np.ndarray) -> None:
-    """buf [1, H, S, D] <- new [1, H, T, D] rows [:n] at `slots` [n] (slices when contiguous)."""
+def write_rows(buf: np.ndarray, new: np.ndarray, slots: np.ndarray, axis: int = 2) -> None:
+    """buf [1, H, S, D] <- new [1, H, T, D] rows [:n] at `slots` [n] (slices when contiguous);
+    ``axis`` 3: keys held transposed, buf [1, H, D, S] <- new [1, H, D, T]."""
     n = slots.shape[0]
-    src = new[:, :, :n]
+    lead = (slice(None),) * axis
+    src = new[(*lead, slice(0, n))]
     s0 = int(slots[0])
     if int(slots[-1]) - s0 == n - 1:
-        buf[:, :, s0:s0 + n] = src
+        buf[(*lead, slice(s0, s0 + n))] = src
     else:
-        buf[:, :, slots] = src
+        buf[(*lead, slots)] = src
+
+
+@dataclass(frozen=True)
+class BufferForm:
+    """How a target's graphs hold one state buffer where that is not the manifest's spec: the
+    dtype, and a KV cache's keys transposed (rows along the last axis, [1, KVH, D, C])."""
+    dtype: str
+    keys_transposed: bool = False
+
+
+def target_forms(manifest: Manifest, target: TargetSpec) -> dict[str, BufferForm]:
+    """State name -> its BufferForm in the target's graphs (their input TensorSpecs), where it
+    differs from the manifest's (HTP graphs with fp16 activations take the KV cache as float16,
+    keys transposed: forge/htp/kvcast.py). A kv_shared bind reads its donor's buffer."""
+    specs = {s.name: s for s in manifest.state}
+    out: dict[str, BufferForm] = {}
+    for g in target.graphs:
+        for t in g.inputs:
+            kind, _, name = t.bind.partition(":")
+            if kind != "state" or name not in specs:
+                continue
+            while specs[name].kind == "kv_shared":
+                name = specs[name].source
+            if t.dtype != specs[name].dtype or t.keys_transposed:
+                out[name] = BufferForm(t.dtype, t.keys_transposed)
+    return out
 
 
 class State:
-    def __init__(self, manifest: Manifest):
+    def __init__(self, manifest: Manifest, forms: dict[str, BufferForm] | None = None):
+        """``forms``: state name -> BufferForm where the target's graphs hold a buffer unlike
+        the manifest's spec (``target_forms``)."""
+        forms = forms or {}
         self.specs: dict[str, StateSpec] = {s.name: s for s in manifest.state}
         self.groups = {g.name: SlotGroup(g) for g in manifest.mask_groups}
-        self.buffers: dict[str, np.ndarray] = {
-            s.name: np.zeros([1, *s.shape], dtype=NP_DTYPES[s.dtype])
-            for s in manifest.state if s.kind != "kv_shared"
-        }
-        # KV caches: (buffer, slot group), looked up once per write
-        self.kv = {s.name: (self.buffers[s.name], self.groups[s.group])
+        self.buffers: dict[str, np.ndarray] = {}
+        for s in manifest.state:
+            if s.kind == "kv_shared":
+                continue
+            form = forms.get(s.name, BufferForm(s.dtype))
+            shape = [*s.shape[:-2], s.shape[-1], s.shape[-2]] if form.keys_transposed else s.shape
+            self.buffers[s.name] = np.zeros([1, *shape], dtype=NP_DTYPES[form.dtype])
+        # KV caches: (buffer, slot group, the axis its rows run along), looked up once per write
+        self.kv = {s.name: (self.buffers[s.name], self.groups[s.group],
+                            3 if forms.get(s.name, BufferForm(s.dtype)).keys_transposed else 2)
                    for s in manifest.state if s.kind in ("kv_full", "kv_sliding")}
 
     def reset(self) -> None:
@@ -146,8 +183,11 @@ class State:
             p = int(positions[0])
             for name, value in new.items():
                 if name in self.kv:
-                    buf, group = self.kv[name]
-                    buf[0, :, group.slot(p)] = value[0, :, 0]
+                    buf, group, axis = self.kv[name]
+                    if axis == 2:
+                        buf[0, :, group.slot(p)] = value[0, :, 0]
+                    else:  # keys transposed: the row is a column
+                        buf[0, :, :, group.slot(p)] = value[0, :, :, 0]
                 else:
                     self.update(name, value, positions)
         else:
@@ -160,10 +200,11 @@ class State:
         """Apply a graph's state output: KV rows at their slots, other kinds replaced whole."""
         kv = self.kv.get(name)
         if kv is not None:
-            buf, group = kv
+            buf, group, axis = kv
             kept = group.surviving(positions)
             skip = positions.shape[0] - kept.shape[0]
-            write_rows(buf, value[:, :, skip:], group.slots(kept))
+            rows = value[:, :, skip:] if axis == 2 else value[:, :, :, skip:]
+            write_rows(buf, rows, group.slots(kept), axis)
         elif self.specs[name].kind == "kv_shared":
             raise ValueError(f"state {name} is kv_shared: graphs must not write it")
         else:

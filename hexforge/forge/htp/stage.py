@@ -34,6 +34,7 @@ from ..memory import release_mapped_pages
 from ..progress import stage
 from . import compile as compiler  # through the module: tests swap compiler.compile_graph
 from .calibstats import GraphStats, HessianStore
+from .kvcast import fp16_kv
 from .qdq import quantize_graph
 from .recipes import COMPILED_SUFFIX, QuantRecipe, get_recipe
 
@@ -207,6 +208,8 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
             rel = f"_work/{recipe.name}-{len(prepared)}"
             graphs, plan = export_float(fam, hf, args, shards, opts, root, rel, log,
                                         fp16_residual_scale=scale)
+            if recipe.activations is None:  # half the cache's DDR bytes a step (kvcast.py)
+                graphs = fp16_kv(root, graphs, manifest.state)
             srcs = root / rel
             if not opts.verify:  # each compiled graph's check call, while the float graphs exist
                 checked[key] = _capture(root, manifest, graphs, plan, recipe, opts, log)

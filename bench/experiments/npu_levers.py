@@ -1,0 +1,101 @@
+"""A graph form's speed under Hextimate, without a build: the HTP target's graphs exported as
+`hexforge build --target v81` exports them, then each estimated on SA8797 — no phone compile, no
+simulator check, no bundle. For trying speed levers quickly (minutes, not a build); a lever's
+number for the docs is then the real build's (bench/npu_estimate.py).
+
+    python bench/experiments/npu_levers.py --work W [--model smollm2] [--quant fp16]
+                                           [--context 1024] [--prefill-len 64] [--json FILE]
+
+The stages mirror the build's for an fp16-activation recipe: the norms' prescales and the
+residual peak (families/blocks.calibrate_norm_scales), the plan, the float export with the fp16
+form, the KV cache's fp16 I/O (forge/htp/kvcast.py), the weight-only pass for w8a16 / w4a16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: npu_estimate's gguf()
+
+
+def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work: Path,
+                    log=print) -> dict:
+    from npu_estimate import gguf
+
+    from hexforge.estimate import estimate_graph
+    from hexforge.estimate_bundle import target_estimate
+    from hexforge.families import load_family
+    from hexforge.families.blocks import calibrate_norm_scales
+    from hexforge.forge.calib import calibration_text
+    from hexforge.forge.checkpoint import read_checkpoint
+    from hexforge.forge.graphs import export_float, plan_target
+    from hexforge.forge.htp.kvcast import fp16_kv
+    from hexforge.forge.htp.recipes import get_recipe
+    from hexforge.forge.htp.stage import fp16_scale, weight_only
+    from hexforge.forge.pipeline import BuildOptions
+    from hexforge.runtime import qnn
+    from hexforge.runtime.text import TextTokenizer
+    from hexforge.targets import TARGETS
+
+    recipe = get_recipe(quant)
+    if recipe.activations is not None:
+        raise SystemExit("fixed-point recipes calibrate first: use a build (bench/npu_estimate.py)")
+    ckpt = read_checkpoint(gguf(model, work))
+    fam = load_family(ckpt.model_type).FAMILY
+    args = fam.Args.from_config(ckpt.config)
+    hf = fam.load_hf(ckpt.dir)
+    opts = BuildOptions(targets="v81", quant=quant, context=context, prefill_len=prefill_len,
+                        verify_len=0, verify=False)
+    ids = TextTokenizer(ckpt.dir).encode(calibration_text(None))[:context]
+    with fam.float32_forward(hf):
+        peak = calibrate_norm_scales(hf, ids, fam.reference_layers(hf))
+    target = TARGETS["v81"]
+    root = work / f"levers-{model}-{quant}-c{context}"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    t = time.perf_counter()
+    shards = plan_target(fam, hf, target, opts, log)
+    graphs, plan = export_float(fam, hf, args, shards, opts, root, "g", log,
+                                fp16_residual_scale=fp16_scale(fam, peak, log))
+    graphs = fp16_kv(root, graphs, fam.state_spec(args, context))
+    if recipe.weight_only:
+        weight_only(plan, root / "g", recipe, args.vocab_size)
+    per_graph = {}
+    for g in graphs:
+        per_graph[g.name] = e = estimate_graph(root / "g" / f"{g.name}{recipe.compiled_suffix}",
+                                               81, target.estimator, True)
+        log(f"  {g.name}: {e.us:,} us, {e.fill_bytes / 1e6:.2f} MB, {e.missing_ops} missing")
+    est = target_estimate(plan, graphs, per_graph, target.estimator, 81, qnn.sdk_version(),
+                          context)
+    est["seconds"] = round(time.perf_counter() - t, 1)
+    shutil.rmtree(root, ignore_errors=True)
+    return est
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", required=True)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--quant", default="fp16")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--prefill-len", type=int, default=64)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    est = graphs_estimate(a.model, a.quant, a.context, a.prefill_len, work,
+                          lambda m: print(m, file=sys.stderr))
+    from hexforge.estimate_bundle import estimate_line
+
+    print(estimate_line(est))
+    if a.json:
+        Path(a.json).write_text(json.dumps(est, indent=1))
+
+
+if __name__ == "__main__":
+    main()
