@@ -63,8 +63,11 @@ class GenieForm:
 
 
 class TokenGather(nn.Module):
-    """int32 ids -> table rows x scale (the first split's entry). Gathered as they come: a Cast
-    to int64 would be a node the HTP refuses."""
+    """int32 ids -> table rows x scale (the first split's entry). Gathered as they come (a Cast
+    to int64 would be a node the HTP refuses), clamped into the table: Genie puts ids outside
+    it into a graph — its lookahead decoding's first guesses (1000.. on a 384-row table), -1 as
+    the pad of a config without one — and an out-of-range gather fails the whole execute on
+    the HTP (error 1100)."""
 
     def __init__(self, table: torch.Tensor, scale: float):
         super().__init__()
@@ -72,6 +75,8 @@ class TokenGather(nn.Module):
         self.scale = float(scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        top = torch.full((), self.table.shape[0] - 1, dtype=torch.int32)
+        ids = torch.maximum(torch.minimum(ids, top), torch.zeros((), dtype=torch.int32))
         x = torch.nn.functional.embedding(ids, self.table)
         return x * self.scale if self.scale != 1.0 else x
 

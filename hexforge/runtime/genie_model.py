@@ -80,6 +80,22 @@ def absolute_paths(config: dict, folder: Path) -> dict:
     return cfg
 
 
+def _refuse_shared_weights_off_device(folder: Path, config: dict) -> None:
+    """Weight-shared contexts (build --share-weights) load on a device only: libQnnHtp on x86
+    says "Shared weights buffer isn't supported on this platform", fails the context (err 1000)
+    and the process then segfaults inside libGenie (measured, QNN 2.51) — refused here in one
+    line instead."""
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return
+    ext = config["dialog"]["engine"]["backend"].get("extensions")
+    path = folder / ext if isinstance(ext, str) else None
+    if path is not None and path.is_file():
+        shared = json.loads(path.read_text()).get("context", {}).get("weight_sharing_enabled")
+        if shared:
+            raise BundleError(f"{folder.name} holds weight-shared contexts (--share-weights), "
+                              "which load on a Snapdragon device only, not in the x86 simulator")
+
+
 class GenieModel:
     """generate / stream over a Genie bundle folder; one dialog, reset before each request."""
 
@@ -90,6 +106,7 @@ class GenieModel:
         # integrity (genie_checks.py): the folder's files, paths and tokenizer judged before
         # libGenie sees them
         self.config = check_folder(self.folder)
+        _refuse_shared_weights_off_device(self.folder, self.config)
         d = self.config["dialog"]
         self.context = int(d["context"]["size"])
         self.n_vocab = int(d["context"]["n-vocab"])
