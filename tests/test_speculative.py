@@ -184,6 +184,48 @@ def test_cli_run_json_reports_drafted_and_accepted_tokens(bundle, capsys):
     assert s["tokens_per_verify"] >= 1.0 and len(out["token_ids"]) == 24
 
 
+def test_regression_prompt_lookup_opened_its_verify_graphs_before_the_first_token(bundle):
+    """The verify graphs' sessions were opened before the prefill: with prompt lookup the first
+    token of a fresh model came ~2x later (SmolLM2: TTFT 574-635 -> 1191-1242 ms). They open at
+    the first verify step now, after the first token; the tokens are the same."""
+    model = hexforge.load(bundle("llama"))
+    events: list[str] = []
+    session = model.engine.backend.session
+
+    def opening(bundle_dir, target, graph):
+        events.append(f"open {graph.role}")
+        return session(bundle_dir, target, graph)
+
+    model.engine.backend.session = opening
+    ids = prompt_ids(12) * 3
+    plain = model.generate(ids, max_new_tokens=12, ignore_eos=True).token_ids
+    tokens = []
+    for token, _ in model.engine.generate_step(ids, lambda logits: int(np.argmax(logits)), 12,
+                                               drafter=PromptLookup(4, list(ids))):
+        events.append("token")
+        tokens.append(token)
+    assert tokens == plain
+    assert events[0] == "token" and "open verify" in events, events
+
+
+def test_prompt_lookup_above_the_bundles_verify_rows_is_said(bundle, capsys):
+    """--prompt-lookup 16 on a bundle of AR-8 verify graphs drafts at most 7 tokens a step: said
+    in a note, and in the result (max_draft), not silently cut."""
+    from hexforge.cli import main
+
+    prompt = " ".join(["the cat sat on the mat"] * 4)
+    assert main(["run", str(bundle("llama")), prompt, "-n", "8", "--ignore-eos", "--json",
+                 "--prompt-lookup", "16"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["speculation"]["max_draft"] == 7
+    assert ("--prompt-lookup 16: this bundle's AR-k verify graphs take 8 rows, so a step drafts "
+            "at most 7 tokens (a bundle built with --verify-len 17 drafts 16)") in out.err
+    assert main(["run", str(bundle("llama")), prompt, "-n", "8", "--json",
+                 "--prompt-lookup", "7"]) == 0
+    out = capsys.readouterr()
+    assert "note" not in out.err and json.loads(out.out)["speculation"]["max_draft"] == 7
+
+
 def always_draft(model):
     """Send every draft found: the step-time policy (a cpu verify step costs more than a decode
     step) would otherwise skip drafts the test needs verified."""

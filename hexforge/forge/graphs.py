@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import BuildError
+from ..inspect import layer_span
 from ..manifest import GraphSpec, RunPlan, ShardPlan
 from ..targets import Target
 from .export import export_modules, share_weights
@@ -140,7 +141,7 @@ def plan_target(fam, hf, target: Target, opts, log) -> list[tuple[int, int]]:
     if head > ceiling and target.is_htp:
         raise BuildError(f"the head holds {head:,} weight bytes > the per-graph ceiling {ceiling:,}")
     log(f"[{target.name}] {len(shards)} shard(s) under {ceiling:,} B of weights: "
-        + " ".join(f"[{a},{b})" for a, b in shards))
+        + " ".join(layer_span(s) for s in shards))
     return shards
 
 

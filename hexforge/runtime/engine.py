@@ -65,8 +65,9 @@ class Engine:
                                [e.placeholder_id for e in manifest.encoders])
         self.prompt_offset = 0  # index in the prompt of the current step's first row
         self.state = State(manifest, target_forms(manifest, self.target))  # HTP: fp16 KV
-        # verify graphs (speculative decoding) load on first use: a request without it pays
-        # neither their load time nor their copy of the weights
+        # verify graphs (speculative decoding) load on first use — the first verify step, after
+        # the first token: a request without it pays neither their load time nor their copy of
+        # the weights, and a prompt-lookup request's first token does not wait for them
         self.bundle, self.backend = bundle, backend
         self.step_costs = StepCosts()  # decode vs verify step time: when a draft pays
         self.sessions = {g.name: backend.session(bundle, self.target, g) for g in self.target.graphs
@@ -139,7 +140,9 @@ class Engine:
                               f"only the cpu backend runs; target {self.target.name} cannot run "
                               f"on backend {self.backend.name}")
 
-    def _load_verify_sessions(self) -> None:
+    def load_verify_sessions(self) -> None:
+        """Open the verify graphs' sessions (HTP targets verify through the prefill graphs:
+        nothing to open). The first verify step does; a benchmark may beforehand."""
         for g in self.step_graphs["verify"]:
             if g.name not in self.sessions:
                 self.sessions[g.name] = self.backend.session(self.bundle, self.target, g)
@@ -345,7 +348,7 @@ class Engine:
         if not 1 <= n <= T or self.pos + T > self.context:
             raise ValueError(f"a verify step takes 1..{T} ids ending inside the cache; got {n} "
                              f"at {self.pos} of {self.context}")
-        self._load_verify_sessions()
+        self.load_verify_sessions()
         padded = np.zeros(T, dtype=np.int64)
         padded[:n] = ids
         positions = np.arange(self.pos, self.pos + T, dtype=np.int64)
@@ -387,7 +390,6 @@ class Engine:
         self.check_request(prompt_ids, max_new_tokens, 0 if fresh else self.pos)
         if drafter is not None:
             check_speculation(self)
-            self._load_verify_sessions()
         if fresh:
             self.reset()
         logits = self.prefill(prompt_ids, prefill_mode, media, copy=False)
