@@ -310,3 +310,30 @@ def test_device_only_on_a_cpu_build_is_one_line_exit_2(ckpt, tmp_path):
     r = hexforge("build", ckpt("llama"), "-o", tmp_path / "out", "--device-only")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "--device-only needs an HTP --target" in r.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("blocked, argv, extra", [
+    ("fastapi", ["serve", "BUNDLE"], "serve"), ("torch", ["build", "CKPT", "-o", "OUT"], "build")])
+def test_a_command_whose_extra_is_not_installed_names_it_in_one_line(bundle, ckpt, tmp_path,
+                                                                    blocked, argv, extra):
+    """`hexforge serve` after `pip install -e .` was a ModuleNotFoundError traceback (fastapi):
+    each command names the pip extra it needs, read from the package's own metadata."""
+    import textwrap
+
+    argv = [str(bundle("llama")) if a == "BUNDLE" else str(ckpt("llama")) if a == "CKPT"
+            else str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    code = textwrap.dedent(f"""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] == {blocked!r}:
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        sys.meta_path.insert(0, Block())
+        from hexforge.cli import main
+        sys.exit(main({argv!r}))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert (f"hexforge {argv[0]} needs the {extra} extra ({blocked} is not installed): "
+            f'pip install "hexforge[{extra}]"') in r.stderr
+    assert not (tmp_path / "out").exists()
