@@ -13,6 +13,9 @@ the encoder resolution the bundles this project replaces were built with:
                                and its 12-layer audio conformer
     gemma-4-e4b-text  v81      its 42-layer decoder alone: the towers' graphs do not depend on
                                the depth, and their check is an hour of the ~3 h here
+    gemma-4-e2b       v81      Gemma-4-E2B's 35-layer decoder (KV sharing, PLE, two head dims)
+
+``--genie`` adds the Genie bundle (genie-v81/: the decoder in Genie's contract, docs/genie.md).
 
 The checkpoint is made once under WORK/<model> (minutes; skipped if present); the bundle is
 WORK/<model>-<quant>. Prints the stage table (bench/build_profile.py) and writes it as JSON.
@@ -42,6 +45,7 @@ MODELS: dict[str, dict] = {
     "qwen3.5-4b": dict(shape="qwen3.5-4b-vl", targets="v81", image_size=(512, 512)),
     "gemma-4-e4b": dict(shape="gemma-4-e4b-mm", targets="v81"),
     "gemma-4-e4b-text": dict(shape="gemma-4-e4b", targets="v81"),
+    "gemma-4-e2b": dict(shape="gemma-4-e2b", targets="v81"),
 }
 
 
@@ -54,6 +58,7 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=64)
     ap.add_argument("--share-weights", action="store_true")
     ap.add_argument("--device-only", action="store_true", help="no cpu target (hexforge build's)")
+    ap.add_argument("--genie", action="store_true", help="also the Genie bundle (build --genie)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--layers", type=int, default=None, help="build a cut of the first N layers")
     a = ap.parse_args()
@@ -74,6 +79,7 @@ def main() -> None:
     opts = BuildOptions(targets=spec["targets"],
                         quant=a.quant, context=a.context, prefill_len=a.prefill_len,
                         verify=False, share_weights=a.share_weights, device_only=a.device_only,
+                        genie=a.genie,
                         image_size=spec.get("image_size"))
     out = profile_build(str(ckpt), str(work / f"{name}-{a.quant}"), opts)
     out["model"], out["checkpoint_made"] = name, made

@@ -58,25 +58,21 @@ def sampler_config(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
 
 def absolute_paths(config: dict, folder: Path) -> dict:
     """A copy of ``config`` whose file paths (relative to ``folder`` in a bundle, as
-    genie-t2t-run wants them) are absolute: Genie resolves them against the working directory."""
+    genie-t2t-run wants them) are absolute: Genie resolves them against the working directory.
+    The keys that name files are ``genie_checks.named_files``' (one list for both)."""
+    import re
+
+    from .genie_checks import named_files
+
     cfg = copy.deepcopy(config)
-    d = cfg["dialog"]
-
-    def fix(p: str) -> str:
-        return str(folder / p) if not Path(p).is_absolute() else p
-
-    d["tokenizer"]["path"] = fix(d["tokenizer"]["path"])
-    backend = d["engine"]["backend"]
-    ext = backend.get("extensions")
-    if isinstance(ext, str):
-        backend["extensions"] = fix(ext)
-    binary = d["engine"]["model"].get("binary", {})
-    for key in ("ctx-bins", "fcb"):
-        if key in binary:
-            binary[key] = [fix(p) for p in binary[key]]
-    for key in ("embedding", "perlayer-embedding"):  # the tables Genie gathers rows of
-        if "lut-path" in d.get(key, {}):
-            d[key]["lut-path"] = fix(d[key]["lut-path"])
+    for where, path in list(named_files(cfg)):
+        if path is None or Path(path).is_absolute():
+            continue
+        node, keys = cfg["dialog"], re.findall(r"[^.\[\]]+", where)
+        for k in keys[:-1]:
+            node = node[int(k)] if isinstance(node, list) else node[k]
+        last = keys[-1]
+        node[int(last) if isinstance(node, list) else last] = str(folder / path)
     return cfg
 
 
