@@ -107,7 +107,8 @@ def test_the_oracles_greedy_tokens_are_read_off_teacher_forcing_until_a_miss(bun
     teacher-forced run's tokens through the same graphs: it is not run again (half the oracle's
     decode steps, on the simulator minutes). A miss runs it, and reports the bundle's own tokens."""
     from hexforge.families import load_family
-    from hexforge.forge.verify import OracleCpuBackend, oracle_prompt, verify_target
+    from hexforge.forge.oracle_backend import OracleCpuBackend
+    from hexforge.forge.verify import oracle_prompt, verify_target
     from hexforge.manifest import load_manifest
     from hexforge.runtime.engine import Engine
     from hexforge.runtime.text import TextTokenizer

@@ -389,7 +389,7 @@ class Engine:
         drafter: speculative decoding with its drafts (runtime/speculative.py), same tokens."""
         self.check_request(prompt_ids, max_new_tokens, 0 if fresh else self.pos)
         if drafter is not None:
-            check_speculation(self)
+            check_speculation(self.manifest)
         if fresh:
             self.reset()
         logits = self.prefill(prompt_ids, prefill_mode, media, copy=False)

@@ -11,15 +11,32 @@ with every item of the conversation.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from ..errors import RequestError
+from ..manifest import Manifest
+from .engine import Engine
 from .multimodal import Encoded, MediaRows, check_marks, encode_media, splice
 from .options import GenerationOptions, GenerationResult, pieces_of, result_of, takes_generation_options
+from .text import TextTokenizer
 
-if TYPE_CHECKING:
-    from .model import Model
+
+class ChatModel(Protocol):
+    """What a session takes of its model (``model.Model``, which makes sessions: a protocol, so
+    this module needs no import of it)."""
+
+    manifest: Manifest
+    tokenizer: TextTokenizer
+    engine: Engine
+    _preprocessors: dict
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True
+                            ) -> str: ...
+
+    def _iterate(self, prompt: str | list[int], o: GenerationOptions,
+                 steps: Callable[..., Iterator[tuple[int, Any]]] | None = None
+                 ) -> Iterator[tuple[str, int | None, GenerationResult | None]]: ...
 
 MEDIA_KEYS = {"image": "images", "audio": "audios"}  # modality -> the message's key for its items
 
@@ -31,7 +48,7 @@ class ChatSession:
     A user message with media holds them under "images" / "audios" (as given: paths, bytes, ...)
     and marks their places in its content with the bundle's placeholder text."""
 
-    def __init__(self, model: Model, system: str | None = None):
+    def __init__(self, model: ChatModel, system: str | None = None):
         self.model = model
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
         self.cached: list[int] = []  # ids whose effect is in the engine state

@@ -43,15 +43,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from ..errors import RequestError
+from ..manifest import Manifest
 from .sampling import Sampler
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 MAX_NGRAM = 3  # the longest context suffix looked up; shorter ones are tried next, down to 1
 EXPLORE = 8  # a draft judged not worth it is still sent every EXPLORE-th time
@@ -159,16 +157,38 @@ def draft_limit(verify_len: int) -> int:
     return verify_len - 1
 
 
-def check_speculation(engine: Engine) -> None:
+class VerifyStep(Protocol):
+    """A verify step's rows, run but not committed (``engine.Verification``)."""
+
+    def logits(self, i: int) -> np.ndarray: ...
+
+    def accept(self, n: int) -> None: ...
+
+
+class Stepper(Protocol):
+    """What the loop below steps: the engine's decode and verify steps and where they stand
+    (``engine.Engine``, which calls the loop: a protocol, so this module needs no import of it)."""
+
+    step_costs: StepCosts
+    verify_len: int  # rows of a verify step
+    pos: int  # the next row's position
+    context: int
+
+    def decode(self, token: int, copy: bool = True) -> np.ndarray: ...
+
+    def verify(self, ids: list[int]) -> VerifyStep: ...
+
+
+def check_speculation(manifest: Manifest) -> None:
     """Refuse families whose state cannot drop the rows of rejected drafts."""
-    recurrent = sorted({s.kind for s in engine.state.specs.values()} & {"conv_fifo", "ssm"})
+    recurrent = sorted({s.kind for s in manifest.state} & {"conv_fifo", "ssm"})
     if recurrent:
-        raise RequestError(f"prompt lookup is not supported for {engine.manifest.family}: its "
+        raise RequestError(f"prompt lookup is not supported for {manifest.family}: its "
                            f"recurrent state ({', '.join(recurrent)}) cannot be rolled back to "
                            "the accepted row")
 
 
-def speculative_steps(engine: Engine, sampler: Sampler, logits: np.ndarray, max_new_tokens: int,
+def speculative_steps(engine: Stepper, sampler: Sampler, logits: np.ndarray, max_new_tokens: int,
                       drafter: PromptLookup) -> Iterator[tuple[int, np.ndarray]]:
     """``Engine.generate_step``'s loop after the prefill, with verify steps wherever a draft is
     found (plain decode steps elsewhere). Yields (token, logits it was sampled from)."""

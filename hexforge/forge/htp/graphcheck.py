@@ -45,6 +45,7 @@ from ...runtime.engine import Engine
 from ...runtime.state import NP_DTYPES
 from ...runtime.text import TextTokenizer
 from ..memory import release_heap
+from ..ortrun import run_graph
 
 DECODE_STEP = 8  # the decode call checked: 8 cached rows before it
 # a graph whose output is this far from its source graph's on the CPU computes wrong, whatever
@@ -153,7 +154,6 @@ def check_target(root: Path, spec: TargetSpec, calls: dict[str, tuple[dict, dict
     ``sources[name]`` (the graph it was compiled from) on the CPU, else its float outputs;
     -> graph name -> {outputs: {name: relative error, cosine, max|Δ|, max|ref|}, vs_float,
     seconds, passed}."""
-    from .probe import _run
     from .recipes import get_recipe
 
     so = qnn.session_options(qnn.provider_options(spec.htp_arch, spec.soc_model,
@@ -164,7 +164,7 @@ def check_target(root: Path, spec: TargetSpec, calls: dict[str, tuple[dict, dict
             continue  # the encoders: check_encoders
         feeds, floats = calls[g.name]
         src = (sources or {}).get(g.name)
-        ref = _run(src, feeds) if src is not None else floats
+        ref = run_graph(src, feeds) if src is not None else floats
         release_heap()
         report[g.name] = _check(root / g.file, feeds, ref, so, f"[{spec.name}] checked {g.name}",
                                 log, floats if src is not None else None)
@@ -176,23 +176,19 @@ def check_encoders(root: Path, target: str, so, float_graphs: list[GraphSpec],
                    ) -> dict[str, dict]:
     """Each compiled encoder graph with its example item (``items``: preprocessed inputs, as
     ``Engine.encode`` takes them) vs its float graph on the CPU; -> graph name -> report."""
-    from .probe import _run
-
     report = {}
     for f, g, item in zip(float_graphs, compiled, items, strict=True):
         feeds = {i.name: item[i.bind.removeprefix("media:")].astype(NP_DTYPES[i.dtype], copy=False)
                  for i in f.inputs}
-        ref = _run(root / f.file, feeds)
+        ref = run_graph(root / f.file, feeds)
         report[g.name] = _check(root / g.file, feeds, ref, so, f"[{target}] checked {g.name}", log)
     return report
 
 
 def _check(path: Path, feeds: dict, ref: dict, so, what: str, log,
            floats: dict | None = None) -> dict:
-    from .probe import _run
-
     t = time.perf_counter()
-    got = _run(path, feeds, so)
+    got = run_graph(path, feeds, so)
     release_heap()  # the simulator's session, freed into the C heap
     r = {"outputs": compare(got, ref), "seconds": round(time.perf_counter() - t, 1)}
     if floats is not None:

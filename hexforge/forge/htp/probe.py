@@ -34,6 +34,7 @@ from ...runtime import qnn
 from ...runtime.backends import Backend
 from ...runtime.engine import Engine
 from ...runtime.text import TextTokenizer
+from ..ortrun import run_graph
 
 
 @dataclass
@@ -108,19 +109,6 @@ def _expose(src: Path, dst: Path, names: list[str]) -> list[str]:
     return [o.name for o in model.graph.output]
 
 
-def _run(path: Path, feeds: dict, so=None) -> dict[str, np.ndarray]:
-    import onnxruntime as ort
-
-    if so is None:
-        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    else:
-        with qnn.native_stdout_to_stderr():
-            sess = ort.InferenceSession(str(path), so)
-    want = {i.name for i in sess.get_inputs()}
-    values = sess.run(None, {k: v for k, v in feeds.items() if k in want})
-    return dict(zip([o.name for o in sess.get_outputs()], values, strict=True))
-
-
 def _rel(x: np.ndarray, ref: np.ndarray) -> float:
     ref = ref.astype(np.float64)
     return float(np.linalg.norm(x.astype(np.float64) - ref) / (np.linalg.norm(ref) + 1e-30))
@@ -186,11 +174,11 @@ def tensor_errors(bundle: Path, target: str = "v81", graph: str | None = None,
     ctx = qdq.with_name(f"{graph}.probe.ctx.onnx")
     fp16 = not fixed_point  # fp16 activations: the float and weight-only recipes
     try:
-        ref = _run(float_probe, feeds)
-        cpu = _run(probe, feeds)
+        ref = run_graph(float_probe, feeds)
+        cpu = run_graph(probe, feeds)
         compile_graph(probe, ctx, spec.htp_arch, spec.soc_model, fp16=fp16)
         so = qnn.session_options(qnn.provider_options(spec.htp_arch, spec.soc_model, fp16), {})
-        htp = _run(ctx, feeds, so)
+        htp = run_graph(ctx, feeds, so)
     finally:
         for f in (probe, float_probe, ctx, ctx.with_name(ctx.stem + "_qnn.bin")):
             f.unlink(missing_ok=True)

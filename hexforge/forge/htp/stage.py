@@ -31,6 +31,7 @@ from ...targets import Target
 from ..calib import calibration_text
 from ..graphs import export_float, plan_target
 from ..memory import release_mapped_pages
+from ..oracle_backend import OracleCpuBackend
 from ..progress import stage
 from . import compile as compiler  # through the module: tests swap compiler.compile_graph
 from .calibstats import GraphStats, HessianStore
@@ -158,12 +159,7 @@ def calibrate(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: Run
 
 def _calibration_backend(prepack: bool = True) -> Backend:
     """The oracle's cpu backend (each weight file mapped once, shared by prefill + decode, no
-    prepacked copies where the runtime would not pack them either; prepack=False: none at all)
-    where this build has it; the runtime's otherwise."""
-    try:
-        from ..verify import OracleCpuBackend
-    except ImportError:
-        return Backend("cpu")
+    prepacked copies where the runtime would not pack them either; prepack=False: none at all)."""
     return OracleCpuBackend(prepack)
 
 

@@ -1,0 +1,101 @@
+"""The code's shape, read from its source with ``ast``: no import circle in hexforge/ (module
+level and inside functions), no function over the length a reader takes in at once."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "hexforge"
+
+
+def _modules(root: Path = ROOT) -> dict[str, Path]:
+    """Dotted module name -> file, packages by their __init__.py."""
+    out = {}
+    for f in sorted(root.rglob("*.py")):
+        parts = list(f.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = f
+    return out
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, wherever the import stands (module level,
+    inside a function, under TYPE_CHECKING). ``from pkg import name`` is an arrow to the module
+    ``pkg.name`` where that is a module, else to ``pkg``."""
+    modules = _modules(root)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    stem = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    stem = node.module or ""
+                targets = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in modules else stem
+                           for a in node.names]
+            else:
+                continue
+            graph[name].update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_a_module_that_imports_it_back():
+    found = circles(import_graph())
+    graph = import_graph()
+    detail = ["; ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a]) if b in c)
+              for c in found]
+    assert not found, "import circles in hexforge/:\n" + "\n".join(detail)
+
+
+def test_the_circle_finder_finds_a_function_local_circle(tmp_path):
+    """The check itself can fail: a package whose two modules import each other, one of them
+    inside a function, is one circle; a package-level import of a child is none."""
+    pkg = tmp_path / "hexforge"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .sub import a\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "a.py").write_text("from . import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from .a import g\n")
+    (pkg / "c.py").write_text("from .sub.a import x\n")
+    assert circles(import_graph(pkg)) == [["hexforge.sub.a", "hexforge.sub.b"]]
