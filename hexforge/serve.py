@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ContextOverflowError, HexforgeError, RequestError
 from .runtime.multimodal import decode_media
-from .runtime.options import GenerationOptions
+from .runtime.options import GenerationOptions, GenerationResult
 from .runtime.text import check_messages
 
 
@@ -156,41 +156,217 @@ async def watch_disconnect(request: Request, cancel: threading.Event, every_s: f
         await asyncio.sleep(every_s)
 
 
+def _error(status: int, message: str, code: str | None = None,
+           kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {
+        "message": message, "type": kind, "param": None, "code": code}})
+
+
+def _typed_error(e: HexforgeError) -> JSONResponse:
+    """A typed error -> its own status (RequestError 400, BackendError 500, ...)."""
+    return _error(e.http_status, str(e), kind="invalid_request_error" if e.http_status < 500
+                  else "server_error")
+
+
+def _usage(result: GenerationResult) -> dict:
+    n = len(result.token_ids)
+    out: dict[str, Any] = {"prompt_tokens": result.prompt_tokens, "completion_tokens": n,
+                           "total_tokens": result.prompt_tokens + n}
+    if result.speculation is not None:  # under prompt_lookup: drafted / accepted tokens
+        out["speculation"] = result.speculation
+    return out
+
+
+def _finish(result: GenerationResult) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
 def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
+    """The OpenAI routes over one loaded model, served as ``model_id``; ``api_key``: the bearer
+    token every request must carry (None: none)."""
     app = FastAPI(title="hexforge", version="1")
-    lock = threading.Lock()
+    _handle_errors(app, api_key)
+    api = _Api(model, model_id)
+    app.get("/v1/models")(api.models)
+    app.post("/v1/chat/completions")(api.chat_completions)
+    app.post("/v1/completions")(api.completions)
+    return app
 
-    def error(status: int, message: str, code: str | None = None, kind="invalid_request_error"):
-        return JSONResponse(status_code=status, content={"error": {
-            "message": message, "type": kind, "param": None, "code": code}})
 
-    def hexforge_error(e: HexforgeError):
-        """A typed error -> its own status (RequestError 400, BackendError 500, ...)."""
-        return error(e.http_status, str(e), kind="invalid_request_error" if e.http_status < 500
-                     else "server_error")
+def _handle_errors(app: FastAPI, api_key: str | None) -> None:
+    """Every error OpenAI-shaped: typed errors with their status, validation 400, a bug 500, a
+    wrong API key 401."""
 
     @app.exception_handler(HexforgeError)
     async def _typed(_req, exc):
-        return hexforge_error(exc)
+        return _typed_error(exc)
 
     @app.exception_handler(Exception)
     async def _bug(_req, exc):  # a bug, not the client's fault: still an OpenAI-shaped body
-        return error(500, f"internal error: {type(exc).__name__}", kind="server_error")
+        return _error(500, f"internal error: {type(exc).__name__}", kind="server_error")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req, exc):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", [])[1:])
-        return error(400, f"{where}: {first.get('msg', 'invalid request')}")
+        return _error(400, f"{where}: {first.get('msg', 'invalid request')}")
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
-            return error(401, "invalid or missing API key", "invalid_api_key",
-                         "authentication_error")
+            return _error(401, "invalid or missing API key", "invalid_api_key",
+                          "authentication_error")
         return await call_next(request)
 
-    async def run(request: Request, ids: list[int], kw: dict):
+
+class _Reply:
+    """One response's identity and body shapes: a whole completion or its stream's chunks."""
+
+    def __init__(self, model_id: str, chat: bool):
+        self.model_id, self.chat = model_id, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def chunk(self, piece: str | None, reason: str | None, extra: dict | None = None,
+              role: bool = False) -> str:
+        """One server-sent event of the stream."""
+        if self.chat:
+            delta = {"role": "assistant"} if role else {} if piece is None else {"content": piece}
+            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": piece or "", "finish_reason": reason}
+        body = {"id": self.id, "object": self.object + (".chunk" if self.chat else ""),
+                "created": self.created, "model": self.model_id, "choices": [choice],
+                **(extra or {})}
+        return f"data: {json.dumps(body)}\n\n"
+
+    def body(self, result: GenerationResult, logprobs: list[dict] | None) -> dict:
+        """The whole completion (``logprobs``: per token {token, logprob, top_logprobs})."""
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
+                                                              "content": result.text},
+                                      "finish_reason": _finish(result)}
+            if logprobs is not None:
+                choice["logprobs"] = {"content": logprobs}
+        else:
+            choice = {"index": 0, "text": result.text, "finish_reason": _finish(result)}
+            if logprobs is not None:
+                choice["logprobs"] = {"tokens": [e["token"] for e in logprobs],
+                                      "token_logprobs": [e["logprob"] for e in logprobs]}
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model_id, "choices": [choice], "usage": _usage(result)}
+
+
+class _Api:
+    """The routes of one served model: requests queue on one lock for its engine."""
+
+    def __init__(self, model, model_id: str):
+        self.model, self.model_id = model, model_id
+        self.lock = threading.Lock()
+        self.placeholders = {e.modality: e.placeholder_text for e in model.manifest.encoders}
+
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_id, "object": "model",
+                                            "created": 0, "owned_by": "hexforge"}]}
+
+    async def chat_completions(self, req: ChatRequest, request: Request):
+        if (refused := self._unknown_model(req.model)) is not None:
+            return refused
+        model = self.model
+        try:
+            kw = req.generation_kwargs()
+            kw["max_new_tokens"] = req.max_completion_tokens or req.max_tokens
+            if req.logprobs:
+                kw["logprobs"] = req.top_logprobs or 0
+            check_messages(req.messages)  # a message without a role is a 400, not role "None"
+            media: dict[str, list[bytes]] = {}
+            messages = [{"role": str(m.get("role")),
+                         "content": text_of(m.get("content"), self.placeholders, media)}
+                        for m in req.messages]
+            text = model.apply_chat_template(messages)
+            ids = model.tokenizer.encode(text, add_special_tokens=False)
+            # decoded now: bad media is a 400 before the response starts, not an error mid-stream
+            decoded = decode_media(model.manifest, media.get("image"), media.get("audio"),
+                                   model._preprocessors)
+            kw.update({f"{m}s": items for m, (_, _, items) in decoded.items()})
+        except HexforgeError as e:
+            return _typed_error(e)
+        return await self._respond(request, ids, kw, chat=True, stream=req.stream)
+
+    async def completions(self, req: CompletionRequest, request: Request):
+        if (refused := self._unknown_model(req.model)) is not None:
+            return refused
+        try:
+            kw = req.generation_kwargs()
+            if req.logprobs is not None:
+                kw["logprobs"] = req.logprobs
+            ids = self.model.encode(req.prompt)
+        except HexforgeError as e:
+            return _typed_error(e)
+        return await self._respond(request, ids, kw, chat=False, stream=req.stream)
+
+    def _unknown_model(self, name: str | None) -> JSONResponse | None:
+        """OpenAI's answer to a model it does not serve (None: the request named none)."""
+        if name is None or name == self.model_id:
+            return None
+        return _error(404, f"The model `{name}` does not exist; this server serves "
+                      f"`{self.model_id}` (GET /v1/models)", "model_not_found")
+
+    async def _respond(self, request: Request, ids: list[int], kw: dict, chat: bool,
+                       stream: bool):
+        """The request's checks (context, its grammar), then its whole body or its stream."""
+        model = self.model
+        try:
+            model.engine.check_request(ids, kw.get("max_new_tokens") or
+                                       model.generation.max_new_tokens)
+        except ContextOverflowError as e:
+            return _error(400, str(e), "context_length_exceeded")
+        except HexforgeError as e:
+            return _typed_error(e)
+        if kw.get("response_format") is not None:
+            try:  # a big schema can take a while to compile: not on the event loop
+                kw["constraint"] = await asyncio.to_thread(model.grammars.constraint,
+                                                           kw.pop("response_format"))
+            except HexforgeError as e:
+                return _typed_error(e)
+        reply = _Reply(self.model_id, chat)
+        if stream:
+            return StreamingResponse(self._events(reply, request, ids, kw),
+                                     media_type="text/event-stream")
+        result = None
+        try:
+            async for _, _, r in self._run(request, ids, kw):
+                result = r if r is not None else result
+        except HexforgeError as e:
+            return _typed_error(e)
+        if result is None:  # the client went away
+            return _error(499, "client closed the request", "cancelled")
+        return reply.body(result, None if result.logprobs is None else self._logprobs(result))
+
+    async def _events(self, reply: _Reply, request: Request, ids: list[int], kw: dict):
+        """The stream's server-sent events, ``data: [DONE]`` last."""
+        if reply.chat:
+            yield reply.chunk(None, None, role=True)
+        try:
+            async for piece, _, result in self._run(request, ids, kw):
+                if result is None:
+                    yield reply.chunk(piece, None)
+                else:
+                    yield reply.chunk(None if reply.chat else "", _finish(result),
+                                      {"usage": _usage(result)})
+        except HexforgeError as e:
+            body = {"error": {"message": str(e), "type": "invalid_request_error"}}
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def _logprobs(self, result: GenerationResult) -> list[dict]:
+        tok = self.model.tokenizer
+        return [{"token": tok.decode([e["token"]]), "logprob": e["logprob"],
+                 "top_logprobs": [{"token": tok.decode([t]), "logprob": lp}
+                                  for t, lp in e["top"]]} for e in result.logprobs or []]
+
+    async def _run(self, request: Request, ids: list[int], kw: dict):
         """Async iterator over model._iterate items, run in a worker thread under the lock."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
@@ -204,9 +380,10 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
 
         def worker():
             try:
-                with lock:
+                with self.lock:
                     if not cancel.is_set():  # its client may have left while it queued
-                        for item in model._iterate(ids, GenerationOptions(should_stop=cancel.is_set, **kw)):
+                        options = GenerationOptions(should_stop=cancel.is_set, **kw)
+                        for item in self.model._iterate(ids, options):
                             put(item)
             except BaseException as e:  # handed to the request
                 put(e)
@@ -225,145 +402,6 @@ def create_app(model, model_id: str, api_key: str | None = None) -> FastAPI:
         finally:
             cancel.set()  # disconnect / cancelled stream: stop the token loop (polled every token)
             watch.cancel()
-
-    def usage(result) -> dict:
-        n = len(result.token_ids)
-        out = {"prompt_tokens": result.prompt_tokens, "completion_tokens": n,
-               "total_tokens": result.prompt_tokens + n}
-        if result.speculation is not None:  # under prompt_lookup: drafted / accepted tokens
-            out["speculation"] = result.speculation
-        return out
-
-    def finish(result) -> str:
-        return "length" if result.finish_reason == "length" else "stop"
-
-    def logprob_content(result) -> list[dict]:
-        tok = model.tokenizer
-        return [{"token": tok.decode([e["token"]]), "logprob": e["logprob"],
-                 "top_logprobs": [{"token": tok.decode([t]), "logprob": lp}
-                                  for t, lp in e["top"]]} for e in result.logprobs or []]
-
-    def unknown_model(name: str | None):
-        """OpenAI's answer to a model it does not serve (None: the request named none)."""
-        if name is None or name == model_id:
-            return None
-        return error(404, f"The model `{name}` does not exist; this server serves "
-                     f"`{model_id}` (GET /v1/models)", "model_not_found")
-
-    async def respond(request: Request, ids: list[int], kw: dict, chat: bool, stream: bool):
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-        try:
-            model.engine.check_request(ids, kw.get("max_new_tokens") or
-                                       model.generation.max_new_tokens)
-        except ContextOverflowError as e:
-            return error(400, str(e), "context_length_exceeded")
-        except HexforgeError as e:
-            return hexforge_error(e)
-        if kw.get("response_format") is not None:
-            try:  # a big schema can take a while to compile: not on the event loop
-                kw["constraint"] = await asyncio.to_thread(model.grammars.constraint,
-                                                           kw.pop("response_format"))
-            except HexforgeError as e:
-                return hexforge_error(e)
-
-        def chunk(piece: str | None, reason: str | None, extra: dict | None = None,
-                  role: bool = False) -> str:
-            if chat:
-                delta = {"role": "assistant"} if role else {} if piece is None else {"content": piece}
-                choice = {"index": 0, "delta": delta, "finish_reason": reason}
-            else:
-                choice = {"index": 0, "text": piece or "", "finish_reason": reason}
-            body = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
-                    "model": model_id, "choices": [choice], **(extra or {})}
-            return f"data: {json.dumps(body)}\n\n"
-
-        if stream:
-            async def events():
-                if chat:
-                    yield chunk(None, None, role=True)
-                try:
-                    async for piece, _, result in run(request, ids, kw):
-                        if result is None:
-                            yield chunk(piece, None)
-                        else:
-                            yield chunk(None if chat else "", finish(result),
-                                        {"usage": usage(result)})
-                except HexforgeError as e:
-                    body = {"error": {"message": str(e), "type": "invalid_request_error"}}
-                    yield f"data: {json.dumps(body)}\n\n"
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        result = None
-        try:
-            async for _, _, r in run(request, ids, kw):
-                result = r if r is not None else result
-        except HexforgeError as e:
-            return hexforge_error(e)
-        if result is None:  # the client went away
-            return error(499, "client closed the request", "cancelled")
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "finish_reason": finish(result)}
-            if result.logprobs is not None:
-                choice["logprobs"] = {"content": logprob_content(result)}
-        else:
-            choice = {"index": 0, "text": result.text, "finish_reason": finish(result)}
-            if result.logprobs is not None:
-                lp = logprob_content(result)
-                choice["logprobs"] = {"tokens": [e["token"] for e in lp],
-                                      "token_logprobs": [e["logprob"] for e in lp]}
-        return {"id": rid, "object": obj, "created": created, "model": model_id,
-                "choices": [choice], "usage": usage(result)}
-
-    placeholders = {e.modality: e.placeholder_text for e in model.manifest.encoders}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model",
-                                            "created": 0, "owned_by": "hexforge"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest, request: Request):
-        if (refused := unknown_model(req.model)) is not None:
-            return refused
-        try:
-            kw = req.generation_kwargs()
-            kw["max_new_tokens"] = req.max_completion_tokens or req.max_tokens
-            if req.logprobs:
-                kw["logprobs"] = req.top_logprobs or 0
-            check_messages(req.messages)  # a message without a role is a 400, not role "None"
-            media: dict[str, list[bytes]] = {}
-            messages = [{"role": str(m.get("role")),
-                         "content": text_of(m.get("content"), placeholders, media)}
-                        for m in req.messages]
-            text = model.apply_chat_template(messages)
-            ids = model.tokenizer.encode(text, add_special_tokens=False)
-            # decoded now: bad media is a 400 before the response starts, not an error mid-stream
-            decoded = decode_media(model.manifest, media.get("image"), media.get("audio"),
-                                   model._preprocessors)
-            kw.update({f"{m}s": items for m, (_, _, items) in decoded.items()})
-        except HexforgeError as e:
-            return hexforge_error(e)
-        return await respond(request, ids, kw, chat=True, stream=req.stream)
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        if (refused := unknown_model(req.model)) is not None:
-            return refused
-        try:
-            kw = req.generation_kwargs()
-            if req.logprobs is not None:
-                kw["logprobs"] = req.logprobs
-            ids = model.encode(req.prompt)
-        except HexforgeError as e:
-            return hexforge_error(e)
-        return await respond(request, ids, kw, chat=False, stream=req.stream)
-
-    return app
 
 
 def served_id(model, bundle: str | Path) -> str:
