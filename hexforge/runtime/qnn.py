@@ -122,7 +122,22 @@ def _register() -> None:
 
     with _register_lock:
         if not any(d.ep_name == EP for d in ort.get_ep_devices()):
+            _bind_cffi_closures()
             ort.register_execution_provider_library(EP, onnxruntime_qnn.get_library_path())
+
+
+def _bind_cffi_closures() -> None:
+    """cffi's closure entry bound to its own libffi before the QNN libraries load. libQnnHtp.so
+    and libHtpPrepare.so export a libffi of their own (ffi_prep_closure, nm -D), loaded into the
+    global scope; a cffi callback made after that (soundfile reads an audio file through them)
+    binds the QNN copy and fails: "ffi_prep_closure(): bad user_data" (measured: every
+    ``--backend qnn-sim --audio x.wav`` was refused as "not an audio file"). A first callback
+    here binds cffi's lazy symbol to the right library for the process."""
+    try:
+        import cffi
+    except ImportError:  # nothing in this process makes cffi callbacks
+        return
+    cffi.FFI().callback("void(void)", lambda: None)
 
 
 def provider_options(htp_arch: int, soc_model: int, fp16: bool) -> dict[str, str]:
