@@ -38,9 +38,9 @@ def cmd_run(a) -> int:
     from . import load
 
     if a.backend == "genie":  # Qualcomm's runtime drives the bundle's Genie folder
-        from .runtime.genie_model import GenieModel
+        from .runtime.genie_pipeline import open_genie  # its pipeline for images / audio
 
-        model = GenieModel(a.bundle, arch=a.arch or a.target)
+        model = open_genie(a.bundle, arch=a.arch or a.target)
     else:
         model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target,
                      allow_cpu_fallback=a.allow_cpu_fallback)

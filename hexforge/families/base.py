@@ -380,3 +380,11 @@ class EncoderFamily:
 
     def reference(self, hf, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise NotImplementedError
+
+    def genie_node(self, hf, spec, row_tail: np.ndarray | None):
+        """The tower as a Genie pipeline node (families/genienode.py GenieNodeForm; ``row_tail``
+        the LUT columns after the soft token in a media row). A tower without one is left out
+        of a bundle's Genie pipeline (forge/genie_pipeline.py), with the reason."""
+        from ..errors import UnsupportedModelError
+
+        raise UnsupportedModelError(f"the {self.modality} tower states no Genie node form")

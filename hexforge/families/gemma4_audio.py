@@ -231,12 +231,20 @@ class AudioEncoder(nn.Module):
         return tuple(torch.from_numpy(self._example[k]) for k in INPUT_KEYS)
 
     def forward(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        half = mask[:, ::2]
+        return self.encode(features, (mask, half), half[:, ::2])
+
+    def encode(self, features: torch.Tensor, conv_masks: tuple, mask: torch.Tensor
+               ) -> torch.Tensor:
+        """The tower on features [1, F, n_mels] given each subsampling conv's input mask (the
+        frame mask, then its stride-2 [::2]; None: the input is zero where masked already) and
+        the soft tokens' mask [1, S] (mask[::2][::2])."""
         sub = self.tower.subsample_conv_projection
         h = features.unsqueeze(1)  # [1, 1, F, n_mels]
-        for layer in (sub.layer0, sub.layer1):  # HF: mask the input, conv, norm over channels, ReLU
-            h = layer.conv(h * mask[:, None, :, None])  # [1, c, F', n_mels']
+        for layer, m in zip((sub.layer0, sub.layer1), conv_masks, strict=True):
+            # HF: mask the input, conv, norm over channels, ReLU
+            h = layer.conv(h if m is None else h * m[:, None, :, None])  # [1, c, F', n_mels']
             h = layer.act(layer.norm(h.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
-            mask = mask[:, ::2]
         _, c, T, f = h.shape
         h = sub.input_proj_linear(h.permute(0, 2, 3, 1).reshape(1, T, f * c))  # [1, S, hidden]
         a = self.layers[0].attn
@@ -353,6 +361,23 @@ class Gemma4AudioEncoder(EncoderFamily):
                                   f"{spec.max_soft_tokens}")
         return module.eval()
 
+    def genie_node(self, hf, spec: EncoderSpec, row_tail: np.ndarray | None):
+        """The tower as Genie's audio-encoder node (``GenieAudioNode``): the log-mel uint16 over
+        the range a waveform in [-1, 1] can reach (``feature_range``), the conv and soft-token
+        masks bools, each output row the soft token then ``row_tail``."""
+        from ..runtime.audio import Gemma4AudioPrep
+        from .genienode import AUDIO_INPUT, AUDIO_MASK, AUDIO_MASK_AFTER_CNN, GenieNodeForm
+
+        module = GenieAudioNode(self.encoder_module(hf, spec), row_tail)
+        return GenieNodeForm(role="audio-encoder", mode="audio", module=module,
+                             fixed_point={"input_features":
+                                          feature_range(Gemma4AudioPrep(spec.params))},
+                             # the masks first: Genie runs the node when its features come
+                             feeds={"soft_token_mask": AUDIO_MASK,
+                                    "mask_after_cnn": AUDIO_MASK_AFTER_CNN,
+                                    "input_features": AUDIO_INPUT},
+                             model={"truncation-method": "default"}, rows_via="host")
+
     def reference(self, hf, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """HF get_audio_features (audio tower + embed_audio) on the same features: valid rows."""
         feats = torch.from_numpy(inputs["input_features"])
@@ -363,3 +388,61 @@ class Gemma4AudioEncoder(EncoderFamily):
 
 
 ENCODER = Gemma4AudioEncoder()
+
+
+def feature_range(prep) -> tuple[float, float]:
+    """The log-mel values a waveform with samples in [-1, 1] can give (runtime/audio.py's
+    arithmetic): log(floor) when silent, at most log(A · Σ|window| · max_j Σ_b mel[b, j] + floor)
+    with A the frame's peak (scale, and 1 + p after preemphasis), then each bin's mean / stddev.
+    A Genie node's uint16 input covers it (the host refuses features past it, never clips)."""
+    a = prep.input_scale_factor * ((1.0 + prep.preemphasis) if prep.preemphasis > 0 else 1.0)
+    peak = a * float(np.abs(prep.window).astype(np.float64).sum())
+    lo = math.log(prep.mel_floor)
+    hi = math.log(peak * float(prep.mel_filters.sum(0).max()) + prep.mel_floor)
+    lo_b, hi_b = np.full(prep.n_mels, lo), np.full(prep.n_mels, hi)
+    if prep.per_bin_mean is not None:
+        lo_b, hi_b = lo_b - prep.per_bin_mean.ravel(), hi_b - prep.per_bin_mean.ravel()
+    if prep.per_bin_stddev is not None:
+        std = prep.per_bin_stddev.ravel()
+        lo_b, hi_b = np.minimum(lo_b / std, hi_b / std), np.maximum(lo_b / std, hi_b / std)
+    return float(lo_b.min()), float(hi_b.max())
+
+
+class GenieAudioNode(nn.Module):
+    """``AudioEncoder`` behind Genie's audio-encoder tensors (families/genienode.py)::
+
+        input_features        [1, F, n_mels] uint16 in the binary (Genie quantizes the host's
+                                             f32; zero past the audio, as the host makes them)
+        padded_mask_after_cnn [1, F/2] bool  the first conv's output mask (mask[::2])
+        input_features_mask   [1, S] bool    the soft tokens' mask (mask[::2][::2]): Genie
+                                             appends as many output rows as it holds ones
+        ─▶ AudioEncoder.encode ─▶ hidden_states [1, S, H_text (+ tail)], rows past the audio 0
+
+    The masks are bools the host hands over as 0/1 float32; why the soft tokens' mask and not
+    the frames' goes under Genie's input_features_mask: docs/genie-pipelines.md."""
+
+    def __init__(self, encoder: AudioEncoder, row_tail: np.ndarray | None):
+        super().__init__()
+        from .genienode import AUDIO_FEATURES
+
+        self.encoder = encoder
+        tail = None if row_tail is None else torch.from_numpy(
+            np.asarray(row_tail, np.float32)).view(1, 1, -1)
+        self.register_buffer("tail", tail, persistent=False)
+        self.io = GraphIO(inputs=[("input_features", "media:input_features"),
+                                  ("padded_mask_after_cnn", "media:mask_after_cnn"),
+                                  ("input_features_mask", "media:soft_token_mask")],
+                          outputs=[(AUDIO_FEATURES, "soft")])
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        feats, mask = self.encoder.example_inputs()
+        half = mask[:, ::2]
+        return feats, half > 0.5, half[:, ::2] > 0.5
+
+    def forward(self, features: torch.Tensor, mask_after_cnn: torch.Tensor,
+                soft_token_mask: torch.Tensor) -> torch.Tensor:
+        soft = self.encoder.encode(features, (None, mask_after_cnn.float()),
+                                   soft_token_mask.float())
+        if self.tail is None:
+            return soft
+        return torch.cat([soft, self.tail.expand(1, soft.shape[1], -1)], dim=-1)

@@ -168,6 +168,22 @@ class Gemma4VisionEncoder(EncoderFamily):
         inputs, _ = Gemma4ImagePrep(spec.params)(img)
         return inputs
 
+    def genie_node(self, hf, spec: EncoderSpec, row_tail: np.ndarray | None):
+        """The tower as Genie's image-encoder node (``GenieVisionNode``): pixels uint16 on [0, 1]
+        (k/255 is 257k/65535: exact), the patch grid's positions and pooled indices Genie's own
+        (it computes them from the node's vision-param: height x width patches, pooling-kernel-
+        size); each output row the soft token then ``row_tail`` (the text LUT's other columns of
+        a media row: Gemma-4's per-layer inputs of the pad token)."""
+        from .genienode import IMAGE_INPUT, GenieNodeForm
+
+        args = Args.from_config(hf.config.vision_config.to_dict())
+        k = int(spec.params["pooling_kernel_size"])
+        return GenieNodeForm(role="image-encoder", mode="image",
+                             module=GenieVisionNode(hf, args, spec, row_tail),
+                             fixed_point={"pixel_values": (0.0, 1.0)},
+                             feeds={"pixel_values": IMAGE_INPUT},
+                             model={"vision-param": {"pooling-kernel-size": k}})
+
     def reference(self, hf, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """HF's own soft tokens for the image: get_image_features (tower + embed_vision)."""
         import torch
@@ -305,3 +321,61 @@ def VisionGraph(hf, args: Args, spec: EncoderSpec):
             return self.proj(self.pre_norm(pooled))  # [1, S, H_text]
 
     return Graph().eval()
+
+
+def GenieVisionNode(hf, args: Args, spec: EncoderSpec, row_tail: np.ndarray | None):
+    """``VisionGraph`` behind Genie's image-encoder inputs (families/genienode.py)::
+
+        pixel_values       [1, P, 3p²]  uint16 in the binary (Genie quantizes the host's f32)
+        image_position_ids [1, P, 2] i32  (x, y) per patch, -1 on padding   } Genie fills them
+        image_pooling_idx  [1, P] i32     x//k + (w/k)(y//k), 0 on padding  } from vision-param
+        ─▶ valid = pos_x >= 0; patch_pos = max(pos, 0); pool_index -1 on padding; rope cos/sin
+           gathered from tables of HF's float32 angles r · inv_freq (the host's own numbers)
+        ─▶ VisionGraph ─▶ image_features [1, S, H_text (+ tail)]
+
+    Padding patches take position 0's rope where the host gives position -1's: they are masked
+    as keys and pooled with weight 0, so no valid row reads them."""
+    torch, nn = _torch()
+    from ..runtime.vision import Gemma4ImagePrep
+    from .genienode import IMAGE_FEATURES
+
+    graph = VisionGraph(hf, args, spec)
+    rows = int(spec.params["position_rows"])
+    angles = np.arange(rows, dtype=np.float32)[:, None] * Gemma4ImagePrep(spec.params).inv_freq
+
+    class Node(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.graph = graph
+            self.register_buffer("cos_t", torch.from_numpy(np.cos(angles)), persistent=False)
+            self.register_buffer("sin_t", torch.from_numpy(np.sin(angles)), persistent=False)
+            tail = None if row_tail is None else torch.from_numpy(
+                np.asarray(row_tail, np.float32)).view(1, 1, -1)
+            self.register_buffer("tail", tail, persistent=False)
+            self.io = GraphIO(inputs=[("pixel_values", "media:pixel_values"),
+                                      ("image_position_ids", "genie:image_position_ids"),
+                                      ("image_pooling_idx", "genie:image_pooling_idx")],
+                              outputs=[(IMAGE_FEATURES, "soft")])
+
+        def example_inputs(self):
+            inputs = ENCODER.example_inputs(spec)
+            pos = inputs["image_position_ids"].astype(np.int32)
+            pool = np.maximum(inputs["pool_index"], 0).astype(np.int32)  # Genie: 0 on padding
+            return (torch.from_numpy(inputs["pixel_values"]), torch.from_numpy(pos),
+                    torch.from_numpy(pool))
+
+        def forward(self, pixel_values, image_position_ids, image_pooling_idx):
+            pos = image_position_ids
+            valid = torch.clamp(pos[..., 0].float() + 1.0, 0.0, 1.0)  # [1, P]: 0 where x = -1
+            patch_pos = torch.maximum(pos, torch.zeros((), dtype=torch.int32))
+            pool_index = image_pooling_idx.float() * valid + (valid - 1.0)  # -1 on padding
+            cx, cy = self.cos_t[patch_pos[..., 0]], self.cos_t[patch_pos[..., 1]]
+            sx, sy = self.sin_t[patch_pos[..., 0]], self.sin_t[patch_pos[..., 1]]
+            cos = torch.cat([cx, cx, cy, cy], dim=-1)  # [1, P, D]: the host's [x, x, y, y]
+            sin = torch.cat([sx, sx, sy, sy], dim=-1)
+            soft = self.graph(pixel_values, patch_pos, valid, pool_index, cos, sin)
+            if self.tail is None:
+                return soft
+            return torch.cat([soft, self.tail.expand(1, soft.shape[1], -1)], dim=-1)
+
+    return Node().eval()

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ..manifest import EmbedSpec, HostRecipe, RopeSpec
 from . import blocks
@@ -86,6 +87,17 @@ class Qwen3VLFamily(Qwen3Family):
     def decoder_module(self, hf, args: Args, layers: tuple[int, int], seq_len: int, context: int):
         return Qwen3VLShard(self, hf, args, layers, seq_len, context)
 
+    # ---- Genie: qwen3vl-mrope, the LUT's inputs_embeds, deepstack inputs (below) ----
+    def genie_spec(self, hf, args: Args):
+        return genie_spec(self, hf, args)
+
+    def genie_step(self, hf, args: Args, host, layers: tuple[int, int], seq_len: int,
+                   context: int, residual_scale: float):
+        return Qwen3VLGenieStep(self, hf, args, host, layers, seq_len, context, residual_scale)
+
+    def check_genie(self, args: Args) -> None:
+        """Every Qwen3-VL text config the Genie step takes: nothing to refuse."""
+
 
 class Qwen3VLShard(blocks.DenseShard):
     """Dense Qwen3 layers [start, end) plus the deepstack adds of the layers below k.
@@ -126,3 +138,97 @@ class Qwen3VLShard(blocks.DenseShard):
 
 
 FAMILY = Qwen3VLFamily()
+
+
+# ---- Genie (forge/genie.py; docs/genie-pipelines.md) ----------------------------------------------
+
+
+def genie_spec(fam: Qwen3VLFamily, hf, args: Args):
+    """One cache group, the config's rope as Genie's qwen3vl-mrope (interleaved sections over
+    (t, h, w): Genie places each image token's position from the image node's vision-param and
+    the sections; on text t = h = w, the 1-D rope), and Genie's embedding LUT of the token
+    embedding: the decoder takes inputs_embeds, the rows a pipeline's image node appends."""
+    from dataclasses import replace
+
+    from .base import DecoderFamily, GenieSpec
+
+    base = DecoderFamily.genie_spec(fam, hf, args)
+    rot = fam.text_model(hf).rotary_emb
+    scaling = {"rope-type": "qwen3vl-mrope", "mrope-section": [int(x) for x in rot.mrope_section],
+               "spatial-merge-size": int(hf.config.vision_config.spatial_merge_size)}
+    return GenieSpec(caches=base.caches, ropes=(replace(base.ropes[0], scaling=scaling),),
+                     lut=(("embed_tokens", 1.0),))
+
+
+def visual_tokens(hf) -> int:
+    """Soft tokens of one image at the tower's default size (qwen3_vl_vision.default_size): the
+    rows of the deepstack inputs the decoder's Genie graphs take (forge/genie_pipeline.py
+    refuses a build whose image size makes another count)."""
+    from .qwen3_vl_vision import ENCODER
+
+    return ENCODER.spec(hf, hf.config.to_dict()).max_soft_tokens
+
+
+class Qwen3VLGenieStep(nn.Module):
+    """Layers [a, b) of Qwen3-VL in Genie's I/O contract (``genieio``), around ``Qwen3VLShard``::
+
+        inputs_embeds | residual_a   [1, AR, H]   the text-encoder's / image node's rows (split 1)
+        attention_mask               [1, 1, AR, CL]
+        position_ids_cos / _sin      [1, 1, AR, D/2]  Genie's qwen3vl-mrope tables
+        deepstack_visual_embeds_<i>  [S, H]           splits with layers i < k: feature i
+        past_key/value_<L>_in / _out                  Genie's default cache group
+        ->  logits | residual_b
+
+    What Genie feeds a chunk under deepstack_visual_embeds_<i> (measured with dump-tensors,
+    docs/genie-pipelines.md): row r holds the feature of the chunk's row r when that row is an
+    image token, zero on text rows -- the chunk's rows of hexforge's own ``deepstack:<i>`` input,
+    so feature i is added after layer i as ``Qwen3VLShard`` adds it (rows past AR unread)."""
+
+    def __init__(self, fam: Qwen3VLFamily, hf, args: Args, host, layers: tuple[int, int],
+                 seq_len: int, context: int, residual_scale: float):
+        super().__init__()
+        from .genieio import DenseGenieStep, GenieForm
+
+        form = GenieForm(token_ids=False, embeds_name=INPUTS_EMBEDS)
+        self.inner = DenseGenieStep.make(fam, hf, args, host, layers, seq_len, context, form,
+                                         residual_scale)
+        self.ds = list(self.inner.shard.deepstack)
+        self.S_vis = visual_tokens(hf) if self.ds else 0
+        self.T, self.H = seq_len, args.hidden_size
+        io = self.inner.io
+        side = [(f"{DEEPSTACK}{i}", f"deepstack:{i}") for i in self.ds]
+        self.io = GraphIO(inputs=io.inputs[:4] + side + io.inputs[4:], outputs=io.outputs)
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        base = self.inner.example_inputs()
+        feats = [torch.randn(self.S_vis, self.H) * 0.1 for _ in self.ds]
+        return (*base[:4], *feats, *base[4:])
+
+    def rows(self, feat: torch.Tensor) -> torch.Tensor:
+        """[S, H] as Genie fills it -> the chunk's [1, AR, H] (zero rows past S)."""
+        if feat.shape[0] >= self.T:
+            return feat[:self.T].unsqueeze(0)
+        pad = torch.zeros(self.T - feat.shape[0], feat.shape[1])
+        return torch.cat([feat, pad], dim=0).unsqueeze(0)
+
+    def forward(self, tokens, mask, cos, sin, *rest):
+        from .genieio import clean_past, full_rope, kv_from_genie, kv_to_genie
+
+        inner = self.inner
+        n = len(self.ds)
+        adds, past = [self.rows(f) for f in rest[:n]], list(rest[n:])
+        ours = []
+        for j in range(0, len(past), 2):
+            ours += kv_from_genie(past[j], past[j + 1], 1)
+        ours = clean_past(mask, ours, inner.S)
+        out, *new = inner.shard(tokens, full_rope(cos), full_rope(sin), mask, *adds, *ours)
+        genie = []
+        for j in range(0, len(new), 2):
+            genie += kv_to_genie(new[j], new[j + 1], 1)
+        if inner.head is not None:
+            out = inner.head(out)
+        return (out, *genie)
+
+
+INPUTS_EMBEDS = "inputs_embeds"
+DEEPSTACK = "deepstack_visual_embeds_"  # AI Hub's Qwen3-VL name, the image node's side outputs

@@ -32,6 +32,7 @@ from transformers.vision_utils import (
     get_vision_position_ids,
 )
 
+from ..errors import UnsupportedModelError
 from ..manifest import EncoderSpec
 from . import blocks
 from .base import EncoderFamily
@@ -109,6 +110,26 @@ class Qwen3VLVisionEncoder(EncoderFamily):
         rgb = np.stack([255 * x / w, 255 * y / h, 127 + 120 * ((x // 9 + y // 7) % 2 - 0.5)], -1)
         inputs, _ = Qwen2VLImagePrep(spec.params)(Image.fromarray(rgb.astype(np.uint8)))
         return inputs
+
+    def genie_node(self, hf, spec: EncoderSpec, row_tail: np.ndarray | None):
+        """The tower as Genie's image-encoder node (``GenieVisionNode``): pixels uint16 over the
+        normalized range, the image's patch grid as the node's vision-param (Genie places the
+        image tokens' M-RoPE positions from it: qwen3vl-mrope), the deepstack features as
+        side outputs the text-generator takes by name (a WILDCARD connection)."""
+        from .genienode import IMAGE_INPUT, GenieNodeForm
+
+        if row_tail is not None:
+            raise UnsupportedModelError("Qwen3-VL's Genie LUT has the token embedding alone")
+        p = spec.params
+        lo = min((0.0 - m) / s for m, s in zip(p["image_mean"], p["image_std"], strict=True))
+        hi = max((1.0 - m) / s for m, s in zip(p["image_mean"], p["image_std"], strict=True))
+        patch = p["patch_size"]
+        return GenieNodeForm(role="image-encoder", mode="image",
+                             module=GenieVisionNode(self.encoder_module(hf, spec)),
+                             fixed_point={"pixel_values": (lo, hi)},
+                             feeds={"pixel_values": IMAGE_INPUT},
+                             model={"vision-param": {"height": p["height"] // patch,
+                                                     "width": p["width"] // patch}})
 
     def reference(self, hf, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """HF's tower on the same pixels: merged embeddings + each deepstack feature, [S, H]."""
@@ -214,4 +235,30 @@ class VisionGraph(nn.Module):
         return (self.merger(x), *feats)
 
 
+class GenieVisionNode(nn.Module):
+    """``VisionGraph`` with Genie's tensor names, its rows rank 2 as the text-generator's
+    deepstack inputs are (a WILDCARD connection matches names, ranks and dims)::
+
+        pixel_values [1, N, 3·tp·p²] (uint16 in the binary) ─▶ image_features [S, H_text],
+                                                               deepstack_visual_embeds_<i> [S, H_text]
+    """
+
+    def __init__(self, graph: VisionGraph):
+        super().__init__()
+        from .genienode import IMAGE_FEATURES
+
+        self.graph = graph
+        self.io = GraphIO(inputs=[("pixel_values", "media:pixel_values")],
+                          outputs=[(IMAGE_FEATURES, "soft")] + [
+                              (f"{DEEPSTACK}{i}", f"deepstack:{i}")
+                              for i in range(len(graph.ds_mergers))])
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        return self.graph.example_inputs()
+
+    def forward(self, pixel_values):
+        return tuple(x[0] for x in self.graph(pixel_values))
+
+
+DEEPSTACK = "deepstack_visual_embeds_"  # + i: AI Hub's Qwen3-VL tensor names, Genie routes them
 ENCODER = Qwen3VLVisionEncoder()

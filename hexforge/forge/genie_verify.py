@@ -44,6 +44,8 @@ def genie_inv_freq(positional_encoding: dict) -> np.ndarray:
     if scaling is None:
         return inv
     kind = scaling["rope-type"]
+    if kind == "qwen3vl-mrope":  # issue 61: on text t = h = w, each section the same 1-D rope
+        return inv
     if kind == "linear":
         return inv / scaling["factor"]
     if kind == "llama3":  # HF's _compute_llama3_parameters
@@ -140,6 +142,7 @@ class GenieGraphs:
             bus[f"{name}_in"] = c[..., :S] if self._keys(name) else c[:, :, :S]
         for name, state in self.states.items():
             bus[f"{name}_in"] = state
+        bus.update(text_side_inputs(self.sessions[AR], AR))  # issue 61: a pipeline's, on text
         for sess in self.sessions[AR]:
             feeds = {x.name: bus[x.name] for x in sess.get_inputs()}
             names = [o.name for o in sess.get_outputs()]
@@ -158,6 +161,24 @@ class GenieGraphs:
     def prompt(self, ids: list[int]) -> np.ndarray:
         """A prompt in AR-N chunks, as Genie runs one -> every position's logits [n, V]."""
         return np.concatenate([self.run(ids[i:i + self.N]) for i in range(0, len(ids), self.N)])
+
+
+# issue 61: the decoder inputs a Genie pipeline's image node feeds (forge/genie_pipeline.py,
+# Qwen3-VL's deepstack): on a text prompt Genie marks no image row and they add nothing
+SIDE_INPUTS = ("visual_pos_masks", "deepstack_visual_embeds_")
+
+
+def text_side_inputs(sessions: list, AR: int) -> dict[str, np.ndarray]:
+    """Each split's pipeline side inputs as a text prompt has them: no image row (False), and
+    zero features (what they hold does not reach a text row)."""
+    out = {}
+    for sess in sessions:
+        for x in sess.get_inputs():
+            if x.name == SIDE_INPUTS[0]:
+                out[x.name] = np.zeros((1, AR), bool)
+            elif x.name.startswith(SIDE_INPUTS[1]):
+                out[x.name] = np.zeros([int(d) for d in x.shape], np.float32)
+    return out
 
 
 def open_genie_graphs(ctx_files: dict[int, list[Path]], genie_folder: Path, htp_arch: int,

@@ -20,6 +20,8 @@ import numpy as np
 #   HF's own multiple of 128 changes no valid number: HF's features are ours cut at its length.
 #   n soft tokens: the mask after the encoder's two stride-2 subsamplings (mask[::2][::2]) summed —
 #   what HF's Gemma4Processor.replace_audio_token and the audio tower's attention_mask give.
+#   mask_after_cnn [1, F/2], soft_token_mask [1, S] f32: mask[::2] and mask[::2][::2] (a Genie
+#   audio node takes them: families/gemma4_audio.py GenieAudioNode).
 
 
 def _hertz_to_mel_htk(freq):
@@ -177,5 +179,8 @@ class Gemma4AudioPrep:
                              f"(at least {need * 1000:.1f} ms)")
         features = self._log_mel(padded) * valid[:, None]  # [F, n_mels]; HF zeroes invalid frames
         inputs = {"input_features": features[None].astype(np.float32),
-                  "input_features_mask": valid[None].astype(np.float32)}
+                  "input_features_mask": valid[None].astype(np.float32),
+                  # the masks after the first conv and of the soft tokens (a Genie audio node's)
+                  "mask_after_cnn": valid[None, ::2].astype(np.float32),
+                  "soft_token_mask": valid[None, ::2][:, ::2].astype(np.float32)}
         return inputs, n_soft

@@ -1,0 +1,515 @@
+"""``--backend genie`` with images and audio: the bundle's Genie pipeline (GeniePipeline /
+GenieNode of libGenie, through ctypes) fed the prompt in order (no torch).
+
+    genie-<target>/genie_pipeline.json (forge/genie_pipeline.py)
+      nodes: textGenerator (text-generator.json), imageEncoder / audioEncoder (<role>.json)
+    prompt ─ids with each placeholder expanded ([begin] placeholder x n [end], as the HF
+            processor and hexforge's media path expand it)─▶ segments, in order:
+      text run  ─its text (checked to tokenize back to the same ids)─▶ textEncoder ─▶ generator
+      media item ─host prep (runtime/vision.py, audio.py: hexforge's numbers)─▶ its encoder node
+                  (IMAGE_INPUT / AUDIO_INPUT + masks), whose n rows reach the generator: Genie
+                  appends them (a connection) or the host does (rows_via "host")
+    GeniePipeline_execute ─▶ the text-generator's tokens (its token callback)
+
+The C API is read from QAIRT's GenieNode.h / GeniePipeline.h (Genie 1.21's signatures); the IO
+values past the public header's are measured on this libGenie (docs/genie-pipelines.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BundleError, RequestError
+from . import genie
+from .genie_model import GenieModel, absolute_paths, sampler_config
+
+PIPELINE = "genie_pipeline.json"
+
+# GenieNode_IOName_t. 0-205: QAIRT's GenieNode.h; the rest measured on libGenie 1.21 (x86):
+# TOKEN_INPUT is the one 1..3 setData takes token ids on, TOKEN_OUTPUT the one
+# GenieNode_setTokenCallback accepts, AUDIO_* what an audio-encoder node takes data on (700
+# input_features, 702 padded_mask_after_cnn, 704 input_features_mask) and gives its embeddings
+# out of (701), WILDCARD the value GeniePipeline_connect checks (1000); names past the header ours
+IO = {
+    "GENIE_NODE_TEXT_GENERATOR_TEXT_INPUT": 0,
+    "GENIE_NODE_TEXT_GENERATOR_EMBEDDING_INPUT": 1,
+    "GENIE_NODE_TEXT_GENERATOR_TEXT_OUTPUT": 2,
+    "GENIE_NODE_TEXT_GENERATOR_TOKEN_INPUT": 3,
+    "GENIE_NODE_TEXT_GENERATOR_TOKEN_OUTPUT": 4,
+    "GENIE_NODE_TEXT_ENCODER_TEXT_INPUT": 100,
+    "GENIE_NODE_TEXT_ENCODER_EMBEDDING_OUTPUT": 101,
+    "GENIE_NODE_IMAGE_ENCODER_IMAGE_INPUT": 200,
+    "GENIE_NODE_IMAGE_ENCODER_EMBEDDING_OUTPUT": 201,
+    "GENIE_NODE_IMAGE_ENCODER_IMAGE_POS_SIN": 202,
+    "GENIE_NODE_IMAGE_ENCODER_IMAGE_POS_COS": 203,
+    "GENIE_NODE_IMAGE_ENCODER_IMAGE_FULL_ATTN_MASK": 204,
+    "GENIE_NODE_IMAGE_ENCODER_IMAGE_WINDOW_ATTN_MASK": 205,
+    "GENIE_NODE_AUDIO_ENCODER_AUDIO_INPUT": 700,
+    "GENIE_NODE_AUDIO_ENCODER_EMBEDDING_OUTPUT": 701,
+    "GENIE_NODE_AUDIO_ENCODER_MASK_AFTER_CNN_INPUT": 702,
+    "GENIE_NODE_AUDIO_ENCODER_MASK_INPUT": 704,
+    "GENIE_NODE_WILDCARD": 1000,
+}
+
+_h = ctypes.c_void_p
+# void (*)(const uint32_t* dims, uint32_t rank, size_t bytes, const void* buffer, const void* user)
+EMBEDDING_CB = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_uint32), ctypes.c_uint32,
+                                ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p)
+# the text-generator's tokens: as GenieDialog_TokenQueryCallback_t (ids, count, sentence code, user)
+TOKEN_CB = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_uint32), ctypes.c_uint32, ctypes.c_int,
+                            ctypes.c_void_p)
+_declared: set[int] = set()  # the libraries (by handle) whose pipeline symbols are typed
+
+
+def load() -> ctypes.CDLL:
+    """runtime/genie.py's libGenie, with the pipeline and node functions typed."""
+    lib = genie.load()
+    if lib._handle in _declared:
+        return lib
+    p, i32 = ctypes.POINTER, ctypes.c_int32
+    sigs = {
+        "GenieNodeConfig_createFromJson": ([ctypes.c_char_p, p(_h)], i32),
+        "GenieNodeConfig_bindLogger": ([_h, _h], i32),
+        "GenieNodeConfig_free": ([_h], i32),
+        "GenieNode_create": ([_h, p(_h)], i32),
+        "GenieNode_free": ([_h], i32),
+        "GenieNode_setData": ([_h, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
+                               ctypes.c_char_p], i32),
+        "GenieNode_setEmbeddingCallback": ([_h, ctypes.c_int, EMBEDDING_CB], i32),
+        "GenieNode_setTokenCallback": ([_h, ctypes.c_int, TOKEN_CB], i32),
+        "GeniePipelineConfig_createFromJson": ([ctypes.c_char_p, p(_h)], i32),
+        "GeniePipelineConfig_bindLogger": ([_h, _h], i32),
+        "GeniePipelineConfig_free": ([_h], i32),
+        "GeniePipeline_create": ([_h, p(_h)], i32),
+        "GeniePipeline_addNode": ([_h, _h], i32),
+        "GeniePipeline_connect": ([_h, _h, ctypes.c_int, _h, ctypes.c_int], i32),
+        "GeniePipeline_execute": ([_h, ctypes.c_void_p], i32),
+        "GeniePipeline_reset": ([_h], i32),
+        "GeniePipeline_free": ([_h], i32),
+    }
+    for name, (args, res) in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    _declared.add(lib._handle)
+    return lib
+
+
+def _check(status: int, what: str, log: genie.GenieLog) -> None:
+    if status < 0:
+        raise genie.GenieError(what, status, log.tail())
+
+
+class Node:
+    """One GenieNode made from its config dict (``{"text-generator": {...}}``, ...)."""
+
+    def __init__(self, config: dict, log: genie.GenieLog):
+        lib = load()
+        self.role = next(iter(config))
+        self.log = log
+        self._cfg, self.handle = _h(), _h()
+        try:
+            _check(lib.GenieNodeConfig_createFromJson(json.dumps(config).encode(),
+                                                      ctypes.byref(self._cfg)),
+                   f"GenieNodeConfig_createFromJson ({self.role})", log)
+            _check(lib.GenieNodeConfig_bindLogger(self._cfg, log.handle),
+                   "GenieNodeConfig_bindLogger", log)
+            _check(lib.GenieNode_create(self._cfg, ctypes.byref(self.handle)),
+                   f"GenieNode_create ({self.role})", log)
+        except genie.GenieError:
+            self.close()
+            raise
+
+    def set_text(self, io: str, text: str) -> None:
+        """A text piece on node IO ``io`` (a NUL-terminated string, as Genie reads it)."""
+        data = text.encode() + b"\0"
+        buf = ctypes.create_string_buffer(data, len(data))
+        _check(load().GenieNode_setData(self.handle, IO[io], buf, len(data), None),
+               f"GenieNode_setData ({self.role}, {io})", self.log)
+
+    def set_data(self, io: str, data: np.ndarray) -> None:
+        """The array on node IO ``io`` (Genie reads the bytes while the call runs)."""
+        data = np.ascontiguousarray(data)
+        _check(load().GenieNode_setData(self.handle, IO[io], data.ctypes.data, data.nbytes, None),
+               f"GenieNode_setData ({self.role}, {io})", self.log)
+
+    def close(self) -> None:
+        lib = load()
+        if self.handle:
+            lib.GenieNode_free(self.handle)
+            self.handle = _h()
+        if self._cfg:
+            lib.GenieNodeConfig_free(self._cfg)
+            self._cfg = _h()
+
+
+class Pipeline:
+    """A GeniePipeline over ``nodes`` (by genie_pipeline.json key), wired as ``connections``
+    ([producer, producer IO, consumer, consumer IO] each); the text-generator's tokens go to
+    ``on_token`` as its callback hands them over, ``embeddings_from`` (node, output IO) to
+    ``rows`` as [rows, width] float32 (an encoder node whose rows the host passes on)."""
+
+    def __init__(self, nodes: dict[str, Node], connections: list[list[str]],
+                 log: genie.GenieLog, embeddings_from: tuple[str, str] | None = None):
+        lib = load()
+        self.nodes, self.log = nodes, log
+        self._cfg, self.handle = _h(), _h()
+        self.on_token: Callable[[int], None] = lambda t: None
+        self.rows: list[np.ndarray] = []
+        # referenced for as long as Genie may call them
+        self._token_cb, self._emb_cb = TOKEN_CB(self._tokens), EMBEDDING_CB(self._embeddings)
+        try:
+            _check(lib.GeniePipelineConfig_createFromJson(b"{}", ctypes.byref(self._cfg)),
+                   "GeniePipelineConfig_createFromJson", log)
+            _check(lib.GeniePipelineConfig_bindLogger(self._cfg, log.handle),
+                   "GeniePipelineConfig_bindLogger", log)
+            _check(lib.GeniePipeline_create(self._cfg, ctypes.byref(self.handle)),
+                   "GeniePipeline_create", log)
+            for node in nodes.values():
+                _check(lib.GeniePipeline_addNode(self.handle, node.handle),
+                       f"GeniePipeline_addNode ({node.role})", log)
+            for prod, prod_io, cons, cons_io in connections:
+                _check(lib.GeniePipeline_connect(self.handle, nodes[prod].handle, IO[prod_io],
+                                                 nodes[cons].handle, IO[cons_io]),
+                       f"GeniePipeline_connect ({prod} {prod_io} -> {cons} {cons_io})", log)
+            if "textGenerator" in nodes:
+                _check(lib.GenieNode_setTokenCallback(nodes["textGenerator"].handle,
+                                                      IO["GENIE_NODE_TEXT_GENERATOR_TOKEN_OUTPUT"],
+                                                      self._token_cb),
+                       "GenieNode_setTokenCallback", log)
+            if embeddings_from is not None:
+                name, io = embeddings_from
+                _check(lib.GenieNode_setEmbeddingCallback(nodes[name].handle, IO[io],
+                                                          self._emb_cb),
+                       f"GenieNode_setEmbeddingCallback ({name})", log)
+        except genie.GenieError:
+            self.close()
+            raise
+
+    def _tokens(self, ptr, n, _code, _user) -> None:
+        for i in range(n):
+            self.on_token(int(ptr[i]))
+
+    def _embeddings(self, dims, rank, size, buffer, _user) -> None:
+        shape = [int(dims[i]) for i in range(rank)]
+        flat = np.ctypeslib.as_array(ctypes.cast(buffer, ctypes.POINTER(ctypes.c_float)),
+                                     shape=(size // 4,)) if size else np.zeros(0, np.float32)
+        self.rows.append(flat.reshape(-1, shape[-1]).copy())
+
+    def execute(self) -> int:
+        status = load().GeniePipeline_execute(self.handle, None)
+        _check(status, "GeniePipeline_execute", self.log)
+        return status
+
+    def reset(self) -> None:
+        _check(load().GeniePipeline_reset(self.handle), "GeniePipeline_reset", self.log)
+
+    def close(self) -> None:
+        lib = load()
+        if self.handle:
+            lib.GeniePipeline_free(self.handle)
+            self.handle = _h()
+        if self._cfg:
+            lib.GeniePipelineConfig_free(self._cfg)
+            self._cfg = _h()
+
+
+def node_paths(config: dict, folder: Path) -> dict:
+    """A node config with its files (binaries, extension config; a text-encoder's LUT and
+    tokenizer) made absolute: Genie resolves them against the working directory."""
+    cfg = json.loads(json.dumps(config))
+    body = next(iter(cfg.values()))
+    if "engine" not in body:  # a text-encoder: its LUT and tokenizer
+        body["lut"]["lut-path"] = str(folder / body["lut"]["lut-path"])
+        body["tokenizer"]["path"] = str(folder / body["tokenizer"]["path"])
+        return cfg
+    engine = body["engine"]
+    backend = engine["backend"]
+    if isinstance(backend.get("extensions"), str):
+        backend["extensions"] = str(folder / backend["extensions"])
+    binary = engine["model"]["binary"]
+    binary["ctx-bins"] = [str(folder / b) for b in binary["ctx-bins"]]
+    return cfg
+
+
+def patch_grid(position_ids: np.ndarray) -> tuple[int, int]:
+    """(height, width) in patches of an image whose patch positions [1, P, 2] are (x, y), -1 on
+    padding (runtime/vision.py Gemma4ImagePrep): Genie's vision-param for that image."""
+    real = position_ids[0][position_ids[0, :, 0] >= 0]
+    return int(real[:, 1].max()) + 1, int(real[:, 0].max()) + 1
+
+
+class GeniePipelineModel(GenieModel):
+    """``GenieModel`` whose requests with images / audio run the bundle's Genie pipeline
+    (text alone still goes through the Genie dialog)."""
+
+    def __init__(self, bundle: str | Path, arch: str | None = None, log_level: str = "warn",
+                 dump_tensors: Path | None = None):
+        """``dump_tensors``: a folder for Genie's own dump of every tensor the text-generator's
+        graphs take and give (its ``debug: dump-tensors``): what Genie feeds, measured."""
+        super().__init__(bundle, arch, log_level)
+        from ..manifest import load_manifest
+
+        self.dump_tensors = dump_tensors
+        self.pipeline_spec = json.loads((self.folder / PIPELINE).read_text())
+        self.manifest = load_manifest(self.bundle)
+        d = self.config["dialog"]
+        emb = d.get("embedding") or {}
+        width = int(self.pipeline_spec["text"]["lut_width"])
+        if int(emb.get("size", -1)) != width:
+            raise BundleError(f"{self.folder}: {PIPELINE} says LUT rows of {width}, "
+                              f"genie_config.json {emb.get('size')}")
+        self._preps: dict = {}
+        self._made: tuple[str, Pipeline, genie.GenieLog] | None = None
+
+    # ---- the prompt ----
+    def _segments(self, ids: list[int], images, audios) -> tuple[list[int], list[tuple]]:
+        """ids with each item's placeholder expanded, and the segments in prompt order:
+        ("text", ids) | (modality, spec, feeds) — every item decoded and preprocessed first."""
+        from .multimodal import _items, decode_media
+
+        decoded = decode_media(self.manifest, images, audios, self._preps)
+        items = {}
+        for modality, (spec, prep, media) in decoded.items():
+            if modality not in self.pipeline_spec["media"]:
+                raise RequestError(f"this Genie bundle has no {modality} node (built before "
+                                   "Genie pipelines, or its tower states no Genie form)")
+            ids = _items(ids, spec, len(media), self.manifest.generation.bos_token_id)
+            items[spec.placeholder_id] = (modality, spec, [prep(m) for m in media])
+        out_ids, segments, run = [], [], []
+        taken = dict.fromkeys(items, 0)
+        for i, t in enumerate(ids):
+            if t not in items:
+                out_ids.append(t)
+                run.append(t)
+                continue
+            modality, spec, prepped = items[t]
+            feeds, n = prepped[taken[t]]
+            taken[t] += 1
+            if spec.begin_id is not None and (not out_ids or out_ids[-1] != spec.begin_id):
+                out_ids.append(spec.begin_id)
+                run.append(spec.begin_id)
+            if run:
+                segments.append(("text", run))
+                run = []
+            segments.append((modality, spec, feeds, n))
+            out_ids.extend([t] * n)
+            if spec.end_id is not None and (i + 1 == len(ids) or ids[i + 1] != spec.end_id):
+                out_ids.append(spec.end_id)
+                run.append(spec.end_id)
+        if run:
+            segments.append(("text", run))
+        return out_ids, [(s[0], self._text(s[1])) if s[0] == "text" else s for s in segments]
+
+    def _text(self, ids: list[int]) -> str:
+        """The text Genie's text-encoder is given for a run of prompt ids: decoded with the
+        special tokens spelled out, refused unless the bundle's tokenizer (the one Genie
+        tokenizes with, without a post-processor) gives back exactly these ids."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        again = self.tokenizer.encode(text, add_special_tokens=False)
+        if again != ids:
+            raise RequestError("--backend genie with media: this prompt's text does not "
+                               f"tokenize back to its ids (Genie tokenizes it again): {text!r}")
+        return text
+
+    def _pipelines_for(self, segments, max_new: int, temperature, top_k, top_p, seed,
+                       ignore_eos: bool) -> dict[str, Pipeline]:
+        """The nodes for this request (an image node's vision-param is the image's grid), in
+        pipelines: "textGenerator"'s holds the generator and the encoders connected to it, each
+        host-routed encoder has its own (keyed by its node)."""
+        spec = self.pipeline_spec
+        tg = json.loads((self.folder / spec["nodes"]["textGenerator"]).read_text())
+        d = absolute_paths({"dialog": tg["text-generator"]}, self.folder)["dialog"]
+        d["context"]["bos-token"] = -1  # the host's rows carry the BOS
+        if ignore_eos:  # as GenieModel: a -1 pad would reach the graph's gather
+            d["context"].setdefault("pad-token", self.eos[0] if self.eos else 0)
+            d["context"]["eos-token"] = -1
+        d["sampler"] = sampler_config(temperature, top_k, top_p, seed)
+        d["max-num-tokens"] = max_new
+        d["engine"]["backend"]["QnnHtp"]["poll"] = False  # the x86 simulator needs the core
+        if self.dump_tensors is not None:
+            d["debug"] = {"path": str(self.dump_tensors), "dump-tensors": True}
+        text = spec["text"]
+        configs = {"textGenerator": {"text-generator": d},
+                   text["node"]: node_paths(json.loads(
+                       (self.folder / spec["nodes"][text["node"]]).read_text()), self.folder)}
+        for seg in segments:
+            if seg[0] == "text":
+                continue
+            media = spec["media"][seg[0]]
+            cfg = node_paths(json.loads((self.folder / spec["nodes"][media["node"]]).read_text()),
+                             self.folder)
+            model = next(iter(cfg.values()))["engine"]["model"]
+            if "vision-param" in model and "image_position_ids" in seg[2]:
+                h, w = patch_grid(seg[2]["image_position_ids"])
+                model["vision-param"].update(height=h, width=w)
+            prev = configs.get(media["node"])
+            if prev is not None and prev != cfg:
+                raise RequestError("--backend genie: images of different grids in one prompt "
+                                   "need one node each; give one image per request")
+            configs[media["node"]] = cfg
+        key = json.dumps(configs, sort_keys=True)
+        if self._made is not None and self._made[0] == key:
+            for pipe in self._made[1].values():
+                pipe.reset()
+            return self._made[1]
+        self.close()
+        log = genie.GenieLog(self.log_level)
+        nodes: dict[str, Node] = {}
+        pipes: dict[str, Pipeline] = {}
+        try:
+            for name, cfg in configs.items():
+                nodes[name] = Node(cfg, log)
+            # a node is bound to one pipeline: the host-routed encoders get one each
+            by_node = {m["node"]: m for m in spec["media"].values()}
+            side = {n for n in nodes if n in by_node and by_node[n]["rows"] == "host"}
+            main = {n: node for n, node in nodes.items() if n not in side}
+            conns = [c for c in spec["connections"] if c[0] in main and c[2] in main]
+            pipes["textGenerator"] = Pipeline(main, conns, log)
+            for n in side:
+                pipes[n] = Pipeline({n: nodes[n]}, [], log,
+                                    embeddings_from=(n, by_node[n]["output"]))
+        except genie.GenieError:
+            for pipe in pipes.values():
+                pipe.close()
+            for node in nodes.values():
+                node.close()
+            log.close()
+            raise
+        self._made = (key, pipes, log)
+        return pipes
+
+    def _iterate(self, prompt, max_new_tokens=None, temperature=None, top_k=None, top_p=None,
+                 seed=None, ignore_eos=False, images=None, audios=None, **rest
+                 ) -> Iterator[tuple]:
+        if not images and not audios:
+            yield from super()._iterate(prompt, max_new_tokens, temperature, top_k, top_p, seed,
+                                        ignore_eos, **rest)
+            return
+        from .genie_model import _refuse
+        from .options import GenerationResult, check_request
+
+        _refuse(rest)
+        sampler = self.config["dialog"].get("sampler", {})
+        temperature = (0.0 if sampler.get("greedy") else sampler.get("temp", 0.0)) \
+            if temperature is None else temperature
+        top_k = sampler.get("top-k", 0) if top_k is None else top_k
+        top_p = sampler.get("top-p", 1.0) if top_p is None else top_p
+        t0 = time.perf_counter()
+        ids, segments = self._segments(self.encode(prompt), images, audios)
+        max_new = (max(1, min(256, self.context - len(ids))) if max_new_tokens is None
+                   else max_new_tokens)
+        check_request(ids, max_new, self.n_vocab, self.context)
+        pipes = self._pipelines_for(segments, max_new, temperature, top_k, top_p, seed,
+                                    ignore_eos)
+        pipe = pipes["textGenerator"]
+        generator = pipe.nodes["textGenerator"]
+        spec = self.pipeline_spec
+        for seg in segments:  # Genie appends each node's rows to the prompt as they come
+            if seg[0] == "text":
+                pipe.nodes[spec["text"]["node"]].set_text(spec["text"]["input"], seg[1])
+                continue
+            modality, _, feeds, n = seg
+            media = spec["media"][modality]
+            node_pipe = pipes.get(media["node"], pipe)
+            node_pipe.rows.clear()
+            for host_key, io in media["inputs"].items():
+                node_pipe.nodes[media["node"]].set_data(io, _in_range(
+                    feeds[host_key], media["fixed_point"].get(host_key), host_key))
+            if media["rows"] == "host":  # the node's first n rows, where the prompt has them
+                node_pipe.execute()
+                if not node_pipe.rows or node_pipe.rows[-1].shape[0] < n:
+                    raise genie.GenieError(f"{media['node']}: its embeddings (< {n} rows)", -1,
+                                           self.log_tail())
+                generator.set_data(spec["rows_input"], node_pipe.rows[-1][:n])
+        tokens_q: queue.Queue = queue.Queue()
+        done = object()
+        pipe.on_token = tokens_q.put
+        result: list[int] = []
+        error: list[BaseException] = []
+
+        def run():
+            try:
+                result.append(pipe.execute())
+            except BaseException as e:  # raised again on the caller's thread
+                error.append(e)
+            finally:
+                tokens_q.put(done)
+
+        worker = threading.Thread(target=run, name="genie-pipeline", daemon=True)
+        worker.start()
+        detok = self.tokenizer.detokenizer()
+        tokens: list[int] = []
+        finish, t_first = "length", None
+        while (t := tokens_q.get()) is not done:
+            t_first = t_first or time.perf_counter()
+            if len(tokens) >= max_new:
+                continue
+            if t in self.eos and not ignore_eos:
+                finish = "stop"
+                continue
+            if finish == "stop":
+                continue
+            tokens.append(t)
+            piece = detok.add(t)
+            if piece:
+                yield piece, t, None
+        worker.join()
+        if error:
+            raise error[0]
+        if finish == "length" and len(tokens) < max_new:
+            finish = "stop"
+        tail = detok.flush()
+        if tail:
+            yield tail, None, None
+        t_end = time.perf_counter()
+        t_first = t_first or t_end
+        n_after = max(len(tokens) - 1, 0)
+        yield "", None, GenerationResult(
+            text=self.tokenizer.decode(tokens), token_ids=tokens, prompt_tokens=len(ids),
+            finish_reason=finish, ttft_ms=(t_first - t0) * 1e3,
+            decode_tok_s=n_after / (t_end - t_first) if n_after and t_end > t_first else 0.0,
+            total_ms=(t_end - t0) * 1e3, timings={"backend": "genie-pipeline"})
+
+    def log_tail(self) -> list[str]:
+        return self._made[2].tail() if self._made is not None else []
+
+    def close(self) -> None:
+        if self._made is not None:
+            _, pipes, log = self._made
+            for pipe in pipes.values():
+                pipe.close()
+            for pipe in pipes.values():
+                for node in pipe.nodes.values():
+                    node.close()
+            log.close()
+            self._made = None
+        super().close()
+
+
+def _in_range(value: np.ndarray, bounds: list[float] | None, name: str) -> np.ndarray:
+    """float32 for Genie, refused past the node input's fixed-point range (Genie would clip it
+    without a word: a louder-than-full-scale float WAV's log-mel)."""
+    x = np.asarray(value, np.float32)
+    if bounds is not None and x.size and (x.min() < bounds[0] or x.max() > bounds[1]):
+        raise RequestError(f"{name} spans [{x.min():.4g}, {x.max():.4g}], past the [{bounds[0]:.4g},"
+                           f" {bounds[1]:.4g}] this Genie node's input holds (audio louder than "
+                           "full scale?)")
+    return x
+
+
+def open_genie(bundle: str | Path, arch: str | None = None, log_level: str = "warn"):
+    """The Genie model of a bundle: with its pipeline when the Genie folder has one."""
+    from .genie_model import find_folder
+
+    folder = find_folder(Path(bundle), arch if arch is None or arch.startswith("v")
+                         else f"v{arch}")
+    cls = GeniePipelineModel if (folder / PIPELINE).is_file() else GenieModel
+    return cls(bundle, arch, log_level)
