@@ -75,7 +75,8 @@ def main() -> int:
         fam = load_family(ckpt.model_type).FAMILY
         hf = fam.load_hf(ckpt.dir)
         per_layer = fam.layer_weight_bytes(hf, 2.0)  # fp16
-        shard = sum(per_layer) // a.splits + max(per_layer)  # the planner packs under it
+        # the planner packs the layers under it; the head is a graph of its own under it too
+        shard = max(sum(per_layer) // a.splits + max(per_layer), fam.head_weight_bytes(hf, 2.0))
         del hf
         opts = BuildOptions(targets="v81", quant="fp16", context=a.context,
                             prefill_len=a.prefill_len, genie=True, verify_tokens=8,

@@ -13,7 +13,9 @@ import json
 # 16-row prefill chunks, 8 teacher-forced / greedy tokens, 32 held-out tokens. The full table
 # (128 held-out tokens, w8a16, w4a16, v79) is bench/quality_table.py's, in docs/htp.md.
 HTP = dict(context=128, prefill_len=16, verify_tokens=8, eval_tokens=32)
-SMOLLM2_HTP = {**HTP, "genie": True}  # its Genie bundle too (docs/genie.md)
+# its Genie bundle too (docs/genie.md), the decoder cut into two contexts (~106 MB of fp16
+# weights each): the splits Genie orders by name and passes the residual between
+SMOLLM2_HTP = {**HTP, "genie": True, "max_shard_bytes": {"v81": 120_000_000}}
 # Gemma-3's 262,144-row head makes each simulated step several times SmolLM2's
 HTP_GEMMA3 = {**HTP, "verify_tokens": 4, "eval_tokens": 16}
 
@@ -36,6 +38,9 @@ def test_smollm2_answers_on_the_simulator(real_bundle):
     from hexforge.runtime.genie_model import GenieModel
 
     bundle, _ = real_bundle("smollm2", targets="v81", quant="fp16", **SMOLLM2_HTP)
+    bins = json.loads((bundle / "genie-v81" / "genie_config.json").read_text())[
+        "dialog"]["engine"]["model"]["binary"]["ctx-bins"]
+    assert bins[-1].endswith("_2_of_2.bin"), bins
     question = [{"role": "user", "content": "What is the capital of France?"}]
     out = hexforge.load(bundle, backend="qnn-sim").chat(question, max_new_tokens=12)
     assert "Paris" in out.text
