@@ -49,13 +49,30 @@ def test_genie_tokens_equal_qnn_sim_for_every_family(genie_family):
     import hexforge
     from hexforge.runtime.genie_model import GenieModel
 
-    _, bundle = genie_family
+    family, bundle = genie_family
     ids = prompt_ids(40)  # past the tiny models' window (8) and the AR-16 prefill
+    # Gemma-4's Genie reads its EOS row of the embedding LUT: EOS stays on, both ways
+    ignore = family != "gemma4"
     want = hexforge.load(bundle, backend="qnn-sim").generate(
-        ids, max_new_tokens=12, ignore_eos=True).token_ids
+        ids, max_new_tokens=12, ignore_eos=ignore).token_ids
     model = GenieModel(bundle)
     try:
-        assert model.generate(ids, max_new_tokens=12, ignore_eos=True).token_ids == want
+        assert model.generate(ids, max_new_tokens=12, ignore_eos=ignore).token_ids == want
+    finally:
+        model.close()
+
+
+def test_ignore_eos_with_an_embedding_lut_is_refused_not_a_segfault(htp_bundle):
+    """Genie reads the eos-token's row of an embedding LUT; -1 (how EOS is turned off) made
+    libGenie read before the table and segfault."""
+    from hexforge.errors import RequestError
+    from hexforge.runtime.genie_model import GenieModel
+
+    bundle = htp_bundle("gemma4", "fp16", genie=True, **FAMILIES["gemma4"])
+    model = GenieModel(bundle)
+    try:
+        with pytest.raises(RequestError, match="ignore-eos is not available"):
+            model.generate(prompt_ids(9), max_new_tokens=4, ignore_eos=True)
     finally:
         model.close()
 

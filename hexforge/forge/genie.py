@@ -109,13 +109,10 @@ def _link(src: Path, dst: Path) -> None:
 
 def check_options(fam, args, opts) -> None:
     """Refuse a --genie build Genie bundles are not made for, before any work."""
-    from .htp.recipes import get_recipe
-
     fam.check_genie(args)
-    recipe = get_recipe(opts.quant)
-    if recipe.activations is not None:
+    if opts.recipe.activations is not None:
         raise BuildError(f"--genie: --quant {opts.quant} (fixed-point activations) is not built "
-                         "for Genie; use fp16, w8a16 or w4a16")
+                         "for Genie; use fp16, w8-fp16 or w4-fp16")
     if opts.prefill_len >= opts.context or opts.prefill_len < 2:
         raise BuildError("--genie needs 2 <= --prefill-len < --context (Genie's AR-N graph)")
 
@@ -127,15 +124,15 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
     them when the recipe says so, compiled per arch, with genie_config.json,
     htp_backend_ext_config.json and tokenizer.json (forge/genie_bundle.py).
     -> {target name: folder}."""
-    from .genie_bundle import folder_name, write_bundle_files
+    from .genie_bundle import folder_name, lut_encoding, write_bundle_files
     from .graphs import plan_target
-    from .htp.recipes import get_recipe
 
-    recipe = get_recipe(opts.quant)
+    recipe = opts.recipe
     work = root / "_work" / "genie"
     host = manifest.host
     spec = fam.genie_spec(hf, args)
     check_ropes(spec, root / "host.safetensors")
+    lut = lut_encoding(root / "host.safetensors", spec.lut) if spec.lut else None
     splits: dict[tuple, list[list[Path]]] = {}  # the graphs are arch-independent: per plan
     out = {}
     for target in targets:
@@ -146,6 +143,9 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
             paths = export_genie_graphs(fam, hf, args, host, work / f"onnx{len(splits)}",
                                         opts.prefill_len, opts.context, residual_scale,
                                         opts.exporter, log, shards)
+            if lut is not None:  # Genie copies the LUT's 16-bit rows as they are
+                for p in (p for split in paths for p in split):
+                    quantize_input(p, "inputs_embeds", lut.scale, lut.zero_point)
             if recipe.weight_only:
                 paths = [_weight_only(p, recipe, args.vocab_size, s, len(paths))
                          for s, p in enumerate(paths)]
@@ -175,12 +175,38 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
                 bins += compile_genie_graphs(split, work / target.name, folder, target.htp_arch,
                                              soc, say)
         write_bundle_files(folder, manifest, bins, root / manifest.tokenizer.dir / "tokenizer.json",
-                           soc, target.htp_arch, spec, root / "host.safetensors",
+                           soc, target.htp_arch, spec, root / "host.safetensors", lut,
                            weight_sharing=opts.share_weights)
         log(f"[{target.name}] Genie bundle {folder.name}/ ({len(bins)} context binaries, "
             f"{len(paths)} split(s))")
         out[target.name] = folder
     return out
+
+
+def quantize_input(path: Path, name: str, scale: float, zero_point: int) -> None:
+    """Graph input ``name`` made uint16 in ``path``, a DequantizeLinear (com.microsoft: 16-bit
+    on the graphs' opset) giving its readers the float they read before. The QNN EP claims it
+    as a fixed-point input of that encoding, which is what Genie copies a 16-bit LUT's rows
+    into as they are (``genie_bundle.LutEncoding``)."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    (inp,) = [i for i in model.graph.input if i.name == name]
+    inp.type.tensor_type.elem_type = onnx.TensorProto.UINT16
+    floated = f"{name}.dequantized"
+    for node in model.graph.node:
+        node.input[:] = [floated if x == name else x for x in node.input]
+    model.graph.initializer.extend([
+        numpy_helper.from_array(np.array(scale, np.float32), f"{name}.scale"),
+        numpy_helper.from_array(np.array(zero_point, np.uint16), f"{name}.zero_point")])
+    model.graph.node.insert(0, helper.make_node(
+        "DequantizeLinear", [name, f"{name}.scale", f"{name}.zero_point"], [floated],
+        domain="com.microsoft"))
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    onnx.save(model, str(path))
 
 
 def check_ropes(spec, host_file: Path) -> None:

@@ -6,7 +6,7 @@
       tokenizer.json                     the checkpoint's
       prompt_ar{N}_cl{C}_{i}_of_{n}.bin  the context binaries (forge/genie.py), per split i
       token_ar1_cl{C}_{i}_of_{n}.bin     (decoder_{i}_of_{n}.bin: both in one, weight-shared)
-      embedding.f32                      Gemma-4: [token embedding | per-layer inputs] rows
+      embedding.u16                      Gemma-4: [token embedding | per-layer inputs] rows
 
 Key by key these follow AI Hub's exporter (``qai_hub_models/utils/llm_helpers.py``
 ``create_genie_config``, ``save_htp_config_for_genie_bundle``); docs/genie.md has the sources.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BuildError
@@ -62,7 +63,7 @@ def bos_token(tokenizer_json: Path) -> int:
 
 def dialog_config(manifest: Manifest, bins: list[str], bos: int, spec,
                   tokenizer: str = TOKENIZER, extensions: str = EXTENSIONS,
-                  lut: tuple[str, int] | None = None) -> dict:
+                  lut: tuple[str, int, LutEncoding] | None = None) -> dict:
     g = manifest.generation
     eos = g.eos_token_ids or [-1]
     model = {"version": 1, "type": "binary", "binary": {"version": 1, "ctx-bins": bins},
@@ -89,9 +90,10 @@ def dialog_config(manifest: Manifest, bins: list[str], bos: int, spec,
         groups[0]["attention-mask-tensor-name"] = "attention_mask"
         dialog["engine"]["cache-groups"] = groups
     if lut is not None:  # Genie gathers the rows itself into inputs_embeds
-        path, width = lut
+        path, width, enc = lut
         dialog["embedding"] = {"version": 1, "type": "lut", "lut-path": path, "size": width,
-                               "datatype": "float32"}
+                               "datatype": "ufixed16",
+                               "quant-param": {"scale": enc.scale, "offset": -enc.zero_point}}
     return {"dialog": dialog}
 
 
@@ -103,44 +105,88 @@ def backend_extensions(soc_model: int, htp_arch: int, weight_sharing: bool) -> d
             "context": {"weight_sharing_enabled": weight_sharing}}
 
 
-LUT = "embedding.f32"
+LUT = "embedding.u16"
 
 
-def write_lut(host_file: Path, tables: tuple[tuple[str, float], ...], dst: Path) -> int:
-    """Genie's embedding LUT: each row the rows of ``tables`` (host table, scale) side by side,
-    as raw float32 (Gemma-4: the token embedding x sqrt(H), then its per-layer inputs x
-    sqrt(P): 262,144 x (1,536 + 8,960) on E2B), a block of rows at a time, written beside and
-    renamed. -> the row width."""
-    import numpy as np
+@dataclass(frozen=True)
+class LutEncoding:
+    """Genie's embedding LUT as 16-bit fixed point, one scale for the whole table: real =
+    scale x (q - zero_point), q in 0..65535 (Genie's ``quant-param`` writes offset = -zero_point).
 
+    Why 16 bits: Gemma-4-E2B's rows ([token embedding | per-layer inputs], 262,144 x 10,496) are
+    11 GB as float32, 5.5 GB so; Genie copies the rows as they are into a graph input of the
+    same encoding (``forge/genie.quantize_input``), where a DequantizeLinear makes them float
+    (measured: the same tokens as the float32 LUT; a float32 input given this LUT reads inf)."""
+
+    scale: float
+    zero_point: int
+
+    def quantize(self, rows) -> object:
+        import numpy as np
+
+        q = np.round(np.asarray(rows, np.float64) / self.scale) + self.zero_point
+        return np.clip(q, 0, 65535).astype(np.uint16)
+
+
+def _lut_parts(host_file: Path, tables: tuple[tuple[str, float], ...]):
     from ..runtime.hostfile import load_host_tensors
 
     host = load_host_tensors(host_file)
-    parts = [(host[name], np.float32(scale)) for name, scale in tables]
+    parts = [(host[name], scale) for name, scale in tables]
     rows = parts[0][0].shape[0]
     if any(t.shape[0] != rows for t, _ in parts):
         raise BuildError(f"the tables of Genie's embedding LUT differ in rows: {tables}")
+    return parts, rows
+
+
+def _lut_blocks(parts, rows: int, block: int = 4096):
+    """The LUT's float32 rows, a block at a time: each row the tables' rows x scale, side by
+    side."""
+    import numpy as np
+
+    for start in range(0, rows, block):
+        yield np.concatenate([np.asarray(t[start:start + block], np.float32) * np.float32(s)
+                              for t, s in parts], axis=1)
+
+
+def lut_encoding(host_file: Path, tables: tuple[tuple[str, float], ...]) -> LutEncoding:
+    """The 16-bit encoding that covers every value of the LUT (and 0)."""
+    parts, rows = _lut_parts(host_file, tables)
+    lo = hi = 0.0
+    for block in _lut_blocks(parts, rows):
+        lo, hi = min(lo, float(block.min())), max(hi, float(block.max()))
+    scale = (hi - lo) / 65535 or 1.0
+    return LutEncoding(scale=scale, zero_point=round(-lo / scale))
+
+
+def write_lut(host_file: Path, tables: tuple[tuple[str, float], ...], encoding: LutEncoding,
+              dst: Path) -> int:
+    """Genie's embedding LUT: each row the rows of ``tables`` (host table, scale) side by side
+    (Gemma-4: the token embedding x sqrt(H), then its per-layer inputs x sqrt(P)), in
+    ``encoding``, a block of rows at a time, written beside and renamed. -> the row width."""
+    parts, rows = _lut_parts(host_file, tables)
     tmp = dst.with_name(dst.name + ".partial")
     with open(tmp, "wb") as f:
-        for start in range(0, rows, 4096):
-            np.concatenate([np.asarray(t[start:start + 4096], np.float32) * s for t, s in parts],
-                           axis=1).tofile(f)
+        for block in _lut_blocks(parts, rows):
+            encoding.quantize(block).tofile(f)
     tmp.replace(dst)
     return sum(int(t.shape[1]) for t, _ in parts)
 
 
 def write_bundle_files(folder: Path, manifest: Manifest, bins: list[Path], tokenizer_json: Path,
                        soc_model: int, htp_arch: int, spec, host_file: Path,
-                       weight_sharing: bool = False) -> Path:
+                       lut: LutEncoding | None = None, weight_sharing: bool = False) -> Path:
     """genie_config.json, htp_backend_ext_config.json, tokenizer.json (and the embedding LUT
     where the family has Genie gather its inputs) beside ``bins`` (which are in ``folder``
     already). -> the config's path."""
     if any(b.parent != folder for b in bins):
         raise BuildError("a Genie bundle's binaries must sit beside its genie_config.json")
     shutil.copy2(tokenizer_json, folder / TOKENIZER)
-    lut = (LUT, write_lut(host_file, spec.lut, folder / LUT)) if spec.lut else None
+    table = None
+    if spec.lut:
+        table = (LUT, write_lut(host_file, spec.lut, lut, folder / LUT), lut)
     cfg = dialog_config(manifest, [b.name for b in bins], bos_token(tokenizer_json), spec,
-                        lut=lut)
+                        lut=table)
     (folder / EXTENSIONS).write_text(
         json.dumps(backend_extensions(soc_model, htp_arch, weight_sharing), indent=1) + "\n")
     (folder / CONFIG).write_text(json.dumps(cfg, indent=1) + "\n")

@@ -32,6 +32,7 @@ from ..errors import BuildError
 
 MASKED = -1000.0  # what Genie writes into a float32 mask (docs/genie.md)
 STATES = ("conv_state_", "recurrent_state_")  # Genie's linear-attention tensors
+LUT_TYPES = {"float32": np.float32, "ufixed16": np.uint16}  # an embedding LUT's datatypes
 
 
 def genie_inv_freq(positional_encoding: dict) -> np.ndarray:
@@ -87,10 +88,11 @@ class GenieGraphs:
                                             else eos)), 0)
         self.ropes = {e.get("prefix", ""): genie_inv_freq(e)
                       for e in _entries(d["engine"]["model"]["positional-encoding"])}
-        self.lut = None  # the rows Genie gathers into inputs_embeds
+        self.lut = None  # the rows Genie gathers into inputs_embeds, as they are in the file
         if "embedding" in d:
             width = int(d["embedding"]["size"])
-            self.lut = np.memmap(folder / d["embedding"]["lut-path"], np.float32,
+            dtype = LUT_TYPES[d["embedding"].get("datatype", "float32")]
+            self.lut = np.memmap(folder / d["embedding"]["lut-path"], dtype,
                                  "r").reshape(-1, width)
         # cache groups by prefix (the default past_ when the config names none)
         prefixes = [g["prefix"] for g in d["engine"].get("cache-groups", [])] or ["past_"]
@@ -137,7 +139,7 @@ class GenieGraphs:
             bus[f"{prefix}position_ids_cos"] = np.cos(angles).astype(np.float32)[None, None]
             bus[f"{prefix}position_ids_sin"] = np.sin(angles).astype(np.float32)[None, None]
         if self.lut is not None:
-            bus["inputs_embeds"] = np.asarray(self.lut[padded], np.float32)[None]
+            bus["inputs_embeds"] = np.asarray(self.lut[padded])[None]
         for name, c in self.cache.items():
             bus[f"{name}_in"] = c[..., :S] if self._keys(name) else c[:, :, :S]
         for name, state in self.states.items():

@@ -123,6 +123,11 @@ class GenieModel:
         d = cfg["dialog"]
         d["context"]["bos-token"] = -1  # hexforge's ids carry the BOS already
         if ignore_eos:
+            if "embedding" in d:
+                # Genie reads the EOS token's row of an embedding LUT: an eos-token of -1 makes
+                # it read before the table, and libGenie segfaults (measured, Gemma-4's LUT)
+                raise RequestError("--ignore-eos is not available with this Genie bundle: "
+                                   "Genie reads its eos-token's row of the embedding table")
             # Genie pads the last AR-N chunk with pad-token, which falls back to eos-token: a
             # -1 there reaches the graph's gather and the HTP fails the execute (error 10)
             d["context"].setdefault("pad-token", self.eos[0] if self.eos else 0)
