@@ -118,12 +118,14 @@ def check_options(fam, args, opts) -> None:
 
 
 def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, residual_scale: float,
-                        log) -> dict[str, Path]:
+                        log, fixed_point_lut: bool = True) -> dict[str, Path]:
     """For each HTP target, ``root/genie-<target>/``: the decoder in Genie's contract
     (``GenieStep``), split as the planner splits the target's graphs, weight-only quantized like
     them when the recipe says so, compiled per arch, with genie_config.json,
     htp_backend_ext_config.json and tokenizer.json (forge/genie_bundle.py).
-    -> {target name: folder}."""
+    ``fixed_point_lut``: an embedding LUT in 16-bit fixed point (half the bytes; Genie copies its
+    rows into a uint16 ``inputs_embeds``); False keeps it float32, for a bundle whose media
+    nodes hand the decoder float rows (forge/genie_pipeline.py). -> {target name: folder}."""
     from .genie_bundle import folder_name, lut_encoding, write_bundle_files
     from .graphs import plan_target
 
@@ -132,7 +134,8 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
     host = manifest.host
     spec = fam.genie_spec(hf, args)
     check_ropes(spec, root / "host.safetensors")
-    lut = lut_encoding(root / "host.safetensors", spec.lut) if spec.lut else None
+    lut = (lut_encoding(root / "host.safetensors", spec.lut) if spec.lut and fixed_point_lut
+           else None)
     splits: dict[tuple, list[list[Path]]] = {}  # the graphs are arch-independent: per plan
     out = {}
     for target in targets:

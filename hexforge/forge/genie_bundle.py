@@ -7,6 +7,7 @@
       prompt_ar{N}_cl{C}_{i}_of_{n}.bin  the context binaries (forge/genie.py), per split i
       token_ar1_cl{C}_{i}_of_{n}.bin     (decoder_{i}_of_{n}.bin: both in one, weight-shared)
       embedding.u16                      Gemma-4: [token embedding | per-layer inputs] rows
+                                         (embedding.f32 in a bundle with media nodes)
 
 Key by key these follow AI Hub's exporter (``qai_hub_models/utils/llm_helpers.py``
 ``create_genie_config``, ``save_htp_config_for_genie_bundle``); docs/genie.md has the sources.
@@ -63,7 +64,7 @@ def bos_token(tokenizer_json: Path) -> int:
 
 def dialog_config(manifest: Manifest, bins: list[str], bos: int, spec,
                   tokenizer: str = TOKENIZER, extensions: str = EXTENSIONS,
-                  lut: tuple[str, int, LutEncoding] | None = None) -> dict:
+                  lut: tuple[str, int, LutEncoding | None] | None = None) -> dict:
     g = manifest.generation
     eos = g.eos_token_ids or [-1]
     model = {"version": 1, "type": "binary", "binary": {"version": 1, "ctx-bins": bins},
@@ -92,8 +93,10 @@ def dialog_config(manifest: Manifest, bins: list[str], bos: int, spec,
     if lut is not None:  # Genie gathers the rows itself into inputs_embeds
         path, width, enc = lut
         dialog["embedding"] = {"version": 1, "type": "lut", "lut-path": path, "size": width,
-                               "datatype": "ufixed16",
-                               "quant-param": {"scale": enc.scale, "offset": -enc.zero_point}}
+                               "datatype": "float32"}
+        if enc is not None:
+            dialog["embedding"] |= {"datatype": "ufixed16", "quant-param": {
+                "scale": enc.scale, "offset": -enc.zero_point}}
     return {"dialog": dialog}
 
 
@@ -105,7 +108,7 @@ def backend_extensions(soc_model: int, htp_arch: int, weight_sharing: bool) -> d
             "context": {"weight_sharing_enabled": weight_sharing}}
 
 
-LUT = "embedding.u16"
+LUT = {True: "embedding.u16", False: "embedding.f32"}  # fixed point or not
 
 
 @dataclass(frozen=True)
@@ -159,16 +162,17 @@ def lut_encoding(host_file: Path, tables: tuple[tuple[str, float], ...]) -> LutE
     return LutEncoding(scale=scale, zero_point=round(-lo / scale))
 
 
-def write_lut(host_file: Path, tables: tuple[tuple[str, float], ...], encoding: LutEncoding,
-              dst: Path) -> int:
+def write_lut(host_file: Path, tables: tuple[tuple[str, float], ...],
+              encoding: LutEncoding | None, dst: Path) -> int:
     """Genie's embedding LUT: each row the rows of ``tables`` (host table, scale) side by side
     (Gemma-4: the token embedding x sqrt(H), then its per-layer inputs x sqrt(P)), in
-    ``encoding``, a block of rows at a time, written beside and renamed. -> the row width."""
+    ``encoding`` (None: float32), a block of rows at a time, written beside and renamed. -> the
+    row width."""
     parts, rows = _lut_parts(host_file, tables)
     tmp = dst.with_name(dst.name + ".partial")
     with open(tmp, "wb") as f:
         for block in _lut_blocks(parts, rows):
-            encoding.quantize(block).tofile(f)
+            (block if encoding is None else encoding.quantize(block)).tofile(f)
     tmp.replace(dst)
     return sum(int(t.shape[1]) for t, _ in parts)
 
@@ -184,7 +188,8 @@ def write_bundle_files(folder: Path, manifest: Manifest, bins: list[Path], token
     shutil.copy2(tokenizer_json, folder / TOKENIZER)
     table = None
     if spec.lut:
-        table = (LUT, write_lut(host_file, spec.lut, lut, folder / LUT), lut)
+        name = LUT[lut is not None]
+        table = (name, write_lut(host_file, spec.lut, lut, folder / name), lut)
     cfg = dialog_config(manifest, [b.name for b in bins], bos_token(tokenizer_json), spec,
                         lut=table)
     (folder / EXTENSIONS).write_text(

@@ -144,9 +144,9 @@ def text_encoder_config(dialog_config: dict) -> dict:
     a row set there as 4 tokens when it places an image after it (its M-RoPE positions and
     deepstack rows then start 3 rows late; measured, docs/genie-pipelines.md)."""
     emb = dialog_config["dialog"]["embedding"]
-    return {"text-encoder": {"version": 1, "type": "lut",
-                             "lut": {"version": 1, "lut-path": emb["lut-path"],
-                                     "size": int(emb["size"]), "datatype": emb["datatype"]},
+    lut = {"version": 1} | {k: emb[k] for k in ("lut-path", "size", "datatype", "quant-param")
+                            if k in emb}  # the dialog's own LUT, as it stores it
+    return {"text-encoder": {"version": 1, "type": "lut", "lut": lut,
                              "tokenizer": {"version": 1,
                                            "path": dialog_config["dialog"]["tokenizer"]["path"]}}}
 

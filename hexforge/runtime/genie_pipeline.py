@@ -66,14 +66,12 @@ EMBEDDING_CB = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_uint32), ctypes.c_
 # the text-generator's tokens: as GenieDialog_TokenQueryCallback_t (ids, count, sentence code, user)
 TOKEN_CB = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_uint32), ctypes.c_uint32, ctypes.c_int,
                             ctypes.c_void_p)
-_declared: set[int] = set()  # the libraries (by handle) whose pipeline symbols are typed
 
 
 def load() -> ctypes.CDLL:
-    """runtime/genie.py's libGenie, with the pipeline and node functions typed."""
+    """runtime/genie.py's libGenie, with the pipeline and node functions typed (again on each
+    call: setting a function's argtypes is idempotent and cheap, and no flag needs keeping)."""
     lib = genie.load()
-    if lib._handle in _declared:
-        return lib
     p, i32 = ctypes.POINTER, ctypes.c_int32
     sigs = {
         "GenieNodeConfig_createFromJson": ([ctypes.c_char_p, p(_h)], i32),
@@ -98,7 +96,6 @@ def load() -> ctypes.CDLL:
     for name, (args, res) in sigs.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
-    _declared.add(lib._handle)
     return lib
 
 
