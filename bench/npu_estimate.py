@@ -99,35 +99,46 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def optrace_table(bundle: Path, graph: str, top: int) -> str:
-    """The per-op breakdown of one graph of a --keep-work bundle's v81 target."""
+def optrace_report(src: Path, fp16: bool, title: str, top: int,
+                   options: dict[str, str] | None = None) -> str:
+    """The per-op breakdown of one graph (the ONNX the HTP compiles, with the compile's extra QNN
+    EP ``options``) under Hextimate, markdown."""
     import tempfile
 
     from hexforge.estimate import estimate_graph, op_breakdown, optrace
+    from hexforge.targets import TARGETS
+
+    soc = TARGETS["v81"].estimator
+    with tempfile.TemporaryDirectory() as tmp:
+        est = estimate_graph(src, 81, soc, fp16, level="optrace", trace_dir=Path(tmp),
+                             options=options)
+        trace = optrace(Path(tmp) / "profile_qnn.log")
+    freq = trace["Hextimate Configuration"]["sim_core_freq"]  # MHz: cycles -> us
+    lines = [f"{title}: {est.us:,} us, {est.cycles:,} cycles at {freq} MHz, "
+             f"{est.fill_bytes / 1e6:.2f} MB from DDR, {est.missing_ops} op(s) without a cost "
+             f"(Hextimate, {soc.name})",
+             "| op | unit | calls | busy us | busy / the graph's span | DRAM read MB |",
+             "|---|---|---|---|---|---|"]
+    for r in op_breakdown(trace)[:top]:
+        lines.append(f"| {r['op']} | {r['unit']} | {r['calls']} | {r['cycles'] / freq:,.0f} | "
+                     f"{r['cycles'] / est.cycles:.1%} | {r['dram_read'] / 1e6:.2f} |")
+    return "\n".join(lines)
+
+
+def optrace_table(bundle: Path, graph: str, top: int) -> str:
+    """``optrace_report`` of one graph of a --keep-work bundle's v81 target."""
     from hexforge.estimate_bundle import work_sources
+    from hexforge.forge.htp.compile import compile_options
     from hexforge.forge.htp.recipes import get_recipe
     from hexforge.manifest import load_manifest
-    from hexforge.targets import TARGETS
 
     spec = load_manifest(bundle).targets["v81"]
     sources = work_sources(bundle, spec)
     if sources is None:
         sys.exit(f"{bundle} keeps no _work/ graphs: build it with --keep-work")
-    soc = TARGETS["v81"].estimator
-    with tempfile.TemporaryDirectory() as tmp:
-        est = estimate_graph(sources[graph], 81, soc, get_recipe(spec.quant).activations is None,
-                             level="optrace", trace_dir=Path(tmp))
-        trace = optrace(Path(tmp) / "profile_qnn.log")
-    freq = trace["Hextimate Configuration"]["sim_core_freq"]  # MHz: cycles -> us
-    rows = op_breakdown(trace)
-    lines = [f"{graph} of {bundle} ({spec.quant}): {est.us:,} us, {est.cycles:,} cycles at "
-             f"{freq} MHz, {est.missing_ops} op(s) without a cost (Hextimate, {soc.name})",
-             "| op | unit | calls | busy us | share of the graph | DRAM read MB |",
-             "|---|---|---|---|---|---|"]
-    for r in rows[:top]:
-        lines.append(f"| {r['op']} | {r['unit']} | {r['calls']} | {r['cycles'] / freq:,.0f} | "
-                     f"{r['cycles'] / est.cycles:.1%} | {r['dram_read'] / 1e6:.2f} |")
-    return "\n".join(lines)
+    return optrace_report(sources[graph], get_recipe(spec.quant).activations is None,
+                          f"{graph} of {bundle} ({spec.quant})", top,
+                          compile_options(spec.graph(graph).role))
 
 
 def main() -> None:

@@ -87,9 +87,11 @@ def parse_profile(text: str) -> GraphEstimate:
 
 
 def estimate_graph(src: Path, arch: int, soc: Soc, fp16: bool, level: str = "basic",
-                   trace_dir: Path | None = None) -> GraphEstimate:
+                   trace_dir: Path | None = None, options: dict[str, str] | None = None
+                   ) -> GraphEstimate:
     """Finalize ``src`` (an ONNX graph the HTP target compiles: float, weight-only or QDQ) for
-    ``soc`` with CPU fallback disabled, as the build compiles it, and read its estimate.
+    ``soc`` with CPU fallback disabled, as the build compiles it (``options``: the compile's
+    extra QNN EP options, forge/htp/compile.compile_options), and read its estimate.
     ``level`` "optrace" with ``trace_dir``: the profile CSV and the per-op timeline QNN writes
     beside it (``profile_qnn.log``) are kept there; otherwise both go with a temp dir."""
     import onnxruntime as ort
@@ -104,7 +106,7 @@ def estimate_graph(src: Path, arch: int, soc: Soc, fp16: bool, level: str = "bas
         prof = folder / "profile.csv"
         for stale in (prof, folder / "profile_qnn.log"):
             stale.unlink(missing_ok=True)  # the EP appends: a fresh file per estimate
-        opts = qnn.provider_options(arch, soc.soc_model, fp16)
+        opts = qnn.provider_options(arch, soc.soc_model, fp16) | (options or {})
         opts |= {"profiling_level": level, "profiling_file_path": str(prof)}
         try:
             with qnn.native_stdout_to_stderr():

@@ -94,6 +94,8 @@ def estimate_target(spec: TargetSpec, sources: dict[str, Path], fp16: bool, cont
     """Estimate every graph of ``spec`` that has a source (graph name -> the ONNX the HTP
     compiled) on the estimator SoC of its arch; -> its report section. ``advance`` is called
     after each graph (a progress bar)."""
+    from .forge.htp.compile import compile_options
+
     soc = estimator_of(spec.name)
     if soc is None or spec.htp_arch is None:
         return no_estimator(spec.name, spec.htp_arch)
@@ -102,7 +104,8 @@ def estimate_target(spec: TargetSpec, sources: dict[str, Path], fp16: bool, cont
         src = sources.get(g.name)
         if src is None:
             continue
-        per_graph[g.name] = e = estimate_graph(src, spec.htp_arch, soc, fp16)
+        per_graph[g.name] = e = estimate_graph(src, spec.htp_arch, soc, fp16,
+                                               options=compile_options(g.role))
         log(f"[{spec.name}] {label(soc, spec.htp_arch)} {g.name}: {e.us:,} us "
             f"({e.us_low:,}-{e.us_high:,}), {e.fill_bytes / 1e6:.2f} MB from DDR, "
             f"{e.missing_ops} op(s) without a cost")
@@ -129,9 +132,9 @@ def stored_estimates(bundle: Path, m: Manifest) -> dict[str, dict]:
 def work_sources(bundle: Path, spec: TargetSpec) -> dict[str, Path] | None:
     """Graph name -> the ONNX it was compiled from under ``_work/`` (a --keep-work build), or
     None where the bundle keeps no such graphs for every decoder graph and the head."""
-    from .forge.htp.recipes import get_recipe
+    from .forge.htp.recipes import built_recipe
 
-    suffix = get_recipe(spec.quant).compiled_suffix
+    suffix = built_recipe(spec).compiled_suffix
     names = [g.name for g in spec.graphs if g.role not in ("vision", "audio")]
     for folder in sorted((bundle / "_work").glob(f"{spec.quant}-*")):
         files = {n: folder / f"{n}{suffix}" for n in names}
@@ -145,7 +148,7 @@ def bundle_estimates(bundle: Path, log: Callable[[str], None] = lambda m: None
     """``hexforge estimate``: -> (per HTP target its estimate, where they come from). Re-estimated
     from ``_work/`` where a --keep-work build left the graphs; else the build's (--estimate);
     a bundle with neither is refused in one line. Nothing in the bundle is written."""
-    from .forge.htp.recipes import get_recipe
+    from .forge.htp.recipes import built_recipe
     from .runtime import qnn
 
     m = load_manifest(bundle)
@@ -158,7 +161,7 @@ def bundle_estimates(bundle: Path, log: Callable[[str], None] = lambda m: None
     for name, spec in htp.items():
         sources = work_sources(bundle, spec)
         if sources is not None:
-            fp16 = get_recipe(spec.quant).activations is None
+            fp16 = built_recipe(spec).activations is None
             out[name] = estimate_target(spec, sources, fp16, m.context, qnn.sdk_version(), log)
             fresh.append(name)
         elif name in stored:

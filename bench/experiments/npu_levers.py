@@ -5,6 +5,13 @@ number for the docs is then the real build's (bench/npu_estimate.py).
 
     python bench/experiments/npu_levers.py --work W [--model smollm2] [--quant fp16]
                                            [--context 1024] [--prefill-len 64] [--json FILE]
+                                           [--optrace s0.decode] [--option KEY=VALUE ...]
+
+``--optrace GRAPH``: that graph's per-op breakdown as well (bench/npu_estimate.py
+``optrace_report``). ``--baseline``: the graphs as hexforge made them before the levers of
+docs/htp.md "Speed on the NPU" (fp32 KV cache, keys as rows, the compiler's default
+finalization), the "before" of each ratio. ``--option``: a QNN EP provider option for the estimates (e.g.
+``htp_graph_finalization_optimization_mode=3``), to try the compiler's own levers.
 
 The stages mirror the build's for an fp16-activation recipe: the norms' prescales and the
 residual peak (families/blocks.calibrate_norm_scales), the plan, the float export with the fp16
@@ -24,8 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: npu_esti
 
 
 def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work: Path,
-                    log=print) -> dict:
-    from npu_estimate import gguf
+                    log=print, optrace: str | None = None, options: dict | None = None,
+                    keep: bool = False, baseline: bool = False) -> dict:
+    options = options or {}
+    from npu_estimate import gguf, optrace_report
 
     from hexforge.estimate import estimate_graph
     from hexforge.estimate_bundle import target_estimate
@@ -34,6 +43,7 @@ def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work
     from hexforge.forge.calib import calibration_text
     from hexforge.forge.checkpoint import read_checkpoint
     from hexforge.forge.graphs import export_float, plan_target
+    from hexforge.forge.htp.compile import compile_options
     from hexforge.forge.htp.kvcast import fp16_kv
     from hexforge.forge.htp.recipes import get_recipe
     from hexforge.forge.htp.stage import fp16_scale, weight_only
@@ -60,20 +70,38 @@ def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work
     root.mkdir(parents=True)
     t = time.perf_counter()
     shards = plan_target(fam, hf, target, opts, log)
-    graphs, plan = export_float(fam, hf, args, shards, opts, root, "g", log,
-                                fp16_residual_scale=fp16_scale(fam, peak, log))
-    graphs = fp16_kv(root, graphs, fam.state_spec(args, context))
+    from hexforge.families import blocks
+
+    layout = blocks.use_htp_kv_layout
+    if baseline:  # keys as rows: export_float looks the layout function up when it runs
+        blocks.use_htp_kv_layout = lambda m: False
+    try:
+        graphs, plan = export_float(fam, hf, args, shards, opts, root, "g", log,
+                                    fp16_residual_scale=fp16_scale(fam, peak, log))
+    finally:
+        blocks.use_htp_kv_layout = layout
+    if not baseline:
+        graphs = fp16_kv(root, graphs, fam.state_spec(args, context))
     if recipe.weight_only:
         weight_only(plan, root / "g", recipe, args.vocab_size)
+    def role_options(role: str) -> dict:
+        return {} if baseline else compile_options(role)
+
     per_graph = {}
     for g in graphs:
-        per_graph[g.name] = e = estimate_graph(root / "g" / f"{g.name}{recipe.compiled_suffix}",
-                                               81, target.estimator, True)
+        src = root / "g" / f"{g.name}{recipe.compiled_suffix}"
+        # the build's compile options for the graph's role, --option over them
+        per_graph[g.name] = e = estimate_graph(src, 81, target.estimator, True,
+                                               options={**role_options(g.role), **options})
         log(f"  {g.name}: {e.us:,} us, {e.fill_bytes / 1e6:.2f} MB, {e.missing_ops} missing")
+        if g.name == optrace:
+            print(optrace_report(src, True, f"{model} {quant} c{context} {g.name}", 30,
+                                 {**role_options(g.role), **options}))
     est = target_estimate(plan, graphs, per_graph, target.estimator, 81, qnn.sdk_version(),
                           context)
     est["seconds"] = round(time.perf_counter() - t, 1)
-    shutil.rmtree(root, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(root, ignore_errors=True)
     return est
 
 
@@ -85,11 +113,16 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--prefill-len", type=int, default=64)
     p.add_argument("--json", default=None)
+    p.add_argument("--optrace", default=None, metavar="GRAPH")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--keep", action="store_true", help="keep the graphs (W/levers-*/g/)")
+    p.add_argument("--baseline", action="store_true", help="the graphs before the levers")
     a = p.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     est = graphs_estimate(a.model, a.quant, a.context, a.prefill_len, work,
-                          lambda m: print(m, file=sys.stderr))
+                          lambda m: print(m, file=sys.stderr), a.optrace,
+                          dict(o.split("=", 1) for o in a.option), a.keep, a.baseline)
     from hexforge.estimate_bundle import estimate_line
 
     print(estimate_line(est))

@@ -1,4 +1,5 @@
-"""HTP targets: float graphs ─calibrate─▶ QDQ (w8a16 / w4a16) or fp16 ─compile per arch─▶ binaries.
+"""HTP targets: float graphs ─calibrate─▶ QDQ (w8-u16 / w4-u16), MatMulNBits (w8-fp16 /
+w4-fp16) or fp16 ─compile per arch─▶ binaries.
 
     plan (per target ceiling, recipe bytes/weight)
       └─ float graphs in _work/ (same export modules as cpu)
@@ -37,7 +38,7 @@ from . import compile as compiler  # through the module: tests swap compiler.com
 from .calibstats import GraphStats, HessianStore
 from .kvcast import fp16_kv
 from .qdq import quantize_graph
-from .recipes import COMPILED_SUFFIX, QuantRecipe, get_recipe
+from .recipes import COMPILED_SUFFIX, QuantRecipe
 
 CALIB_DECODE_STEPS = 64  # decode samples (teacher-forced text tokens through the AR-1 graph)
 KEEP_FEED_BYTES = 1 << 20  # a graph's calls this small are kept from an earlier graph's replay
@@ -81,11 +82,7 @@ def calibrate(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: Run
         # the deepstack inputs on zeros and clip them (Qwen3-VL image logits cos 0.93 -> 0.999)
         prompts += _media_prompts(engine, m, ids, hf)
     out = Calibration({}, {}, {}, HessianStore(work / "hessians"))
-    # (prompt, phase) runs each graph is called in: chunked -> prefill graphs and the head,
-    # one token a step -> decode graphs and the head
-    runs = {g.name: [(i, ph) for i in range(len(prompts)) for ph in ("chunked", "decode")
-                     if (ph, g.role) not in (("chunked", "decode"), ("decode", "prefill"))]
-            for g in graphs}
+    runs = _calibration_runs(graphs, len(prompts))
     kept: dict[str, dict[tuple, list]] = {g.name: {} for g in graphs}  # small feeds seen early
     kept_bytes = 0
     with stage("calibrate", len(graphs)) as advance:
@@ -157,6 +154,14 @@ def calibrate(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: Run
     return out
 
 
+def _calibration_runs(graphs: list[GraphSpec], prompts: int) -> dict[str, list[tuple[int, str]]]:
+    """Graph name -> the (prompt, phase) runs it is called in: chunked -> prefill graphs and the
+    head, one token a step -> decode graphs and the head."""
+    return {g.name: [(i, ph) for i in range(prompts) for ph in ("chunked", "decode")
+                     if (ph, g.role) not in (("chunked", "decode"), ("decode", "prefill"))]
+            for g in graphs}
+
+
 def _calibration_backend(prepack: bool = True) -> Backend:
     """The oracle's cpu backend (each weight file mapped once, shared by prefill + decode, no
     prepacked copies where the runtime would not pack them either; prepack=False: none at all)."""
@@ -189,7 +194,7 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
     ``encoders``: the towers' float graphs (calibration's media prompts run them).
     ``residual_peak``: the calibrated peak |x| of the residual stream; graphs with fp16
     activations carry it scaled into fp16's range where the family can (``fp16_scale``)."""
-    recipe = get_recipe(opts.quant)
+    recipe = opts.recipe
     scale = fp16_scale(fam, residual_peak, log) if recipe.activations is None else None
     sdk = qnn.sdk_version()
     prepared: dict[tuple, tuple[list[GraphSpec], RunPlan, Path]] = {}
@@ -254,7 +259,8 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
             for g in graphs:
                 res = compiler.compile_graph(srcs / f"{g.name}{suffix}",
                                              folder / f"{g.name}.ctx.onnx", target.htp_arch,
-                                             soc.soc_model, fp16=recipe.activations is None)
+                                             soc.soc_model, fp16=recipe.activations is None,
+                                             options=compiler.compile_options(g.role))
                 log(f"[{target.name}] compiled {g.name}: {res['bin_bytes']:,} B "
                     f"({res['seconds']:.1f}s)")
                 _warn_over_ceiling(g.name, res["bin_bytes"], target, log)
@@ -332,7 +338,7 @@ def _check_compiled(root: Path, manifest: Manifest, graphs: list[GraphSpec], pla
     suffix = recipe.compiled_suffix
     sources = {g.name: srcs / f"{g.name}{suffix}" for g in graphs} if recipe.weight_bits else None
     return graphcheck.gate(target.name, compiled,
-                           graphcheck.check_target(root, spec, calls, log, sources))
+                           graphcheck.check_target(root, spec, recipe, calls, log, sources))
 
 
 def _warn_over_ceiling(name: str, bin_bytes: int, target: Target, log) -> None:
@@ -403,7 +409,9 @@ def _share(compiled: list[GraphSpec], plan: RunPlan, srcs: Path, folder: Path, t
     suffix = recipe.compiled_suffix
     for shard in plan.shards:
         group = [(srcs / f"{n}{suffix}", folder / f"{n}.ctx.onnx") for n in (shard.prefill, shard.decode)]
-        res = compiler.compile_shared(group, target.htp_arch, soc_model, fp16=recipe.activations is None)
+        res = compiler.compile_shared(group, target.htp_arch, soc_model,
+                                      fp16=recipe.activations is None,
+                                      options=compiler.compile_options("decode"))
         log(f"[{target.name}] weight-shared {shard.prefill} + {shard.decode}: {res['bin_bytes']:,} B")
         _warn_over_ceiling(shard.prefill, res["bin_bytes"], target, log)
     out = []
