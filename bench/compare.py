@@ -3,7 +3,7 @@ one real-shape random-weight checkpoint, interleaved in one run (2 shared cores:
 contender is measured in turn, `--runs` times, and medians + min-max are reported; each ratio
 both as the ratio of the medians and as the median of the per-round ratios).
 
-    python bench/compare.py --work /work/perf [--shape qwen3-0.6b] [--context 1024]
+    python bench/compare.py --work WORK [--shape qwen3-0.6b] [--context 1024]
         [--cpu-weights fp32,int8,int8-b128,int4,int4-b128] [--prompt 32] [--tokens 32]
         [--runs 5] [--ttft-prompt 512] [--ttft-runs 2] [--ttft-warmup 1]
         [--genai fp32,int8,int8-b128,int4,int4-b128]

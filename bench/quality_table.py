@@ -6,7 +6,7 @@ target from the bundle's report.json: KL mean / p99 and top-1 against HF fp32 on
 text, the bundle's perplexity with HF's beside it, the greedy prefix that equals HF's, and for
 int4 HF's own fake-quant round-to-nearest floor at the same block.
 
-    python bench/quality_table.py --work W smollm2:cpu:fp32 smollm2:v81:w8a16 gemma3:v81:fp16
+    python bench/quality_table.py --work W smollm2:cpu:fp32 smollm2:v81:w8-fp16 gemma3:v81:fp16
     python bench/quality_table.py --work W --all
 
 A failed gate still prints its row (from the report the build keeps beside the output).
@@ -25,8 +25,8 @@ from pathlib import Path
 
 MODELS = ("smollm2", "gemma3")
 ALL = [f"{m}:cpu:{w}" for m in MODELS for w in ("fp32", "int8", "int4", "int4-b128")] + [
-    f"{m}:v81:{q}" for m in MODELS for q in ("fp16", "w8a16", "w4a16")] + ["smollm2:v79:w8a16"]
-FLOOR_BLOCK = {"int4": 32, "int4-b128": 128, "w4a16": 32}
+    f"{m}:v81:{q}" for m in MODELS for q in ("fp16", "w8-fp16", "w4-fp16")] + ["smollm2:v79:w8-fp16"]
+FLOOR_BLOCK = {"int4": 32, "int4-b128": 128, "w4-fp16": 32}  # by the recipe's name (not an alias)
 
 
 def gguf(name: str, work: Path) -> Path:
@@ -79,6 +79,7 @@ def cpu_twin(bundle: Path, name: str, target: str, tokens: int, work: Path) -> d
 
 def row(spec: str, work: Path, context: int, tokens: int, twin: bool = False) -> str:
     from hexforge.errors import ParityGateError
+    from hexforge.forge.htp.recipes import canonical
     from hexforge.forge.pipeline import BuildOptions, build
 
     name, target, prec = spec.split(":")
@@ -100,6 +101,7 @@ def row(spec: str, work: Path, context: int, tokens: int, twin: bool = False) ->
             report = json.loads(out.with_name(out.name + ".report.json").read_text())
         r = report[target]
     x, g = r["text"], r["greedy"]
+    prec = canonical(prec)
     fl = f"{floor(name, FLOOR_BLOCK[prec], work):.4f}" if prec in FLOOR_BLOCK else ""
     return (f"| {name} | {target} | {prec} | {x['kl_mean']:.4g} / {x['kl_p99']:.4g} | "
             f"{x['top1']:.3f} | {x['ppl']:.3f} ({x['ppl_hf']:.3f}) | "

@@ -1,7 +1,7 @@
 """The seeds' models at real size, from nothing: published config -> random-weight bf16
 checkpoint -> bundle, with each build stage's wall time and peak memory.
 
-    python bench/realsize.py qwen3-vl-2b WORK [--quant w8a16] [--json FILE] [--layers N]
+    python bench/realsize.py qwen3-vl-2b WORK [--quant w8-fp16] [--json FILE] [--layers N]
 
 Random weights change nothing about size, memory or compile time (the accuracy of a real-size
 build is the real models' business: docs/quality.md). Each model builds for the targets and
@@ -53,7 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", choices=sorted(MODELS))
     ap.add_argument("work")
-    ap.add_argument("--quant", default="w8a16", choices=("w8a16", "w4a16", "fp16"))
+    ap.add_argument("--quant", default="w8-fp16", choices=("w8-fp16", "w4-fp16", "fp16", "w8a16", "w4a16"))
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--prefill-len", type=int, default=64)
     ap.add_argument("--share-weights", action="store_true")

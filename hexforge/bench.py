@@ -109,9 +109,9 @@ def op_profile(bundle: str | Path, tokens: int = 32, prompt_tokens: int = 32,
                                f"bundle's context ({eng.context})")
         time_generation(eng, ids, 3)  # warm-up
         _, decode_s = time_generation(eng, ids, tokens + 1)  # the last `tokens` runs of each graph
-        graphs = list(eng.step_graphs["decode"])
-        if not eng.head_in_step["decode"]:
-            graphs.append(eng.head)
+        graphs = list(eng.plan.graphs["decode"])
+        if not eng.plan.head_in_step["decode"]:
+            graphs.append(eng.plan.head)
         run_us = kernel_us = 0.0
         ops: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
         files = {name: sess.end_profiling() for name, sess in eng.sessions.items()}

@@ -424,9 +424,9 @@ class Manifest(_Model):
                     raise ValueError(f"graph {g.name} input {t.name!r}: bind {t.bind!r} needs a "
                                      "group whose row p holds position p (no window)")
         for enc in self.encoders:
-            for t in self.targets.values():
-                if enc.name not in {g.name for g in t.graphs}:
-                    raise ValueError(f"encoder {enc.name}: target {t.name} has no such graph")
+            for target in self.targets.values():
+                if enc.name not in {g.name for g in target.graphs}:
+                    raise ValueError(f"encoder {enc.name}: target {target.name} has no such graph")
         return self
 
     def encoder(self, modality: str) -> EncoderSpec | None:

@@ -1,4 +1,5 @@
-"""``qhx-generate``: the seed runtime's argument order, as a second entry point.
+"""``qhx-generate``: the argument order of the seed bundles' runtime (docs/realsize.md), as a
+second entry point.
 
     qhx-generate MANIFEST libQnnHtp.so libQnnSystem.so ARTIFACTS_ROOT N_TOKENS PROMPT [IMAGE]
 

@@ -41,8 +41,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import ContextOverflowError, HexforgeError, RequestError
-from .runtime.multimodal import decode_media
-from .runtime.options import GenerationOptions, GenerationResult
+from .runtime.options import Done, GenerationOptions, GenerationResult, Piece
 from .runtime.text import check_messages
 
 
@@ -287,8 +286,7 @@ class _Api:
             text = model.apply_chat_template(messages)
             ids = model.tokenizer.encode(text, add_special_tokens=False)
             # decoded now: bad media is a 400 before the response starts, not an error mid-stream
-            decoded = decode_media(model.manifest, media.get("image"), media.get("audio"),
-                                   model._preprocessors)
+            decoded = model.decode_media(media.get("image"), media.get("audio"))
             kw.update({f"{m}s": items for m, (_, _, items) in decoded.items()})
         except HexforgeError as e:
             return _typed_error(e)
@@ -336,8 +334,8 @@ class _Api:
                                      media_type="text/event-stream")
         result = None
         try:
-            async for _, _, r in self._run(request, ids, kw):
-                result = r if r is not None else result
+            async for item in self._run(request, ids, kw):
+                result = item.result if isinstance(item, Done) else result
         except HexforgeError as e:
             return _typed_error(e)
         if result is None:  # the client went away
@@ -349,12 +347,12 @@ class _Api:
         if reply.chat:
             yield reply.chunk(None, None, role=True)
         try:
-            async for piece, _, result in self._run(request, ids, kw):
-                if result is None:
-                    yield reply.chunk(piece, None)
+            async for item in self._run(request, ids, kw):
+                if isinstance(item, Piece):
+                    yield reply.chunk(item.text, None)
                 else:
-                    yield reply.chunk(None if reply.chat else "", _finish(result),
-                                      {"usage": _usage(result)})
+                    yield reply.chunk(None if reply.chat else "", _finish(item.result),
+                                      {"usage": _usage(item.result)})
         except HexforgeError as e:
             body = {"error": {"message": str(e), "type": "invalid_request_error"}}
             yield f"data: {json.dumps(body)}\n\n"
@@ -367,7 +365,7 @@ class _Api:
                                   for t, lp in e["top"]]} for e in result.logprobs or []]
 
     async def _run(self, request: Request, ids: list[int], kw: dict):
-        """Async iterator over model._iterate items, run in a worker thread under the lock."""
+        """Async iterator over model.iterate's items, run in a worker thread under the lock."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
@@ -383,7 +381,7 @@ class _Api:
                 with self.lock:
                     if not cancel.is_set():  # its client may have left while it queued
                         options = GenerationOptions(should_stop=cancel.is_set, **kw)
-                        for item in self.model._iterate(ids, options):
+                        for item in self.model.iterate(ids, options):
                             put(item)
             except BaseException as e:  # handed to the request
                 put(e)

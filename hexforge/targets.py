@@ -2,11 +2,12 @@
 
 Sources (keep them next to the numbers; the QNN EP accepts any soc_model id without validating it, so
 a wrong id here would silently build for the wrong SoC):
-  * v81 = SM8850, soc_model 87 — the seed bundles (device-validated), docs/htp.md.
+  * v81 = SM8850, soc_model 87 — the seed bundles (the hand-made QNN bundles hexforge came after,
+    docs/realsize.md), device-validated; docs/htp.md.
   * v79 = SM8750 (69), v75 = SM8650 (57), v73 = SM8550 (43) and SC8380XP / Snapdragon X Elite (60):
     commonly cited QNN soc_model ids (docs/htp.md; not device-validated here).
-  * per-context ceiling: v81 — 1.8 GB per context loads, 3.6 GB fails with 0x3ea (seeds). Other arches
-    use the same conservative 1.8 GB until measured on a device.
+  * per-context ceiling: v81 — 1.8 GB per context loads, 3.6 GB fails with 0x3ea (the seed
+    bundles). Other arches use the same conservative 1.8 GB until measured on a device.
   * DDR GB/s: vendor peak LPDDR bandwidth (bus width x data rate), the roofline's denominator only.
   * the binary header names the SoC a soc_model id compiles for (and that SoC's arch: the id wins
     over htp_arch): 43 SM8550 v73, 57 SM8650 v75, 60 SC8380XP v73, 69 SM8750 v79, 87 SM8850 v81

@@ -176,7 +176,7 @@ def text_with_tokens(tokenizer_dir: Path, n: int) -> str:
 
 @pytest.fixture(scope="session")
 def htp_bundle(ckpt, once):
-    """htp_bundle("llama", "w8a16", "v81", **opts) -> a bundle with HTP targets, built once."""
+    """htp_bundle("llama", "w8-fp16", "v81", **opts) -> a bundle with HTP targets, built once."""
     from hexforge.forge.pipeline import BuildOptions, build
 
     def get(family: str, quant: str, targets: str = "v81", **kw) -> Path:
@@ -242,7 +242,7 @@ def real_bundle(real_gguf, tmp_path_factory):
     last: dict[tuple, tuple[Path, dict]] = {}
 
     def get(name: str, **kw) -> tuple[Path, dict]:
-        key = (name, tuple(sorted(kw.items())))
+        key = (name, repr(sorted(kw.items())))  # values may be dicts (max_shard_bytes)
         if key not in last:
             for out, _ in last.values():
                 shutil.rmtree(out.parent, ignore_errors=True)

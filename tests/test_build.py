@@ -23,6 +23,30 @@ def test_planner_packs_contiguous_layers_under_ceiling():
         plan_shards([10, 30], 20)
 
 
+def test_a_recipes_old_name_is_an_alias_of_its_new_one():
+    """--quant w8a16 (the old name of the weight-only int8 recipe, fp16 activations) builds
+    w8-fp16 and w8a16-qdq (fixed-point, uint16 activations) w8-u16; a bundle built under an
+    old name is still judged by its recipe's gate and read as its recipe; an unknown name is
+    one line naming the choices."""
+    from hexforge.errors import BundleError
+    from hexforge.forge.htp.recipes import ALIASES, RECIPES, built_recipe
+    from hexforge.forge.verify import GATES, gate_of
+    from hexforge.manifest import TargetSpec
+
+    assert BuildOptions(quant="w8a16").recipe is RECIPES["w8-fp16"]
+    assert BuildOptions(quant="w8a16-qdq").recipe is RECIPES["w8-u16"]
+    assert BuildOptions().recipe.name == "w8-fp16"
+    assert all(ALIASES[old] in RECIPES and gate_of(old) is GATES[ALIASES[old]] for old in ALIASES)
+    assert gate_of("int4") is GATES["int4"]  # the cpu target's weights are no recipe
+    old = TargetSpec.model_construct(name="v81", htp_arch=81, quant="w4a16")  # a manifest's
+    assert built_recipe(old) is RECIPES["w4-fp16"]
+    with pytest.raises(BundleError, match="does not know"):
+        built_recipe(old.model_copy(update={"quant": "w3a9"}))
+    with pytest.raises(BuildError, match=r"unknown --quant 'w3a9'; choose from fp16, w8-fp16") as e:
+        BuildOptions(quant="w3a9").validate()
+    assert "\n" not in str(e.value)
+
+
 def test_regression_the_greedy_planner_filled_every_shard_but_the_last():
     """Greedy packing cut Qwen3.5-4B (w8a16, v81) into [0,14) [14,28) [28,32): two full shards
     and a small one, and the weight-shared compile of a 14-layer shard peaked at 15.4 GiB
@@ -96,7 +120,7 @@ def test_the_disk_estimate_covers_the_peak_measured_on_gemma_4_e4b(monkeypatch):
     monkeypatch.setattr(type(FAMILY), "layer_weight_bytes",
                         lambda self, hf, bpw: [int(n * bpw) for n in layers])
     monkeypatch.setattr(type(FAMILY), "head_weight_bytes", lambda self, hf, bpw: int(671_088_640 * bpw))
-    for quant, peak in (("w4a16", 43.7e9), ("w8a16", 41.4e9)):
+    for quant, peak in (("w4-fp16", 43.7e9), ("w8-fp16", 41.4e9)):
         need = disk_need(FAMILY, None, parse_targets("v81"), BuildOptions(quant=quant,
                                                                           share_weights=True))
         assert peak <= need <= 1.2 * peak, quant

@@ -99,3 +99,33 @@ def test_the_circle_finder_finds_a_function_local_circle(tmp_path):
     (pkg / "sub" / "b.py").write_text("def f():\n    from .a import g\n")
     (pkg / "c.py").write_text("from .sub.a import x\n")
     assert circles(import_graph(pkg)) == [["hexforge.sub.a", "hexforge.sub.b"]]
+
+
+MAX_FUNCTION_LINES = 100  # a function a reader takes in at once: longer ones are split by stage
+
+
+def function_lengths(root: Path = ROOT) -> list[tuple[int, str]]:
+    """(lines, "file:line name") of every function and method, nested ones counted inside the
+    function that holds them too."""
+    out = []
+    for f in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                out.append((node.end_lineno - start + 1,
+                            f"{f.relative_to(root.parent)}:{node.lineno} {node.name}"))
+    return out
+
+
+def test_no_function_in_hexforge_is_over_100_lines():
+    long = sorted(x for x in function_lengths() if x[0] >= MAX_FUNCTION_LINES)
+    assert not long, f"functions of {MAX_FUNCTION_LINES}+ lines: {long}"
+
+
+def test_the_length_check_counts_nested_functions_in_their_holder(tmp_path):
+    pkg = tmp_path / "hexforge"
+    pkg.mkdir()
+    inner = "\n".join(f"        x{i} = {i}" for i in range(120))
+    (pkg / "a.py").write_text(f"def outer():\n    def inner():\n{inner}\n    return inner\n")
+    got = dict((name.split()[-1], n) for n, name in function_lengths(pkg))
+    assert got == {"outer": 123, "inner": 121}

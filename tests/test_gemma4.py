@@ -108,7 +108,7 @@ def test_both_ops_writing_one_full_cache_write_it_in_place(bundle):
     from hexforge.runtime.bound import BoundSession
 
     eng = hexforge.load(bundle("gemma4")).engine
-    graph = eng.step_graphs["decode"][0]
+    graph = eng.plan.graphs["decode"][0]
     aliases = [(k, o.bind[6:]) for k, o in enumerate(graph.outputs) if o.bind.startswith("alias:")]
     assert {"past.L4.k", "past.L4.v"} <= {name for _, name in aliases}
     assert len(aliases) > len({name for _, name in aliases})  # L4's cache has two writers
@@ -188,7 +188,7 @@ def test_tiny_fixture_is_well_conditioned(hf_model):
     assert torch.nn.functional.cosine_similarity(ref, quant, dim=-1).min() > 0.9995
 
 
-@pytest.mark.parametrize("quant", ["fp16", "w8a16"])  # the QDQ recipes: tests/test_htp.py
+@pytest.mark.parametrize("quant", ["fp16", "w8-fp16"])  # the QDQ recipes: tests/test_htp.py
 def test_htp_build_meets_the_gate_and_runs_on_the_simulator(htp_bundle, quant):
     from tests.test_htp import QUANT_THRESHOLDS, report
 

@@ -98,13 +98,24 @@ def test_logprobs_and_cancellation(bundle):
 def test_chat_session_prefills_only_the_new_turn_and_matches_a_fresh_run(bundle, family):
     model = hexforge.load(bundle(family))
     s = model.session(system="Be brief.")
-    s.send("Hi there!", max_new_tokens=6, ignore_eos=True)
+    # a one-token reply: the state then holds the first prompt alone, which the second turn's
+    # rendering starts with (a longer random reply need not retokenize to the ids it was made
+    # of, and a turn that cannot reuse the state prefills everything: the check below)
+    s.send("Hi there!", max_new_tokens=1, ignore_eos=True)
+    held = list(s.cached)  # the first turn's ids in the engine state
+    prefilled: list[int] = []
+    real_prefill = model.engine.prefill
+    model.engine.prefill = lambda ids, *a, **kw: prefilled.append(len(ids)) or real_prefill(
+        ids, *a, **kw)
     second = s.send("And then?", max_new_tokens=6, ignore_eos=True)
+    model.engine.prefill = real_prefill
     msgs = s.messages[:-1]
+    whole = model.tokenizer.encode(model.apply_chat_template(msgs), add_special_tokens=False)
     fresh = model.chat(msgs, max_new_tokens=6, ignore_eos=True)
     assert second.token_ids == fresh.token_ids
-    # the second turn reused the first turn's state (unless retokenizing the reply differed)
-    assert s.last_reused > 0 or s.cached[:5] != fresh.token_ids[:5]
+    # the second turn continued the first one's state: every id it held, and prefilled the rest
+    assert whole[:len(held)] == held and s.last_reused == len(held) > 0
+    assert prefilled == [len(whole) - len(held)]
     s.reset()
     assert s.cached == [] and [m["role"] for m in s.messages] == ["system"]
 

@@ -124,15 +124,8 @@ def test_genie_build_refuses_what_it_cannot_make(ckpt, tmp_path):
     from hexforge.forge.pipeline import BuildOptions, build
 
     for opts, words in ((dict(targets="cpu"), "needs an HTP --target"),
-                        (dict(targets="v81", quant="w8a16-qdq"), "fixed-point"),
+                        (dict(targets="v81", quant="w8-u16"), "fixed-point"),
                         (dict(targets="v81", prefill_len=1), "prefill-len")):
         with pytest.raises(BuildError, match=words):
             build(ckpt("llama"), tmp_path / "b", BuildOptions(genie=True, context=128, **opts),
                   log=lambda m: None)
-    # a family that states no Genie mapping of its own (Qwen3-VL: deepstack inputs, M-RoPE)
-    from hexforge.errors import UnsupportedModelError
-
-    with pytest.raises(UnsupportedModelError, match="states no Genie mapping"):
-        build(ckpt("qwen3_vl"), tmp_path / "g", BuildOptions(targets="v81", quant="fp16",
-                                                             genie=True, context=128),
-              log=lambda m: None)

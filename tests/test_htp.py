@@ -20,15 +20,15 @@ from hexforge.runtime import qnn
 from tests.conftest import prompt_ids
 
 # issue thresholds; w4a16's 0.995 is not reachable on random-weight models (see forge/htp/recipes.py)
-QUANT_THRESHOLDS = {"fp16": 0.9995, "w8a16": 0.999, "w4a16": 0.95, "w8a16-qdq": 0.999,
-                    "w8a16-qdq-b128": 0.999, "w4a16-qdq": 0.95}
+QUANT_THRESHOLDS = {"fp16": 0.9995, "w8-fp16": 0.999, "w4-fp16": 0.95, "w8-u16": 0.999,
+                    "w8-u16-b128": 0.999, "w4-u16": 0.95}
 
 
 def report(bundle) -> dict:
     return json.loads((bundle / "report.json").read_text())
 
 
-@pytest.mark.parametrize("quant", ["fp16", "w8a16", "w4a16", "w8a16-qdq", "w4a16-qdq"])
+@pytest.mark.parametrize("quant", ["fp16", "w8-fp16", "w4-fp16", "w8-u16", "w4-u16"])
 def test_quantized_bundle_compiles_runs_and_meets_its_threshold(htp_bundle, quant):
     b = htp_bundle("llama", quant)
     rep = report(b)["v81"]
@@ -53,8 +53,8 @@ HTP_PROMPT = 20
 
 
 def test_w4_qdq_weights_are_int4_blocks_in_the_binary(htp_bundle):
-    w8 = htp_bundle("llama", "w8a16-qdq")
-    w4 = htp_bundle("llama", "w4a16-qdq")
+    w8 = htp_bundle("llama", "w8-u16")
+    w4 = htp_bundle("llama", "w4-u16")
 
     def size(b, name):
         return qnn.context_binary_of(b / "v81" / f"{name}.ctx.onnx").stat().st_size
@@ -71,7 +71,7 @@ def test_w4_qdq_weights_are_int4_blocks_in_the_binary(htp_bundle):
 
 
 def test_v79_and_v81_from_one_build_both_run(htp_bundle):
-    b = htp_bundle("qwen3", "w8a16", "v79,v81")
+    b = htp_bundle("qwen3", "w8-fp16", "v79,v81")
     rep = report(b)
     assert rep["v79"]["passed"] and rep["v81"]["passed"]
     ids = prompt_ids(HTP_PROMPT)
@@ -83,12 +83,12 @@ def test_v79_and_v81_from_one_build_both_run(htp_bundle):
 
 
 def test_arch_mismatch_fails_before_loading_naming_both(htp_bundle):
-    b = htp_bundle("qwen3", "w8a16", "v79,v81")
+    b = htp_bundle("qwen3", "w8-fp16", "v79,v81")
     with pytest.raises(BackendError, match=r"v79.*v81"):
         hexforge.load(b, backend="qnn-sim", target="v79", arch="v81")
     with pytest.raises(BackendError, match=r"v81.*v79"):
         hexforge.load(b, backend="qnn-sim", target="v81", arch="v79")
-    only81 = htp_bundle("llama", "w8a16")
+    only81 = htp_bundle("llama", "w8-fp16")
     with pytest.raises(BackendError, match=r"built for v81 but the device is v79"):
         hexforge.load(only81, backend="qnn-sim", arch="v79")
 
@@ -122,7 +122,7 @@ def test_a_device_only_vlm_calibrates_and_compiles_its_tower_from_float_graphs_i
 
     logs = []
     out = build(ckpt("qwen3_vl"), tmp_path / "b", BuildOptions(
-        targets="v81", quant="w8a16-qdq", context=64, prefill_len=8, device_only=True),
+        targets="v81", quant="w8-u16", context=64, prefill_len=8, device_only=True),
         log=logs.append)
     m = load_manifest(out)
     assert set(m.targets) == {"v81"} and not (out / "cpu").exists()
@@ -148,11 +148,19 @@ def test_device_only_without_an_htp_target_is_refused_before_work(ckpt, tmp_path
 
 
 def test_binary_that_disagrees_with_the_manifest_is_refused(htp_bundle, tmp_path):
-    src = htp_bundle("qwen3", "w8a16", "v79,v81")
+    src = htp_bundle("qwen3", "w8-fp16", "v79,v81")
     b = tmp_path / "b"
     shutil.copytree(src, b)
     for f in (b / "v79").iterdir():  # swap v79's binaries into v81's place
         shutil.copy(f, b / "v81" / f.name.replace("v79", "v81"))
+    # the file list records them too (else the size check refuses the swap first): the arch
+    # read from each binary's header is the check under test
+    from hexforge.bundlefiles import record
+    from hexforge.manifest import load_manifest, save_manifest
+
+    m = load_manifest(b, check_files=False)
+    m.file_records = record(b)
+    save_manifest(b, m)
     with pytest.raises(BundleError, match=r"compiled for v79.*bundle says v81"):
         hexforge.load(b, backend="qnn-sim", arch="v81")
 
@@ -160,13 +168,13 @@ def test_binary_that_disagrees_with_the_manifest_is_refused(htp_bundle, tmp_path
 def test_newer_sdk_binary_is_refused(htp_bundle, monkeypatch):
     monkeypatch.setattr(qnn, "sdk_version", lambda: "2.40.0")
     with pytest.raises(BackendError, match=r"QNN SDK 2\.51\.0, newer than the installed 2\.40\.0"):
-        hexforge.load(htp_bundle("llama", "w8a16"), backend="qnn-sim")
+        hexforge.load(htp_bundle("llama", "w8-fp16"), backend="qnn-sim")
 
 
 def test_multi_shard_htp_bundle_equals_single_shard(htp_bundle):
-    one = htp_bundle("llama", "w8a16")
+    one = htp_bundle("llama", "w8-fp16")
     # 2 int8 layers (73,984 B) per shard; the fp32 cpu target keeps one shard
-    three = htp_bundle("llama", "w8a16", max_shard_bytes={"v81": 80_000})
+    three = htp_bundle("llama", "w8-fp16", max_shard_bytes={"v81": 80_000})
     plan = json.loads((three / "manifest.json").read_text())["targets"]["v81"]["plan"]
     assert len(plan["shards"]) == 3
     ids = prompt_ids(HTP_PROMPT)
@@ -226,7 +234,7 @@ def test_regression_a_full_disk_read_as_qnn_could_not_load_the_graph(tmp_path):
 def test_inspect_shows_binary_sizes_and_roofline(htp_bundle):
     from hexforge.inspect import inspect_bundle
 
-    info = inspect_bundle(htp_bundle("llama", "w8a16"))
+    info = inspect_bundle(htp_bundle("llama", "w8-fp16"))
     t = info["targets"]["v81"]
     assert t["decode_weight_bytes_per_token"] > 0
     assert set(t["roofline_tok_s"]) == {"SM8850"} and t["roofline_tok_s"]["SM8850"] > 0
@@ -242,8 +250,8 @@ def test_bad_quant_is_refused_before_work(ckpt, tmp_path):
 
 
 def test_share_weights_ships_one_context_per_shard_and_the_oracle_runs_its_twins(htp_bundle):
-    shared = htp_bundle("llama", "w8a16", share_weights=True)
-    plain = htp_bundle("llama", "w8a16")
+    shared = htp_bundle("llama", "w8-fp16", share_weights=True)
+    plain = htp_bundle("llama", "w8-fp16")
     t = json.loads((shared / "manifest.json").read_text())["targets"]["v81"]
     assert t["weight_shared"] and all(g["verify_file"] is None for g in t["graphs"])
     bins = {qnn.context_binary_of(shared / "v81" / f"{n}.ctx.onnx").name
@@ -288,7 +296,7 @@ def test_failed_htp_gate_says_whether_the_htp_or_the_quantization_lost_it(ckpt, 
         return real_compile(bad, dst, *a, **kw)
 
     monkeypatch.setattr(htp, "compile_graph", compile_corrupted)
-    opts = BuildOptions(targets="v81", quant="w8a16-qdq", context=HTP_CONTEXT, prefill_len=HTP_N,
+    opts = BuildOptions(targets="v81", quant="w8-u16", context=HTP_CONTEXT, prefill_len=HTP_N,
                         verify_tokens=8)
     with pytest.raises(ParityGateError,
                        match=r"QDQ graphs on the CPU pass.*HTP compile or runtime.*--keep-work"):
@@ -296,7 +304,7 @@ def test_failed_htp_gate_says_whether_the_htp_or_the_quantization_lost_it(ckpt, 
     report = json.loads((tmp_path / "b.report.json").read_text())
     assert report["cpu"]["passed"] and not report["v81"]["passed"]
     twin = report["v81"]["qdq_on_cpu"]
-    assert twin["passed"] and twin["teacher_forced"]["kl_mean"] <= GATES["w8a16-qdq"].kl
+    assert twin["passed"] and twin["teacher_forced"]["kl_mean"] <= GATES["w8-u16"].kl
     assert "qdq_on_cpu" not in report["cpu"]
     assert not list(tmp_path.glob(".b.partial-*"))  # the QDQ graphs went with the rest
 
@@ -307,7 +315,7 @@ def test_tensor_probe_names_each_ops_error_on_cpu_and_htp(htp_bundle):
     _work/ is refused with the option to use."""
     from hexforge.forge.htp.probe import tensor_errors
 
-    b = htp_bundle("llama", "w8a16-qdq", keep_work=True, verify=False)
+    b = htp_bundle("llama", "w8-u16", keep_work=True, verify=False)
     rows = tensor_errors(b, "v81", step=3)
     ops = {r.op for r in rows}
     assert {"MatMul", "Softmax", "output"} <= ops, ops
@@ -318,7 +326,7 @@ def test_tensor_probe_names_each_ops_error_on_cpu_and_htp(htp_bundle):
     hidden = [r for r in rows if r.op == "output"]
     assert hidden and all(r.ratio < 4 for r in hidden), hidden
     with pytest.raises(FileNotFoundError, match="--keep-work"):
-        tensor_errors(htp_bundle("llama", "w8a16-qdq"), "v81")
+        tensor_errors(htp_bundle("llama", "w8-u16"), "v81")
 
 
 def test_tensor_probe_covers_graphs_with_fp16_activations(htp_bundle):
@@ -426,7 +434,7 @@ def test_regression_the_graph_check_judged_the_weights_rounding_as_a_miscompile(
 
     monkeypatch.setattr(stage, "weight_only", off_by_three)
     out = build(ckpt("llama"), tmp_path / "b", BuildOptions(
-        targets="v81", quant="w8a16", context=64, prefill_len=8, verify=False), log=lambda m: None)
+        targets="v81", quant="w8-fp16", context=64, prefill_len=8, verify=False), log=lambda m: None)
     checks = {g.name: g.htp_check for g in load_manifest(out).targets["v81"].graphs}
     assert set(checks) == {"s0.prefill", "s0.decode", "head"}
     for name, c in checks.items():
@@ -452,7 +460,7 @@ def test_regression_the_float_graphs_stayed_on_disk_through_every_compile(ckpt, 
 
     monkeypatch.setattr(compiler, "compile_graph", watching)
     out = build(ckpt("llama"), tmp_path / "b", BuildOptions(
-        targets="v79,v81", quant="w8a16", context=64, prefill_len=8, verify=False),
+        targets="v79,v81", quant="w8-fp16", context=64, prefill_len=8, verify=False),
         log=lambda m: None)
     assert len(seen) == 6
     for files in seen:
@@ -476,11 +484,11 @@ def test_regression_the_graph_check_capture_held_every_shards_float_weights_at_o
     from hexforge.runtime.engine import Engine
     from hexforge.runtime.text import TextTokenizer
 
-    b = htp_bundle("llama", "w8a16", max_shard_bytes={"v81": 80_000}, keep_work=True, verify=False)
+    b = htp_bundle("llama", "w8-fp16", max_shard_bytes={"v81": 80_000}, keep_work=True, verify=False)
     m = load_manifest(b)
     spec = m.targets["v81"]
     assert len(spec.plan.shards) == 3 and all(g.htp_check for g in spec.graphs)
-    floats = [g.model_copy(update={"file": f"_work/w8a16-0/{g.name}.onnx"}) for g in spec.graphs]
+    floats = [g.model_copy(update={"file": f"_work/w8-fp16-0/{g.name}.onnx"}) for g in spec.graphs]
     opened = []
 
     class Spy(Backend):
@@ -601,7 +609,7 @@ def test_htp_graphs_take_the_kv_cache_as_fp16_with_keys_transposed(htp_bundle):
     from hexforge.runtime.backends import Backend
     from hexforge.runtime.engine import Engine
 
-    for quant in ("fp16", "w8a16"):
+    for quant in ("fp16", "w8-fp16"):
         b = htp_bundle("llama", quant)
         m = load_manifest(b)
         kv = {s.name: s for s in m.state}

@@ -238,7 +238,7 @@ def test_w8_block_recipe_writes_int8_blocks_and_beats_per_channel_scales(tmp_pat
     ranges = stats.save_ranges(tmp_path / "ranges.json")
     stats.close()
     errs = {}
-    for quant in ("w8a16-qdq", "w8a16-qdq-b128"):
+    for quant in ("w8-u16", "w8-u16-b128"):
         out = tmp_path / f"{quant}.onnx"
         quantize_graph(float_path, out, ranges, {}, {}, RECIPES[quant], "prefill")
         m = onnx.load(str(out))
@@ -248,14 +248,14 @@ def test_w8_block_recipe_writes_int8_blocks_and_beats_per_channel_scales(tmp_pat
         attrs = {a.name: a.i for a in dq.attribute}
         q, scale = inits[dq.input[0]], inits[dq.input[1]]
         assert q.dtype == np.int8
-        if quant == "w8a16-qdq":
+        if quant == "w8-u16":
             assert attrs == {"axis": 1} and scale.shape == (N,)
             deq = q * scale[None]
         else:
             assert attrs == {"axis": 0, "block_size": 128} and scale.shape == (K // 128, N)
             deq = q * np.repeat(scale, 128, axis=0)
         errs[quant] = np.linalg.norm(x @ (deq - w)) / np.linalg.norm(x @ w)
-    assert errs["w8a16-qdq-b128"] < 0.8 * errs["w8a16-qdq"]  # measured 0.0057 vs 0.0081
+    assert errs["w8-u16-b128"] < 0.8 * errs["w8-u16"]  # measured 0.0057 vs 0.0081
 
 
 def test_gptq_is_kept_only_where_it_beats_round_to_nearest_on_held_out_rows():
@@ -363,7 +363,7 @@ def test_w4a16_rtn_rounds_every_weight_where_w4a16_keeps_gptq(tmp_path):
     stats.close()
     _, rq = int4_blocks(w, 64)
     got = {}
-    for quant in ("w4a16-qdq", "w4a16-qdq-rtn"):
+    for quant in ("w4-u16", "w4-u16-rtn"):
         out = tmp_path / f"{quant}.qdq.onnx"
         quantize_graph(float_path, out, ranges, {}, {}, RECIPES[quant], "prefill", store)
         m = onnx.load(str(out))
@@ -372,8 +372,8 @@ def test_w4a16_rtn_rounds_every_weight_where_w4a16_keeps_gptq(tmp_path):
                   and inits.get(n.input[0]) is not None and inits[n.input[0]].shape == (K, N))
         got[quant] = inits[dq.input[0]].astype(np.int8)
     assert store.gptq_kept == [0, 1]  # w4a16 solved GPTQ once and kept it
-    assert (got["w4a16-qdq-rtn"] == rq.astype(np.int8)).all()
-    assert (got["w4a16-qdq"] != rq.astype(np.int8)).mean() > 0.05
+    assert (got["w4-u16-rtn"] == rq.astype(np.int8)).all()
+    assert (got["w4-u16"] != rq.astype(np.int8)).mean() > 0.05
 
 
 def test_weight_only_quantizes_one_weight_at_a_time_as_ort_does_the_whole_graph(tmp_path):

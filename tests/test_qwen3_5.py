@@ -163,7 +163,7 @@ def test_tail_selector_picks_the_last_valid_rows():
 
 # fp16 and the weight-only w8a16; the QDQ recipes (16-bit fixed-point activations, the recurrent
 # state included) are tests/test_htp.py's, on the tiny llama (133 s of the suite here)
-@pytest.mark.parametrize("quant", ["fp16", "w8a16"])
+@pytest.mark.parametrize("quant", ["fp16", "w8-fp16"])
 def test_htp_build_meets_its_gate_with_ar_n_prefill_on_the_npu(htp_bundle, quant):
     """Prefill AR-N (the matmul-only chunked delta rule) and decode both compile with CPU fallback
     disabled and keep the gate."""

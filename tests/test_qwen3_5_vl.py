@@ -125,7 +125,7 @@ def test_w8a16_runs_an_image_prompt_on_the_simulator(htp_bundle, hf_model):
     """The quantized HTP path on the hub layout: w8a16 (int8 weights through MatMulNBits, fp16
     activations) passes the build's oracle, and an image prompt on the v81 simulator keeps
     last-token logits cos >= 0.999 vs HF. (QDQ calibrated on image prompts: test_qwen3_vl.py.)"""
-    b = htp_bundle(FAMILY, "w8a16")
+    b = htp_bundle(FAMILY, "w8-fp16")
     report = json.loads((b / "report.json").read_text())["v81"]
     assert report["passed"], report
     m = load_manifest(b)

@@ -388,7 +388,7 @@ def test_regression_cli_image_size_was_ignored(ckpt, hf_model, tmp_path):
 def test_w8a16_image_prompt_is_calibrated_on_images(htp_bundle, hf_model):
     """w8a16 calibration runs an image prompt too: the deepstack inputs and soft-token rows get
     their own ranges (text alone calibrated deepstack on zeros: image logits cos 0.926)."""
-    b = htp_bundle(FAMILY, "w8a16-qdq")
+    b = htp_bundle(FAMILY, "w8-u16")
     m = load_manifest(b)
     spec = m.encoders[0]
     eng = Engine(b, m, "v81", Backend.resolve("qnn-sim", 81))

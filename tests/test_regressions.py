@@ -92,7 +92,7 @@ def test_in_place_prefill_chunk_that_would_pass_the_cache_end_goes_through_ar1(b
     from tests.conftest import CONTEXT, N, prompt_ids
 
     eng = hexforge.load(bundle(family)).engine
-    assert eng.prefill_in_place and eng.context == CONTEXT
+    assert eng.plan.prefill_in_place and eng.context == CONTEXT
     first, turn = prompt_ids(CONTEXT - 6), prompt_ids(4, seed=1)
     list(eng.generate_step(first, greedy, 1))  # the state holds the first prompt
     assert eng.pos + N > CONTEXT
@@ -113,7 +113,7 @@ def _w8a16_qdq(float_path, calib, tmp_path):
     ranges = stats.save_ranges(tmp_path / "ranges.json")
     stats.close()
     qdq_path = tmp_path / "q.onnx"
-    quantize_graph(float_path, qdq_path, ranges, {}, {}, RECIPES["w8a16-qdq"], "prefill")
+    quantize_graph(float_path, qdq_path, ranges, {}, {}, RECIPES["w8-u16"], "prefill")
     return qdq_path
 
 

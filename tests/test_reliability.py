@@ -259,21 +259,23 @@ def test_check_06_client_disconnect_stops_generation_and_frees_the_engine(live, 
         return real_decode(token, **kw)
 
     ended: list[tuple[float, int, str]] = []
-    real_iterate = model._iterate
+    real_iterate = model.iterate
 
     def watched(*a, **kw):
+        from hexforge.runtime.options import Done, Piece
+
         n, reason = 0, "?"
         try:
             for item in real_iterate(*a, **kw):
-                n += item[1] is not None
-                if item[2] is not None:
-                    reason = item[2].finish_reason
+                n += isinstance(item, Piece) and item.token is not None
+                if isinstance(item, Done):
+                    reason = item.result.finish_reason
                 yield item
         finally:
             ended.append((time.monotonic(), n, reason))
 
     monkeypatch.setattr(model.engine, "decode", slow_decode)
-    monkeypatch.setattr(model, "_iterate", watched)
+    monkeypatch.setattr(model, "iterate", watched)
     body = {"prompt": "Hello", "max_tokens": 200, "stream": True, "temperature": 0}
     with httpx.Client(base_url=live, timeout=30) as h:
         with h.stream("POST", "/v1/completions", json=body) as r:
@@ -687,7 +689,7 @@ def test_check_11_audio_is_mono_float_resampled(tmp_path):
 # ---- 12 ------------------------------------------------------------------------------------------
 @pytest.fixture
 def htp_copy(htp_bundle, copy_of):
-    return copy_of(htp_bundle("llama", "w8a16"))
+    return copy_of(htp_bundle("llama", "w8-fp16"))
 
 
 @pytest.fixture

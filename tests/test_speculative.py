@@ -82,7 +82,7 @@ def test_greedy_tokens_are_identical_with_prompt_lookup_on_cpu(bundle, family, o
     m = json.loads((b / "manifest.json").read_text())
     assert len(m["targets"]["cpu"]["plan"]["shards"]) > (1 if opts else 0)
     model = always_draft(hexforge.load(b))
-    assert model.engine.step_graphs["verify"][0].role == "verify"  # the AR-k graphs
+    assert model.engine.plan.graphs["verify"][0].role == "verify"  # the AR-k graphs
     stats = []
     for ids in prompts():
         stats += assert_same_greedy_tokens(model, ids, 64)
@@ -103,7 +103,7 @@ def test_qwen3_vl_image_prompt_gives_the_same_greedy_tokens(htp_bundle, tmp_path
 
 
 @pytest.mark.parametrize("family,build", [
-    ("llama", ("w8a16", "v81", {})), ("qwen3", ("w8a16", "v81", {})),
+    ("llama", ("w8-fp16", "v81", {})), ("qwen3", ("w8-fp16", "v81", {})),
     ("gemma4", ("fp16", "v81", {})),
     ("qwen3_vl", ("fp16", "cpu,v79,v81", {"verify_tokens": 8})),
 ])
@@ -112,7 +112,7 @@ def test_greedy_tokens_are_identical_with_prompt_lookup_on_qnn_sim(htp_bundle, f
     quant, targets, kw = build
     model = always_draft(hexforge.load(htp_bundle(family, quant, targets, **kw),
                                        backend="qnn-sim", arch="v81"))
-    assert model.engine.step_graphs["verify"][0].role == "prefill"
+    assert model.engine.plan.graphs["verify"][0].role == "prefill"
     stats = []
     for ids in prompts()[:2]:
         stats += assert_same_greedy_tokens(model, ids, 24, ks=(4,))

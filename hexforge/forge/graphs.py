@@ -16,7 +16,6 @@ from ..manifest import GraphSpec, RunPlan, ShardPlan
 from ..targets import Target
 from .export import export_modules, share_weights
 from .fuse import fuse_cpu_graph
-from .htp.recipes import get_recipe
 from .memory import release_heap, release_mapped_pages
 from .plan import plan_shards
 from .progress import stage
@@ -121,7 +120,7 @@ def weights_file(group: list[str]) -> str:
     return group[0].split(".")[0] + ".weights"
 
 
-# A compiled context holds more than its weights: 2-4 % more at real size (Qwen3.5-4B v81 w8a16:
+# A compiled context holds more than its weights: 2-4 % more at real size (Qwen3.5-4B v81 w8-fp16:
 # 1.780 GB of planned weights compiled to a 1.847 GB prefill binary, 1.817 GB decode). The
 # target's ceiling is the context's, so the planner gives the weights the ceiling less this;
 # --max-shard-bytes names the weights' own ceiling.
@@ -129,7 +128,7 @@ CONTEXT_OVERHEAD = 1.04
 
 
 def plan_target(fam, hf, target: Target, opts, log) -> list[tuple[int, int]]:
-    bpw = 4.0 if not target.is_htp else get_recipe(opts.quant).bytes_per_weight
+    bpw = 4.0 if not target.is_htp else opts.recipe.bytes_per_weight
     limit = opts.max_shard_bytes
     ceiling = (limit.get(target.name) if isinstance(limit, dict) else limit) or (
         int(target.max_context_bytes / CONTEXT_OVERHEAD) if target.is_htp
@@ -168,7 +167,7 @@ def disk_need(fam, hf, targets: list[Target], opts, tower_params: int = 0) -> in
     htp = [t for t in targets if t.is_htp]
     if not htp:
         return int(1.1 * cpu)
-    recipe = get_recipe(opts.quant)
+    recipe = opts.recipe
     shards = plan_target(fam, hf, htp[0], opts, lambda m: None)
     quant = (sum(fam.layer_weight_bytes(hf, recipe.bytes_per_weight))
              + fam.head_weight_bytes(hf, recipe.bytes_per_weight))

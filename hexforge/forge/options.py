@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING, dataclass, fields
+from functools import cached_property
 from typing import Annotated, Any, get_args, get_type_hints
 
 from ..errors import BuildError
+from .htp import recipes
+from .htp.recipes import QuantRecipe
 
 
 def byte_count(s: str) -> int:
@@ -53,9 +56,8 @@ def image_size(s: str) -> tuple[int, int]:
 
 
 def _recipes() -> tuple[str, ...]:
-    from .htp.recipes import RECIPES
-
-    return tuple(RECIPES)
+    """--quant's choices: the recipes, then their old names (aliases)."""
+    return (*recipes.RECIPES, *recipes.ALIASES)
 
 
 def _cpu_weights() -> tuple[str, ...]:
@@ -82,10 +84,12 @@ class BuildOptions:
 
     targets: Annotated[str, Flag("cpu (always built, unless --device-only) plus HTP archs, "
                                  "e.g. v81 or v79,v81", name="--target")] = "cpu"
-    quant: Annotated[str, Flag("HTP targets' precision: fp16; w8a16 / w4a16 (int8 / int4 "
-                               "weights, fp16 activations); *-qdq (16-bit fixed-point "
-                               "activations); the cpu target: see --cpu-weights",
-                               choices=_recipes)] = "w8a16"
+    quant: Annotated[str, Flag("HTP targets' precision: fp16; w8-fp16 / w4-fp16 (weight-only: "
+                               "int8 / int4 weights, fp16 activations); w8-u16, w4-u16, "
+                               "w8-u16-b128, w4-u16-rtn (fixed-point: int8 / int4 weights, uint16 "
+                               "activations); w8a16, w4a16, w8a16-qdq, w4a16-qdq, w8a16-qdq-b128, "
+                               "w4a16-qdq-rtn: their old names, accepted as aliases; the cpu "
+                               "target: see --cpu-weights", choices=_recipes)] = "w8-fp16"
     context: Annotated[int, Flag("max tokens (prompt + generated); at most the model's "
                                  "max_position_embeddings, and the build's memory grows with it "
                                  "(checked before any work)")] = 2048
@@ -149,17 +153,21 @@ class BuildOptions:
         "HTP: keep _work/ (each graph's float and QDQ ONNX) in the bundle for per-tensor "
         "accuracy probes (bench/htp_tensors.py); large")] = False
 
+    @cached_property
+    def recipe(self) -> QuantRecipe:
+        """The HTP targets' quantization recipe ``quant`` names: resolved here once, passed on."""
+        return recipes.get_recipe(self.quant)
+
     def validate(self) -> None:
         """Refuse, in one line, options that contradict each other or themselves — the checks
         that need no checkpoint (``forge/budget.py`` checks --context against the model and the
         machine)."""
         from ..targets import parse_targets
-        from .htp.recipes import get_recipe
         from .nbits import check_cpu_weights
 
         targets = parse_targets(self.targets)
         htp = any(t.is_htp for t in targets)
-        get_recipe(self.quant)
+        self.recipe  # noqa: B018 (an unknown --quant is refused here)
         cpu_bits = (check_cpu_weights(self.cpu_weights) or (32, 0))[0]
         if self.int4_per_layer_tables and (cpu_bits != 4 or htp):
             raise BuildError("--int4-per-layer-tables needs --cpu-weights int4 or int4-b128 and "

@@ -1,8 +1,17 @@
 """``hexforge build``: the stages, in order, into a temp dir renamed into place at the end.
+``build_bundle`` calls one function a stage:
 
-    read checkpoint ─▶ family + HF model ─▶ host tensors, tokenizer
-        ─▶ per target: plan shards ─▶ export prefill/decode per shard + head ─▶ share weights
-        ─▶ manifest ─▶ oracle (report.json, gates) ─▶ rename temp dir -> bundle
+    _check_source     the options, the config vs its family, the context, the output path
+    HF model loaded (mapped) ─▶ check_memory ─▶ the locked temp dir (forge/partial.py)
+    _encoder_specs    the towers' manifest entries
+    _calibrate_norms  RMSNorm prescales on the calibration text (and the towers' examples)
+    _host_tensors     tokenizer, embedding tables, rope ─▶ host.safetensors; the disk needed
+    _cpu_target       plan shards ─▶ export prefill/decode per shard + head ─▶ share weights;
+                      the towers' float graphs; the manifest
+    _htp_targets      per HTP target: calibrate, quantize, compile (htp/stage.py), the towers;
+                      --genie: the Genie folders
+    _oracle           every target vs HF ─▶ report.json; ``_gate`` fails the build
+    _seal             model card, every file's size + SHA-256 ─▶ rename temp dir -> bundle
 
 A build interrupted anywhere leaves only ``.<name>.partial-*`` next to the output, never a
 bundle that loads.
@@ -17,15 +26,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .. import __version__
 from ..errors import BuildError, ParityGateError
 from ..families import encoder_families, family_name, load_family
+from ..families.base import DecoderFamily, EncoderFamily
 from ..inspect import encoder_input
 from ..manifest import (
     MANIFEST_NAME,
     SCHEMA_VERSION,
+    EncoderSpec,
     GenerationDefaults,
+    GraphSpec,
+    HostRecipe,
     Manifest,
     TargetSpec,
     TokenizerSpec,
@@ -33,7 +47,7 @@ from ..manifest import (
 )
 from ..targets import Target, parse_targets
 from .budget import check_memory, check_positions
-from .checkpoint import read_checkpoint
+from .checkpoint import Checkpoint, read_checkpoint
 from .encoders import (
     calibrate_encoder_norms,
     compile_encoders,
@@ -115,6 +129,37 @@ def _build_cpu_target(fam, hf, args, target: Target, opts: BuildOptions, out: Pa
     return TargetSpec(name=target.name, graphs=graphs, plan=plan, quant=opts.cpu_weights)
 
 
+@dataclass(frozen=True)
+class _Source:
+    """What a build reads before any weight: the checkpoint, its family and config, the targets,
+    the encoder towers; every check that needs no weights has passed."""
+
+    checkpoint: str | Path  # as the user named it (the model card says where it came from)
+    ckpt: Checkpoint
+    fam: DecoderFamily
+    args: Any  # the family's Args (its HF config fields)
+    targets: list[Target]
+    encoders: list[EncoderFamily]  # vision / audio towers of a multimodal checkpoint
+
+    @property
+    def htp_targets(self) -> list[Target]:
+        return [tg for tg in self.targets if tg.is_htp]
+
+
+@dataclass
+class _Build:
+    """One build as it goes, handed from stage to stage. The HF model is held here alone, so the
+    oracle can free it before the graphs load (``hf = None``: at real sizes both do not fit)."""
+
+    src: _Source
+    hf: Any
+    opts: BuildOptions
+    out: Path  # the bundle, renamed into place at the end
+    tmp: Path  # the locked temp dir every stage writes into
+    log: Log
+    timings: dict[str, float]
+
+
 def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None = None,
           log: Log = print) -> Path:
     """``build_bundle``'s bundle path."""
@@ -123,11 +168,58 @@ def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None 
 
 def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None = None,
                  log: Log = print) -> BuildResult:
+    """Build ``checkpoint`` into the bundle ``output`` (a bundle there is replaced): the stages of
+    the module's sketch in order, into a locked temp dir renamed into place at the end; -> the
+    bundle and each stage's wall seconds."""
     opts = opts or BuildOptions()
-    timings: dict[str, float] = {}
     t_start = time.perf_counter()
     out = Path(output).absolute()
     remove_stale(out.parent)  # temp dirs of builds killed here earlier (the OOM killer runs no except)
+    src = _check_source(checkpoint, out, opts, log)
+    t = time.perf_counter()
+    hf = src.fam.load_hf(src.ckpt.dir)  # as stored (mapped): seconds, and what the memory check reads
+    timings = {"load_hf_s": time.perf_counter() - t}
+    said_memory = check_memory(src.fam, hf, src.args, src.targets, opts)  # before anything is written
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = TempDir(out)  # .<name>.partial-<pid>, locked while this build runs (forge/partial.py)
+    b = _Build(src, hf, opts, out, temp.path, log, timings)
+    del hf  # held by the build alone (see _Build)
+    try:
+        log(f"read {src.ckpt.dir} ({src.ckpt.model_type} -> families/"
+            f"{family_name(src.ckpt.model_type)}.py) in {timings['load_hf_s']:.1f}s")
+        log(said_memory)
+        enc_specs = _encoder_specs(b)
+        residual_peak = _calibrate_norms(b, enc_specs)
+        host = _host_tensors(b)
+        t = time.perf_counter()
+        manifest, enc_graphs = _cpu_target(b, host, enc_specs)
+        qdq, estimates = _htp_targets(b, manifest, enc_graphs, enc_specs, residual_peak)
+        quantize_cpu_encoders(enc_graphs, b.tmp, opts.cpu_weights, log)  # the HTP's are compiled
+        timings["export_s"] = time.perf_counter() - t
+        save_manifest(b.tmp, manifest)
+        if opts.verify:
+            _oracle(b, manifest, qdq, estimates, enc_graphs)
+        elif estimates:  # report.json holds the estimates alone
+            from ..estimate_bundle import add_to_report
+
+            (b.tmp / "report.json").write_text(json.dumps(add_to_report({}, estimates), indent=1))
+        _drop_verify_twins(b.tmp, manifest)
+        if opts.device_only:  # the towers' float graphs served the compiles and the oracle
+            shutil.rmtree(b.tmp / "cpu", ignore_errors=True)
+        _seal(b.tmp, out.name, checkpoint, log)
+        temp.publish()
+    except BaseException:
+        temp.discard()
+        raise
+    timings["total_s"] = time.perf_counter() - t_start
+    log(f"wrote {out} in {timings['total_s']:.1f}s")
+    return BuildResult(out, timings)
+
+
+def _check_source(checkpoint: str | Path, out: Path, opts: BuildOptions, log: Log) -> _Source:
+    """The options, the checkpoint's config against its family, the context against the model's
+    positions, the encoder options, the output path: every check that needs no weights, before
+    any is loaded."""
     opts.validate()  # the options alone, before the checkpoint is read
     ckpt = read_checkpoint(checkpoint, log)
     targets = parse_targets(opts.targets)
@@ -142,173 +234,199 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions 
 
         check_options(fam, args, opts)
     check_positions(ckpt.config, opts.context)  # the model's; the memory's once it is loaded
-    encoders = encoder_families(ckpt.config)  # vision / audio towers of a multimodal checkpoint
+    encoders = encoder_families(ckpt.config)
     _check_encoder_options(encoders, opts)
-
     if out.exists() and not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
         raise BuildError(f"{out} exists and is not a hexforge bundle; refusing to replace it")
+    return _Source(checkpoint, ckpt, fam, args, targets, encoders)
+
+
+def _encoder_specs(b: _Build) -> list[EncoderSpec]:
+    """Each tower's manifest entry (bad encoder options fail here), said in the log."""
+    specs = [_encoder_spec(e, b.hf, b.src.ckpt.config, b.opts) for e in b.src.encoders]
+    for spec in specs:
+        b.log(f"encoder {spec.name}: {encoder_input(spec)['text']}, up to "
+              f"{spec.max_soft_tokens} soft tokens")
+    return specs
+
+
+def _calibrate_norms(b: _Build, enc_specs: list[EncoderSpec]) -> float:
+    """The RMSNorm prescales recorded on the calibration text (and the towers' example inputs);
+    -> the residual stream's peak |x|."""
+    from ..families.blocks import calibrate_norm_scales
+    from ..runtime.text import TextTokenizer
+    from .calib import calibration_text
+
+    fam, hf = b.src.fam, b.hf
+    calib_ids = TextTokenizer(b.src.ckpt.dir).encode(calibration_text(b.opts.calib))[:b.opts.context]
+    with fam.float32_forward(hf):  # a bf16/fp16 model computes as fp32 (no-op on fp32)
+        residual_peak = calibrate_norm_scales(hf, calib_ids, fam.reference_layers(hf))
+        calibrate_encoder_norms(b.src.encoders, enc_specs, hf)
+    b.log(f"calibrated norm prescales on {len(calib_ids)} tokens"
+          + (" and the encoders' example inputs" if b.src.encoders else "")
+          + f" (residual stream peak |x| {residual_peak:.4g})")
+    return residual_peak
+
+
+def _host_tensors(b: _Build) -> HostRecipe:
+    """The tokenizer files and the host tensors (embedding tables, rope, ...) into the temp dir,
+    each table in the format its targets read; then the disk the graphs will need, said."""
+    src, hf, opts, tmp = b.src, b.hf, b.opts, b.tmp
+    tok_dir = tmp / "tokenizer"
+    tok_dir.mkdir()
+    for f in src.ckpt.tokenizer_files:
+        shutil.copy2(src.ckpt.dir / f, tok_dir / f)
+    host = src.fam.host_recipe(hf, src.args)
+    if opts.int4_per_layer_tables and not host.extra_embeds:
+        raise BuildError(f"--int4-per-layer-tables: a {src.ckpt.model_type} checkpoint has no "
+                         "per-layer tables (Gemma-4's per-layer embeddings have)")
+    tensors = src.fam.host_tensors(hf, src.args)
+    formats = host_table_formats(
+        opts.cpu_weights, host.embed.table, [e.table for e in host.extra_embeds], tensors,
+        int8_embedding=bool(src.htp_targets), int4_extras=opts.int4_per_layer_tables)
+    write_host_tensors(tmp / "host.safetensors", tensors, formats)
+    del tensors
+    release_mapped_pages(src.ckpt.dir)  # the whole checkpoint has been read once by now
+    tables = ", ".join(f"{name} int{bits} (blocks of {block})"
+                       for name, (bits, block) in formats.items())
+    b.log(f"wrote host tensors ({(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB"
+          + (f"; {tables}" if tables else "") + ")")
+    _say_disk(disk_need(src.fam, hf, src.targets, opts, src.fam.tower_parameters(hf)),
+              b.out.parent, b.log)
+    return host
+
+
+def _cpu_target(b: _Build, host: HostRecipe, enc_specs: list[EncoderSpec]
+                ) -> tuple[Manifest, list[GraphSpec]]:
+    """The cpu target's graphs and the towers' float graphs, and the manifest that names them;
+    -> (manifest, the towers' float graphs)."""
+    src, hf, opts, tmp, log = b.src, b.hf, b.opts, b.tmp, b.log
+    # --device-only: no cpu decoder graphs (the bundle would drop them); the towers' float
+    # graphs are still exported to cpu/: the HTP compiles them and calibration runs them
+    cpu = None if opts.device_only else _build_cpu_target(src.fam, hf, src.args, src.targets[0],
+                                                           opts, tmp, log)
+    if cpu is not None and not src.htp_targets:  # a tied quantized head holds the quantized
+        # embedding's bytes: stored once (--device-only has HTP targets)
+        host.embed.shared = share_tied_embedding(tmp, cpu, host.embed.table)
+        if host.embed.shared is not None:
+            log(f"host embedding: the head's int{host.embed.shared.bits} rows in "
+                f"{host.embed.shared.file} "
+                f"(host tensors now {(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB)")
+    with src.fam.float32(hf):  # the encoder towers (and the text model's small tensors)
+        enc_graphs = export_encoders(src.encoders, enc_specs, hf, tmp, "cpu", opts.exporter, log)
+    if cpu is not None:
+        cpu.graphs += enc_graphs
+    return _manifest(b, host, cpu, enc_specs), enc_graphs
+
+
+def _manifest(b: _Build, host: HostRecipe, cpu: TargetSpec | None, enc_specs: list[EncoderSpec]
+              ) -> Manifest:
+    src, args, context = b.src, b.src.args, b.opts.context
+    return Manifest(
+        schema_version=SCHEMA_VERSION, hexforge_version=__version__,
+        family=family_name(src.ckpt.model_type), model_type=src.ckpt.model_type,
+        hf_config=src.ckpt.config, context=context, vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size, num_layers=args.num_hidden_layers, host=host,
+        mask_groups=src.fam.mask_groups(args, context), state=src.fam.state_spec(args, context),
+        tokenizer=TokenizerSpec(files=src.ckpt.tokenizer_files,
+                                chat_template=_has_chat_template(src.ckpt)),
+        generation=_generation_defaults(src.ckpt.generation, src.ckpt.config),
+        targets={} if cpu is None else {"cpu": cpu},
+        encoders=enc_specs,
+        report="report.json" if b.opts.verify or b.opts.estimate else None,
+    )
+
+
+def _htp_targets(b: _Build, manifest: Manifest, enc_graphs: list[GraphSpec],
+                 enc_specs: list[EncoderSpec], residual_peak: float
+                 ) -> tuple[dict[str, dict[str, str]], dict[str, dict]]:
+    """Each HTP target's graphs (htp/stage.py) and towers, added to the manifest, and its Genie
+    folder under --genie; -> (the QDQ graphs each target was compiled from: the oracle's CPU
+    twins of failed targets, the --estimate sections of report.json)."""
+    src, hf, opts, tmp, log = b.src, b.hf, b.opts, b.tmp, b.log
+    htp_targets = src.htp_targets
+    if not htp_targets:
+        return {}, {}
+    from .htp.stage import build_htp_targets
+
+    specs, qdq, estimates = build_htp_targets(src.fam, hf, src.args, htp_targets, opts, tmp,
+                                              manifest, enc_graphs, residual_peak, log)
+    manifest.targets.update(specs)
+    items = None if opts.verify else [  # no oracle: each tower checked on the HTP
+        example_feeds(e, spec) for e, spec in zip(src.encoders, enc_specs, strict=True)]
+    for tg in htp_targets:
+        soc = tg.default_soc
+        assert soc is not None  # every HTP target names its SoCs (targets.py)
+        manifest.targets[tg.name].graphs += compile_encoders(enc_graphs, tmp, tg, soc.soc_model,
+                                                             log, items)
+    if opts.genie:
+        from .genie import build_genie_bundles
+        from .htp.stage import fp16_scale
+
+        build_genie_bundles(src.fam, hf, src.args, htp_targets, opts, tmp, manifest,
+                            fp16_scale(src.fam, residual_peak, lambda m: None), log,
+                            fixed_point_lut=not src.encoders)  # media rows arrive as float
+        if src.encoders:  # the towers as nodes of a Genie pipeline beside the decoder
+            from .genie_pipeline import build_genie_pipelines
+
+            build_genie_pipelines(src.fam, hf, src.args, src.encoders, enc_specs, htp_targets,
+                                  opts, tmp, manifest, log)
+    if not opts.verify and not opts.keep_work:
+        shutil.rmtree(tmp / "_work", ignore_errors=True)
+    return qdq, estimates
+
+
+def _oracle(b: _Build, manifest: Manifest, qdq: dict[str, dict[str, str]],
+            estimates: dict[str, dict], enc_graphs: list[GraphSpec]) -> None:
+    """Every target judged against HF (forge/verify.py; the Genie folders as Genie feeds them),
+    report.json written; a failed gate raises, its report kept beside the output."""
+    from .quality import oracle_line
+    from .verify import hf_references, verify_bundle
+
+    src, opts, tmp = b.src, b.opts, b.tmp
     t = time.perf_counter()
-    hf = fam.load_hf(ckpt.dir)  # as stored (mapped): seconds, and what the memory check reads
-    timings["load_hf_s"] = time.perf_counter() - t
-    said_memory = check_memory(fam, hf, args, targets, opts)  # before anything is written
-    out.parent.mkdir(parents=True, exist_ok=True)
-    temp = TempDir(out)  # .<name>.partial-<pid>, locked while this build runs (forge/partial.py)
-    tmp = temp.path
-    try:
-        log(f"read {ckpt.dir} ({ckpt.model_type} -> families/{family_name(ckpt.model_type)}.py) "
-            f"in {timings['load_hf_s']:.1f}s")
-        log(said_memory)
-        enc_specs = [_encoder_spec(e, hf, ckpt.config, opts) for e in encoders]  # bad options fail
-        for spec in enc_specs:
-            log(f"encoder {spec.name}: {encoder_input(spec)['text']}, up to "
-                f"{spec.max_soft_tokens} soft tokens")
-        from ..families.blocks import calibrate_norm_scales
-        from ..runtime.text import TextTokenizer
-        from .calib import calibration_text
+    evaluation = _evaluation(opts)
+    refs = hf_references(tmp, manifest, src.fam, b.hf, new_tokens=opts.verify_tokens,
+                         evaluation=evaluation)
+    release_mapped_pages(src.ckpt.dir)  # the HF forward read all of it; the graphs come next
+    b.log("oracle: HF references computed")
+    if not manifest.encoders:  # the graphs are judged against refs alone: free the HF
+        b.hf = None  # model before they load (at real sizes both do not fit)
+        gc.collect()
+    report = verify_bundle(tmp, manifest, src.fam, b.hf, new_tokens=opts.verify_tokens,
+                           references=refs, qdq_twins=qdq, encoders=enc_graphs,
+                           evaluation=evaluation)
+    if opts.genie:  # Genie returns no logits: its graphs, fed as Genie feeds them
+        from .genie_verify import verify_genie_bundles
 
-        calib_ids = TextTokenizer(ckpt.dir).encode(calibration_text(opts.calib))[:opts.context]
-        with fam.float32_forward(hf):  # a bf16/fp16 model computes as fp32 (no-op on fp32)
-            residual_peak = calibrate_norm_scales(hf, calib_ids, fam.reference_layers(hf))
-            calibrate_encoder_norms(encoders, enc_specs, hf)
-        log(f"calibrated norm prescales on {len(calib_ids)} tokens"
-            + (" and the encoders' example inputs" if encoders else "")
-            + f" (residual stream peak |x| {residual_peak:.4g})")
+        report |= verify_genie_bundles(tmp, manifest, src.args, refs, opts.verify_tokens,
+                                       evaluation.name)
+    if estimates:
+        from ..estimate_bundle import add_to_report
 
-        tok_dir = tmp / "tokenizer"
-        tok_dir.mkdir()
-        for f in ckpt.tokenizer_files:
-            shutil.copy2(ckpt.dir / f, tok_dir / f)
-        host = fam.host_recipe(hf, args)
-        if opts.int4_per_layer_tables and not host.extra_embeds:
-            raise BuildError(f"--int4-per-layer-tables: a {ckpt.model_type} checkpoint has no "
-                             "per-layer tables (Gemma-4's per-layer embeddings have)")
-        tensors = fam.host_tensors(hf, args)
-        htp = any(tg.is_htp for tg in targets)
-        formats = host_table_formats(
-            opts.cpu_weights, host.embed.table, [e.table for e in host.extra_embeds], tensors,
-            int8_embedding=htp, int4_extras=opts.int4_per_layer_tables)
-        write_host_tensors(tmp / "host.safetensors", tensors, formats)
-        del tensors
-        release_mapped_pages(ckpt.dir)  # the whole checkpoint has been read once by now
-        tables = ", ".join(f"{name} int{bits} (blocks of {block})"
-                           for name, (bits, block) in formats.items())
-        log(f"wrote host tensors ({(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB"
-            + (f"; {tables}" if tables else "") + ")")
-        _say_disk(disk_need(fam, hf, targets, opts, fam.tower_parameters(hf)), out.parent, log)
+        report = add_to_report(report, estimates)
+    if not opts.keep_work:
+        shutil.rmtree(tmp / "_work", ignore_errors=True)
+    b.timings["verify_s"] = time.perf_counter() - t
+    (tmp / "report.json").write_text(json.dumps(report, indent=1))
+    for name, r in report.items():
+        b.log(f"[{name}] oracle: {oracle_line(r)}")
+    _gate(report, b.out)
 
-        t = time.perf_counter()
-        # --device-only: no cpu decoder graphs (the bundle would drop them); the towers' float
-        # graphs are still exported to cpu/: the HTP compiles them and calibration runs them
-        cpu = None if opts.device_only else _build_cpu_target(fam, hf, args, targets[0], opts,
-                                                               tmp, log)
-        if not htp:  # a tied quantized head holds the quantized embedding's bytes: stored once
-            host.embed.shared = share_tied_embedding(tmp, cpu, host.embed.table)
-            if host.embed.shared is not None:
-                log(f"host embedding: the head's int{host.embed.shared.bits} rows in "
-                    f"{host.embed.shared.file} "
-                    f"(host tensors now {(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB)")
-        with fam.float32(hf):  # the encoder towers (and the text model's small tensors)
-            enc_graphs = export_encoders(encoders, enc_specs, hf, tmp, "cpu", opts.exporter, log)
-        if cpu is not None:
-            cpu.graphs += enc_graphs
-        manifest = Manifest(
-            schema_version=SCHEMA_VERSION, hexforge_version=__version__,
-            family=family_name(ckpt.model_type), model_type=ckpt.model_type, hf_config=ckpt.config,
-            context=opts.context, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-            num_layers=args.num_hidden_layers, host=host,
-            mask_groups=fam.mask_groups(args, opts.context),
-            state=fam.state_spec(args, opts.context),
-            tokenizer=TokenizerSpec(files=ckpt.tokenizer_files,
-                                    chat_template=_has_chat_template(ckpt)),
-            generation=_generation_defaults(ckpt.generation, ckpt.config),
-            targets={} if cpu is None else {"cpu": cpu},
-            encoders=enc_specs,
-            report="report.json" if opts.verify or opts.estimate else None,
-        )
-        htp_targets = [tg for tg in targets if tg.is_htp]
-        qdq: dict[str, dict[str, str]] = {}  # the oracle's CPU twins of failed HTP targets
-        estimates: dict[str, dict] = {}  # --estimate: report.json's sections per HTP target
-        if htp_targets:
-            from .htp.stage import build_htp_targets
 
-            specs, qdq, estimates = build_htp_targets(fam, hf, args, htp_targets, opts, tmp,
-                                                      manifest, enc_graphs, residual_peak, log)
-            manifest.targets.update(specs)
-            items = None if opts.verify else [  # no oracle: each tower checked on the HTP
-                example_feeds(e, spec) for e, spec in zip(encoders, enc_specs, strict=True)]
-            for tg in htp_targets:
-                manifest.targets[tg.name].graphs += compile_encoders(
-                    enc_graphs, tmp, tg, tg.default_soc.soc_model, log, items)
-            if opts.genie:
-                from .genie import build_genie_bundles
-                from .htp.stage import fp16_scale
+def _gate(report: dict[str, dict], out: Path) -> None:
+    """A target that failed its gate fails the build: the per-graph cosines say which graph lost
+    the accuracy, kept beside the output, not in it (no bundle is written)."""
+    from .verify import qdq_verdict
 
-                build_genie_bundles(fam, hf, args, htp_targets, opts, tmp, manifest,
-                                    fp16_scale(fam, residual_peak, lambda m: None), log)
-            if not opts.verify and not opts.keep_work:
-                shutil.rmtree(tmp / "_work", ignore_errors=True)
-        quantize_cpu_encoders(enc_graphs, tmp, opts.cpu_weights, log)  # the HTP's are compiled
-        timings["export_s"] = time.perf_counter() - t
-        save_manifest(tmp, manifest)
-        if estimates and not opts.verify:  # report.json holds the estimates alone
-            from ..estimate_bundle import add_to_report
-
-            (tmp / "report.json").write_text(json.dumps(add_to_report({}, estimates), indent=1))
-
-        if opts.verify:
-            from .quality import oracle_line
-            from .verify import hf_references, qdq_verdict, verify_bundle
-
-            t = time.perf_counter()
-            evaluation = _evaluation(opts)
-            refs = hf_references(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens,
-                                 evaluation=evaluation)
-            release_mapped_pages(ckpt.dir)  # the HF forward read all of it; the graphs come next
-            log("oracle: HF references computed")
-            if not manifest.encoders:  # the graphs are judged against refs alone: free the HF
-                del hf  # model before they load (at real sizes both do not fit)
-                gc.collect()
-                hf = None
-            report = verify_bundle(tmp, manifest, fam, hf, new_tokens=opts.verify_tokens,
-                                   references=refs, qdq_twins=qdq, encoders=enc_graphs,
-                                   evaluation=evaluation)
-            if opts.genie:  # Genie returns no logits: its graphs, fed as Genie feeds them
-                from .genie_verify import verify_genie_bundles
-
-                report |= verify_genie_bundles(tmp, manifest, args, refs, opts.verify_tokens,
-                                               evaluation.name)
-            if estimates:
-                from ..estimate_bundle import add_to_report
-
-                report = add_to_report(report, estimates)
-            if not opts.keep_work:
-                shutil.rmtree(tmp / "_work", ignore_errors=True)
-            timings["verify_s"] = time.perf_counter() - t
-            (tmp / "report.json").write_text(json.dumps(report, indent=1))
-            for name, r in report.items():
-                log(f"[{name}] oracle: {oracle_line(r)}")
-            failed = {n: r["failures"] for n, r in report.items() if not r["passed"]}
-            if failed:
-                # the per-graph cosines say which graph lost the accuracy: kept beside the
-                # output, not in it (no bundle is written)
-                kept = out.with_name(out.name + ".report.json")
-                kept.write_text(json.dumps(report, indent=1))
-                detail = "; ".join(f"{n}: {', '.join(f)}{qdq_verdict(report[n])}"
-                                   for n, f in failed.items())
-                raise ParityGateError(f"parity gate failed ({detail}); the bundle was not written "
-                                      f"(its oracle report: {kept}; use --no-verify to skip the "
-                                      "oracle)")
-        _drop_verify_twins(tmp, manifest)
-        if opts.device_only:  # the towers' float graphs served the compiles and the oracle
-            shutil.rmtree(tmp / "cpu", ignore_errors=True)
-        _seal(tmp, out.name, checkpoint, log)
-        temp.publish()
-    except BaseException:
-        temp.discard()
-        raise
-    timings["total_s"] = time.perf_counter() - t_start
-    log(f"wrote {out} in {timings['total_s']:.1f}s")
-    return BuildResult(out, timings)
+    failed = {n: r["failures"] for n, r in report.items() if not r["passed"]}
+    if not failed:
+        return
+    kept = out.with_name(out.name + ".report.json")
+    kept.write_text(json.dumps(report, indent=1))
+    detail = "; ".join(f"{n}: {', '.join(f)}{qdq_verdict(report[n])}" for n, f in failed.items())
+    raise ParityGateError(f"parity gate failed ({detail}); the bundle was not written (its "
+                          f"oracle report: {kept}; use --no-verify to skip the oracle)")
 
 
 # the build option each modality's encoders may take: (spec keyword, BuildOptions field, CLI flag)

@@ -10,9 +10,10 @@ and the ``log=`` callback contract stay as they are; with no display active, ``s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Protocol
 
 _active: ContextVar[BuildProgress | None] = ContextVar("hexforge_build_progress", default=None)
 
@@ -54,8 +55,14 @@ class BuildProgress:
         return False
 
 
+class Advance(Protocol):
+    """A stage's step counter: ``advance()`` one step, ``advance(n)`` n."""
+
+    def __call__(self, n: int = 1) -> None: ...
+
+
 @contextmanager
-def stage(description: str, total: int) -> Iterator[Callable[[int], None]]:
+def stage(description: str, total: int) -> Iterator[Advance]:
     """A stage of ``total`` steps; yields ``advance(n=1)``. A bar with its ETA while a
     BuildProgress is active, nothing otherwise."""
     shown = _active.get()

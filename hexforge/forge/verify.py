@@ -23,6 +23,7 @@ from ..runtime.backends import Backend
 from ..runtime.engine import Engine
 from ..runtime.sampling import greedy
 from ..runtime.text import TextTokenizer
+from .htp.recipes import canonical
 from .oracle_backend import OracleCpuBackend
 from .progress import stage
 
@@ -46,23 +47,29 @@ GATES = {
     "fp16": Gate(graph_cos=0.999, kl=0.002, top1=0.98, greedy_exact=False),
     # weight-only on the HTP (fp16 activations) and on the cpu (fp32 activations, int8 inside
     # the matmul at accuracy level 4): int8 blocks of 32
-    "w8a16": Gate(graph_cos=0.99, kl=0.02, top1=0.93, greedy_exact=False),
+    "w8-fp16": Gate(graph_cos=0.99, kl=0.02, top1=0.93, greedy_exact=False),
     "int8": Gate(graph_cos=0.99, kl=0.01, top1=0.8, greedy_exact=False),
     "int8-b128": Gate(graph_cos=0.99, kl=0.01, top1=0.8, greedy_exact=False),
     # int4 weights: real models sit at or below HF's own round-to-nearest floor (docs/quality.md);
     # the gate catches broken builds (wrong scales / packing give KL of several nats). Hidden
     # states are not gated: SmolLM2's last hidden rows reach cos 0.76 at KL 0.2, the massive
     # activation channels of trained models dominating the row
-    "w4a16": Gate(graph_cos=None, kl=1.0, top1=0.5, greedy_exact=False),
+    "w4-fp16": Gate(graph_cos=None, kl=1.0, top1=0.5, greedy_exact=False),
     "int4": Gate(graph_cos=None, kl=1.0, top1=0.5, greedy_exact=False),
     "int4-b128": Gate(graph_cos=None, kl=1.0, top1=0.5, greedy_exact=False),
     # fixed-point QDQ recipes: what they reach on the tiny random fixtures; on real trained
     # models they fail (docs/htp.md)
-    "w8a16-qdq": Gate(graph_cos=0.99, kl=0.05, top1=0.8, greedy_exact=False),
-    "w8a16-qdq-b128": Gate(graph_cos=0.99, kl=0.05, top1=0.8, greedy_exact=False),
-    "w4a16-qdq": Gate(graph_cos=0.95, kl=0.5, top1=0.5, greedy_exact=False),
+    "w8-u16": Gate(graph_cos=0.99, kl=0.05, top1=0.8, greedy_exact=False),
+    "w8-u16-b128": Gate(graph_cos=0.99, kl=0.05, top1=0.8, greedy_exact=False),
+    "w4-u16": Gate(graph_cos=0.95, kl=0.5, top1=0.5, greedy_exact=False),
 }
-GATES["w4a16-qdq-rtn"] = GATES["w4a16-qdq"]  # the same format, rounded to nearest
+GATES["w4-u16-rtn"] = GATES["w4-u16"]  # the same format, rounded to nearest
+
+
+def gate_of(quant: str) -> Gate:
+    """A target's gate by its ``quant`` (a recipe's old name too: bundles built before the
+    rename say it)."""
+    return GATES[canonical(quant)]
 
 
 def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -269,7 +276,7 @@ def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Mani
         advance(new_tokens)
     match = first_miss(got, ref["tokens"])
 
-    gate = GATES[quant]
+    gate = gate_of(quant)
     graphs = {name: t.summary() for name, t in tallies.items()}
     tfs = {**tf.summary(), "top1": float((lp_got.argmax(-1) == lp_want.argmax(-1)).mean()),
            "kl_mean": float(kl_tf.mean()), "kl_max": float(kl_tf.max())}
@@ -372,8 +379,8 @@ def qdq_verdict(target_report: dict) -> str:
         return (f" (its QDQ graphs on the CPU pass, cos {cos:.6f}: the HTP compile or runtime "
                 "lost the accuracy; bench/htp_tensors.py on a --no-verify --keep-work build names "
                 "the ops)")
-    hint = "; weight scales per 128 input rows may pass: --quant w8a16-qdq-b128" \
-        if target_report.get("quant") == "w8a16-qdq" else ""
+    hint = "; weight scales per 128 input rows may pass: --quant w8-u16-b128" \
+        if canonical(target_report.get("quant", "")) == "w8-u16" else ""
     return (f" (its QDQ graphs on the CPU fail too, cos {cos:.6f}: the quantization lost the "
             f"accuracy, not the HTP{hint})")
 

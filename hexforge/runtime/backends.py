@@ -228,7 +228,7 @@ class Backend:
                                f"than the installed {installed}; upgrade onnxruntime-qnn or rebuild")
         bin_path = confine(bundle, str(Path(graph.file).parent / qnn.context_binary_of(path).name))
         qnn.check_binary(bin_path, target.htp_arch, soc.name, self.device_arch)
-        opts = qnn.provider_options(target.htp_arch, target.soc_model, target.quant == "fp16")
+        opts = qnn.provider_options(target.htp_arch, soc.soc_model, target.quant == "fp16")
         record = {"session.record_ep_graph_assignment_info": "1"}  # to name any CPU split
         so = qnn.session_options(opts, record, self.allow_cpu_fallback)
         self._profile(so, graph)

@@ -50,7 +50,7 @@ class BoundSession:
             if spec is not None and spec.bind.startswith("alias:"):
                 self._fixed[name] = np.empty(0)  # its input's array, once bound
             elif spec is not None:
-                arr = np.empty(spec.shape, dtype=NP_DTYPES[spec.dtype])
+                arr: np.ndarray = np.empty(spec.shape, dtype=NP_DTYPES[spec.dtype])
                 self._io.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
                 self._fixed[name] = arr
             else:

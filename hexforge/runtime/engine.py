@@ -32,6 +32,7 @@ from .options import check_request
 from .sampling import Sampler
 from .speculative import PromptLookup, StepCosts, check_speculation, speculative_steps
 from .state import NP_DTYPES, State, target_forms
+from .stepplan import StepPlan
 
 # observer(graph, feeds {input name: array}, outputs {bind: array}, valid positions): the oracle
 # compares per graph with it, calibration records the feeds
@@ -46,11 +47,6 @@ def tail_selector(k: int, T: int, n_valid: int) -> np.ndarray:
     return sel
 
 
-def step_key(bind: str) -> str:
-    """Where an output goes in the step's inputs: "state:<name>" -> "new:<name>", else its bind."""
-    return "new:" + bind[6:] if bind.startswith("state:") else bind
-
-
 class Engine:
     def __init__(self, bundle: Path, manifest: Manifest, target: str, backend: Backend):
         self.manifest, self.target = manifest, manifest.targets[target]
@@ -63,6 +59,7 @@ class Engine:
                                                 embed.shared)
         self.host = HostInputs(manifest.host, tensors, self.context + self.prefill_len,
                                [e.placeholder_id for e in manifest.encoders])
+        self.plan = StepPlan.of(manifest, self.target, self.host.rope)  # what each step runs
         self.prompt_offset = 0  # index in the prompt of the current step's first row
         self.state = State(manifest, target_forms(manifest, self.target))  # HTP: fp16 KV
         # verify graphs (speculative decoding) load on first use — the first verify step, after
@@ -76,60 +73,28 @@ class Engine:
         self.pos = 0
         self.resets = 0  # a chat session's state is its own only while no reset came between
         self.observer: Observer | None = None
-        # recurrent-state graphs (conv fifo) keep the last k valid inputs: one-hot "tail:<k>"
-        binds = {i.bind for g in self.target.graphs for i in g.inputs}
-        self.tails = sorted(int(b[5:]) for b in binds if b.startswith("tail:"))
-        self.binds_valid = "valid" in binds
         # cpu graphs that read only the cache rows held (in-place caches; Gemma-4's cut caches):
         # rows held after the step, per group, as GroupQueryAttention takes them — arrays kept
         # across steps, updated in place
-        self.kv_lengths = {b.partition(":")[2]: (np.zeros(1, np.int32), np.zeros((), np.int32))
-                           for b in sorted(binds) if b.startswith(("kv_seqlens:", "kv_total:"))}
-        # per-token rows the media add inside the decoder (Qwen3-VL deepstack): zeros elsewhere
-        self.row_binds = {i.bind: i.shape[-1] for g in self.target.graphs if g.role in
-                          ("prefill", "decode") for i in g.inputs if i.bind.startswith("deepstack:")}
+        self.kv_lengths = {name: (np.zeros(1, np.int32), np.zeros((), np.int32))
+                           for name in self.plan.kv_length_groups}
         self.media: MediaRows | None = None  # the current prompt's soft tokens (prefill only)
         self.rope_delta = 0  # M-RoPE: rope position = slot position + delta after the prompt
-        # resolved once, not per call (the per-token Python cost shows on small models):
-        # the graphs of a step, and per graph where each input comes from — a state buffer (it
-        # lives as long as the engine) or a key of the step's inputs — and where each output goes
-        plan = self.target.plan
-        self.step_graphs = {"prefill": [self.target.graph(s.prefill) for s in plan.shards],
-                            "decode": [self.target.graph(s.decode) for s in plan.shards]}
-        # a speculative verify step: the AR-k graphs, else the AR-N prefill ones (rows padded)
-        self.verify_len = plan.verify_len or self.prefill_len
-        self.step_graphs["verify"] = ([self.target.graph(s.verify) for s in plan.shards]
-                                      if plan.verify_len else self.step_graphs["prefill"])
-        self.head = self.target.graph(plan.head)
-        # an in-place prefill graph writes all N rows of a chunk, pad rows included (later steps
-        # overwrite them before anything reads them): a chunk must then end inside the cache
-        self.prefill_in_place = any(i.bind.startswith("kv_seqlens:")
-                                    for g in self.step_graphs["prefill"] for i in g.inputs)
-        # the last graph runs the head itself (cpu decode and verify graphs)
-        self.head_in_step = {role: any(o.bind == "logits" for o in graphs[-1].outputs)
-                             for role, graphs in self.step_graphs.items()}
-        # the slot groups whose mask a step's graphs read (a cpu graph that updates the
-        # cache in place reads cache lengths instead: its mask is not made)
-        self.masks_of = {role: [(n, grp) for n, grp in self.state.groups.items()
-                                if any(i.bind == f"mask:{n}" for g in graphs for i in g.inputs)]
-                         for role, graphs in self.step_graphs.items()}
-        self.feeds_of = {g.name: [(i.name, *self._source(i.bind)) for i in g.inputs]
-                         for g in self.target.graphs}
-        self.outputs_of = {g.name: [step_key(o.bind) for o in g.outputs] for g in self.target.graphs}
+        # per graph, each input's step key or its state buffer (which lives as long as the
+        # engine): bound once, not per call
+        self._feeds = {name: [(f.name, f.key or "", None if f.state is None
+                               else self.state.buffer(f.state)) for f in feeds]
+                       for name, feeds in self.plan.feeds.items()}
         for name in list(self.sessions):
             self._check_in_place(self.target.graph(name))
-        # the state each step writes: {"new:<state>": state}, committed after every graph ran
-        self.step_writes = {role: {step_key(o.bind): o.bind[6:] for g in graphs for o in g.outputs
-                                   if o.bind.startswith("state:")}
-                            for role, graphs in self.step_graphs.items()}
         self._constants_of: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-        # the ropes whose rows a graph reads: a cpu step under 1-D positions reads its rope as
-        # constant tables inside the graph, so its rows are not made per step
-        self.ropes = [name for name in self.host.rope if f"rope_cos:{name}" in binds]
-        self.row_keys = ["hidden", *(f"host:{e.name}" for e in manifest.host.extra_embeds),
-                         *(f"rope_{f}:{name}" for name in self.ropes for f in ("cos", "sin"))]
         self._kept_rows: dict[str, np.ndarray] = {}
         self._ar1_inputs: dict[str, np.ndarray] | None = None  # see _decode_inputs
+
+    @property
+    def verify_len(self) -> int:
+        """Rows of a verify step (runtime/speculative.py drafts one fewer)."""
+        return self.plan.verify_len
 
     def _check_in_place(self, g: GraphSpec) -> None:
         """A graph that updates a cache in place (``alias:<input>`` outputs) needs a session that
@@ -143,7 +108,7 @@ class Engine:
     def load_verify_sessions(self) -> None:
         """Open the verify graphs' sessions (HTP targets verify through the prefill graphs:
         nothing to open). The first verify step does; a benchmark may beforehand."""
-        for g in self.step_graphs["verify"]:
+        for g in self.plan.graphs["verify"]:
             if g.name not in self.sessions:
                 self.sessions[g.name] = self.backend.session(self.bundle, self.target, g)
                 self._check_in_place(g)
@@ -159,20 +124,15 @@ class Engine:
         self.media, self.rope_delta = None, 0
 
     # ---- one step ----------------------------------------------------------------------------
-    def _source(self, bind: str) -> tuple[str | None, np.ndarray | None]:
-        """(key in the step's inputs, None) or, for "state:<name>", (None, its buffer)."""
-        kind, _, arg = bind.partition(":")
-        return (None, self.state.buffer(arg)) if kind == "state" else (bind, None)
-
     def _run(self, graph: GraphSpec, inputs: dict[str, np.ndarray], positions: np.ndarray) -> None:
         """One session call; its outputs go into ``inputs``: "hidden" (the next graph's input),
         "logits", and state outputs as "new:<state>" (later graphs of the step may bind them, e.g.
         a KV-shared layer reading its donor's new rows; forward() writes them to the state
         buffers when the step ends)."""
         feeds = {name: inputs[key] if buf is None else buf
-                 for name, key, buf in self.feeds_of[graph.name]}
+                 for name, key, buf in self._feeds[graph.name]}
         values = self.sessions[graph.name].run(None, feeds)
-        for key, value in zip(self.outputs_of[graph.name], values, strict=True):
+        for key, value in zip(self.plan.outputs[graph.name], values, strict=True):
             inputs[key] = value
         if self.observer:
             outputs = {s.bind: v for s, v in zip(graph.outputs, values, strict=True)}
@@ -184,10 +144,10 @@ class Engine:
         shared by every step of that shape, so nothing may write them."""
         c = self._constants_of.get((T, n_valid))
         if c is None:
-            c = {bind: np.zeros((1, T, dim), np.float32) for bind, dim in self.row_binds.items()}
-            if self.binds_valid:
+            c = {bind: np.zeros((1, T, dim), np.float32) for bind, dim in self.plan.row_binds.items()}
+            if self.plan.binds_valid:
                 c["valid"] = (np.arange(T) < n_valid).astype(np.float32)[None]  # [1, T]
-            for k in self.tails:
+            for k in self.plan.tails:
                 c[f"tail:{k}"] = tail_selector(k, T, n_valid)
             self._constants_of[(T, n_valid)] = c
         return c
@@ -206,20 +166,13 @@ class Engine:
             embeds, rows, rope_pos = self.media.slice(self.prompt_offset, T, embeds, rope_pos)
             inputs.update(rows)  # replaces the zero rows
         inputs["hidden"] = inputs["embed"] = embeds.astype(self.hidden_dtype, copy=False)
-        for name in self.ropes:
+        for name in self.plan.ropes:
             inputs[f"rope_cos:{name}"], inputs[f"rope_sin:{name}"] = self.host.rope_tables(
                 name, rope_pos)
-        for name, (seqlens, total) in self.kv_lengths.items():  # row p holds position p
-            total[...] = positions[-1] + 1
-            seqlens[0] = positions[-1]
-            inputs[f"kv_seqlens:{name}"], inputs[f"kv_total:{name}"] = seqlens, total
-        mask_value = self.target.mask_value
-        for name, group in self.masks_of[role]:  # decode: the group's persistent row
-            inputs[f"mask:{name}"] = (group.decode_mask(self.pos, mask_value) if T == 1
-                                      else group.mask(positions, mask_value))
+        self._lengths_and_masks(inputs, role, positions if T > 1 else None)
         if T == 1:  # AR-1: the per-step rows go into arrays kept across steps, which IO binding
             # then binds once (a bind costs ~1 us, copying one row ~0.2 us)
-            for key in self.row_keys:
+            for key in self.plan.row_keys:
                 inputs[key] = self._kept_row(key, inputs[key])
             inputs["embed"] = inputs["hidden"]
         return inputs
@@ -237,17 +190,28 @@ class Engine:
         host.write_token_rows(token, self._kept_rows)
         # a shard's output replaced "hidden" last step
         inputs["hidden"] = inputs["embed"] = self._kept_rows["hidden"]
-        for name in self.ropes:
+        for name in self.plan.ropes:
             cos, sin = host.rope[name]
             self._kept_rows[f"rope_cos:{name}"][0, 0] = cos[rope_pos]
             self._kept_rows[f"rope_sin:{name}"][0, 0] = sin[rope_pos]
-        for seqlens, total in self.kv_lengths.values():
-            total[...] = p + 1
-            seqlens[0] = p
-        mask_value = self.target.mask_value
-        for name, group in self.masks_of["decode"]:
-            inputs[f"mask:{name}"] = group.decode_mask(p, mask_value)
+        self._lengths_and_masks(inputs, "decode")
         return inputs
+
+    def _lengths_and_masks(self, inputs: dict[str, np.ndarray], role: str,
+                           positions: np.ndarray | None = None) -> None:
+        """A step's cache lengths (row p holds position p) and masks into ``inputs``: rows at
+        ``positions`` [T], or (None) one row at self.pos, whose masks are their groups'
+        persistent decode rows."""
+        last = self.pos if positions is None else int(positions[-1])
+        for name, (seqlens, total) in self.kv_lengths.items():
+            total[...] = last + 1
+            seqlens[0] = last
+            inputs[f"kv_seqlens:{name}"], inputs[f"kv_total:{name}"] = seqlens, total
+        mask_value = self.target.mask_value
+        for name in self.plan.masks[role]:
+            group = self.state.groups[name]
+            inputs[f"mask:{name}"] = (group.decode_mask(self.pos, mask_value) if positions is None
+                                      else group.mask(positions, mask_value))
 
     def _kept_row(self, key: str, value: np.ndarray) -> np.ndarray:
         """value copied into the array kept for key (made on first use)."""
@@ -268,12 +232,12 @@ class Engine:
             inputs = self._step_inputs(ids, positions, n_valid, role)
             if role == "decode" and self.media is None:
                 self._ar1_inputs = inputs
-        for graph in self.step_graphs[role]:
+        for graph in self.plan.graphs[role]:
             self._run(graph, inputs, valid)  # hidden -> hidden, state -> new:<state>
         # the state writes, once every graph has read the old rows
-        self.state.commit({name: inputs[key] for key, name in self.step_writes[role].items()}, valid)
+        self.state.commit({name: inputs[key] for key, name in self.plan.writes[role].items()}, valid)
         self.pos += n_valid
-        if self.head_in_step[role]:  # the last graph ran the head (cpu decode: one session)
+        if self.plan.head_in_step[role]:  # the last graph ran the head (cpu decode: one session)
             return inputs["logits"][0, -1]
         if not head:
             return None
@@ -282,8 +246,14 @@ class Engine:
         hidden = inputs["hidden"]
         last = hidden if hidden.shape[1] == 1 else hidden[:, n_valid - 1:n_valid]
         out = {"hidden": last}
-        self._run(self.head, out, valid[-1:])
+        self._run(self.plan.head, out, valid[-1:])
         return out["logits"][0, -1]
+
+    def _logits(self, ids: np.ndarray, n_valid: int, role: str) -> np.ndarray:
+        """``forward`` of a step whose logits are read."""
+        logits = self.forward(ids, n_valid, role)
+        assert logits is not None  # head=True
+        return logits
 
     def prefill(self, ids: list[int], mode: str = "chunked", media: MediaRows | None = None,
                 copy: bool = True) -> np.ndarray:
@@ -301,7 +271,7 @@ class Engine:
                 return self._prefill_ar1(ids_arr, 0)
             N = self.prefill_len
             for start in range(0, len(ids_arr), N):
-                if self.prefill_in_place and self.pos + N > self.context:
+                if self.plan.prefill_in_place and self.pos + N > self.context:
                     # the chunk's pad rows would pass the cache's last row: the rest of the
                     # prompt (< N tokens, at most once a prompt) goes through AR-1 instead
                     return self._prefill_ar1(ids_arr, start)
@@ -312,9 +282,10 @@ class Engine:
                 self.prompt_offset = start
                 # only the last chunk's logits are read; an observer (calibration, the oracle)
                 # sees every chunk's head as well
-                last = start + N >= len(ids_arr)
-                logits = self.forward(chunk, n, "prefill", head=last or self.observer is not None)
-            return logits
+                if start + N >= len(ids_arr):
+                    return self._logits(chunk, n, "prefill")
+                self.forward(chunk, n, "prefill", head=self.observer is not None)
+            raise ValueError("an empty prompt has no logits")
         finally:
             if media is not None:
                 self.rope_delta = media.rope_delta
@@ -324,19 +295,19 @@ class Engine:
         """ids[start:] one token a step through the AR-1 graphs; -> the last one's logits."""
         for i in range(start, len(ids)):
             self.prompt_offset = i
-            logits = self.forward(ids[i:i + 1], 1, "decode")
+            logits = self._logits(ids[i:i + 1], 1, "decode")
         return logits
 
     def head_logits(self, hidden: np.ndarray) -> np.ndarray:
         """The head graph on one hidden row [1, 1, H] -> logits [V] (a copy): the oracle runs
         every row of a prefill chunk through it (forge/quality.py)."""
-        out = {"hidden": np.ascontiguousarray(hidden, dtype=self.hidden_dtype)}
-        self._run(self.head, out, np.array([self.pos - 1]))
+        out: dict[str, np.ndarray] = {"hidden": np.ascontiguousarray(hidden, dtype=self.hidden_dtype)}
+        self._run(self.plan.head, out, np.array([self.pos - 1]))
         return out["logits"][0, -1].copy()
 
     def decode(self, token: int, copy: bool = True) -> np.ndarray:
         """token at self.pos -> the next logits [V] (copy=False: as prefill's)."""
-        logits = self.forward(np.array([token], dtype=np.int64), 1, "decode")
+        logits = self._logits(np.array([token], dtype=np.int64), 1, "decode")
         return logits.copy() if copy else logits
 
     def verify(self, ids: list[int]) -> Verification:
@@ -353,7 +324,7 @@ class Engine:
         padded[:n] = ids
         positions = np.arange(self.pos, self.pos + T, dtype=np.int64)
         inputs = self._step_inputs(padded, positions, n, "verify")
-        for graph in self.step_graphs["verify"]:
+        for graph in self.plan.graphs["verify"]:
             self._run(graph, inputs, positions[:n])
         return Verification(self, inputs, positions[:n])
 
@@ -361,7 +332,7 @@ class Engine:
     def encode(self, spec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run encoder ``spec``'s graph on preprocessed inputs; -> {bind: array} ("soft", ...)."""
         graph = self.target.graph(spec.name)
-        feeds = {}
+        feeds: dict[str, np.ndarray] = {}
         for i in graph.inputs:
             value = inputs[i.bind.removeprefix("media:")]
             if list(value.shape) != i.shape:
@@ -416,10 +387,10 @@ class Verification:
         verifying through prefill graphs) the head runs on that row only: rows after the first
         miss are never paid for."""
         eng, inputs = self.engine, self.inputs
-        if eng.head_in_step["verify"]:
+        if eng.plan.head_in_step["verify"]:
             return inputs["logits"][0, i]
         out = {"hidden": np.ascontiguousarray(inputs["hidden"][:, i:i + 1])}
-        eng._run(eng.head, out, self.positions[i:i + 1])
+        eng._run(eng.plan.head, out, self.positions[i:i + 1])
         return out["logits"][0, -1]
 
     def accept(self, n: int) -> None:
@@ -427,5 +398,5 @@ class Verification:
             return
         eng, kept = self.engine, self.positions[:n]
         eng.state.commit({name: self.inputs[key]
-                          for key, name in eng.step_writes["verify"].items()}, kept)
+                          for key, name in eng.plan.writes["verify"].items()}, kept)
         eng.pos += n

@@ -7,10 +7,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from ..errors import BundleError
 from ..manifest import HostRecipe
+from .qtables import HostTable
 
 
 def rope_tables(inv_freq: np.ndarray, attention_scaling: float,
@@ -26,12 +29,12 @@ def rope_tables(inv_freq: np.ndarray, attention_scaling: float,
 
 
 class HostInputs:
-    def __init__(self, recipe: HostRecipe, tensors: dict[str, np.ndarray], max_positions: int,
-                 placeholder_ids: list[int] = ()):
+    def __init__(self, recipe: HostRecipe, tensors: dict[str, HostTable], max_positions: int,
+                 placeholder_ids: Sequence[int] = ()):
         self.recipe = recipe
         try:
             self.embed_table = tensors[recipe.embed.table]
-            inv = {r.name: tensors[r.inv_freq].astype(np.float32) for r in recipe.ropes}
+            inv = {r.name: np.asarray(tensors[r.inv_freq], np.float32) for r in recipe.ropes}
             self.extra = {e.name: tensors[e.table] for e in recipe.extra_embeds}
         except KeyError as e:
             raise BundleError(f"host tensor {e} named in the manifest is missing") from None

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import BundleError
-from .qtables import INT4_SCALES, INT8_SCALES, Int4Table, Int8Table
+from .qtables import INT4_SCALES, INT8_SCALES, HostTable, Int4Table, Int8Table
 
 # safetensors dtype -> bytes per element: the ones safetensors.numpy loads; others are refused
 _ST_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
@@ -90,7 +90,7 @@ def view(m: mmap.mmap, dtype, offset: int, shape: tuple[int, ...]) -> np.ndarray
     return np.frombuffer(m, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
 
 
-def load_host_tensors(path: Path) -> dict[str, np.ndarray]:
+def load_host_tensors(path: Path) -> dict[str, HostTable]:
     """Read safetensors (never pickle); a corrupted header is a BundleError, not a crash.
 
     The tensors are read-only memory maps of the file: a gather touches only the rows it reads
@@ -103,7 +103,7 @@ def load_host_tensors(path: Path) -> dict[str, np.ndarray]:
             pass
         m = map_for_gathers(path)
         start = 8 + int.from_bytes(m[:8], "little")
-        out = {}
+        out: dict[str, HostTable] = {}
         for name, t in header.items():
             if name == "__metadata__":
                 continue
@@ -120,7 +120,10 @@ def load_host_tensors(path: Path) -> dict[str, np.ndarray]:
     for suffix, table in ((INT8_SCALES, Int8Table), (INT4_SCALES, Int4Table)):
         for name in [n for n in out if n.endswith(suffix)]:  # quantized tables: rows dequantized
             base = name.removesuffix(suffix)
-            out[base] = table(base, out.get(base), out.pop(name))
+            rows, scales = out.get(base), out.pop(name)
+            assert not isinstance(rows, Int8Table | Int4Table)  # read as arrays above
+            assert not isinstance(scales, Int8Table | Int4Table)
+            out[base] = table(base, rows, scales)
     return out
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
+
+import numpy as np
 
 from ..bundlefiles import check_load, for_target
 from ..errors import BackendError, RequestError
@@ -13,12 +15,24 @@ from ..manifest import Manifest, confine, load_manifest
 from .backends import Backend
 from .constrain import Grammars
 from .engine import Engine
-from .multimodal import prepare_media
-from .options import GenerationOptions, GenerationResult, pieces_of, result_of, takes_generation_options
-from .sampling import make_sampler
+from .multimodal import Encoded, decode_media, encode_media, prepare_media
+from .options import (
+    Done,
+    GenerationOptions,
+    GenerationResult,
+    Piece,
+    pieces_of,
+    result_of,
+    takes_generation_options,
+)
+from .sampling import Sampler, make_sampler
 from .session import ChatSession
 from .speculative import PromptLookup
 from .text import ChatTemplate, TextTokenizer, encode_prompt
+
+# a chat session's own generation loop (ChatSession): (ids, sampler, max new tokens, drafter) ->
+# (token, logits) per step
+Steps = Callable[[list[int], Sampler, int, PromptLookup | None], Iterator[tuple[int, np.ndarray]]]
 
 
 def pick_target(manifest: Manifest, backend: Backend, target: str | None = None) -> str:
@@ -125,12 +139,12 @@ class Model:
     @takes_generation_options
     def chat(self, messages: list[dict], options: GenerationOptions) -> GenerationResult:
         """Render ``messages`` with the checkpoint's chat template and generate the reply."""
-        return result_of(self._iterate(self._chat_ids(messages), options))
+        return result_of(self.iterate(self._chat_ids(messages), options))
 
     @takes_generation_options
     def stream_chat(self, messages: list[dict], options: GenerationOptions) -> Iterator[str]:
         """``chat``, streamed: the reply's text pieces as they are generated."""
-        return pieces_of(self._iterate(self._chat_ids(messages), options))
+        return pieces_of(self.iterate(self._chat_ids(messages), options))
 
     def _chat_ids(self, messages: list[dict]) -> list[int]:
         text = self.apply_chat_template(messages)
@@ -143,12 +157,23 @@ class Model:
     def encode(self, prompt: str | list[int]) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
-    def _iterate(self, prompt, o: GenerationOptions, steps=None
-                 ) -> Iterator[tuple[str, int | None, GenerationResult | None]]:
-        """Yields (text piece, token id, None) per token, then ("", None, result) once.
+    def decode_media(self, images: list | None, audios: list | None) -> dict:
+        """Every item decoded before any model work (runtime/multimodal.py ``decode_media``):
+        bad media fail here."""
+        return decode_media(self.manifest, images, audios, self._preprocessors)
+
+    def encode_media(self, images: list | None, audios: list | None) -> Encoded:
+        """The items' soft tokens by placeholder id (runtime/multimodal.py ``encode_media``)."""
+        return encode_media(self.engine, self.manifest, images, audios, self._preprocessors)
+
+    def iterate(self, prompt: str | list[int], o: GenerationOptions | None = None,
+                steps: Steps | None = None) -> Iterator[Piece | Done]:
+        """The streaming API the others are made of: a ``Piece`` per piece of text as it is
+        generated, then one ``Done`` with the result. Stop reading to stop generating.
 
         steps: (ids, sampler, max_new, drafter) -> a (token, logits) generator, instead of a
         fresh generate_step (chat sessions continue their state through it)."""
+        o = o or GenerationOptions()
         g = self.generation
         max_new = g.max_new_tokens if o.max_new_tokens is None else o.max_new_tokens
         if not isinstance(max_new, int) or isinstance(max_new, bool):
@@ -192,10 +217,10 @@ class Model:
             if constraint is not None:
                 constraint.advance(token)
             if lps is not None:
-                lps.append(token_logprobs(logits, token, o.logprobs))
+                lps.append(token_logprobs(logits, token, o.logprobs or 0))
             piece = stops.add(detok.add(token))
             if piece:
-                yield piece, token, None
+                yield Piece(piece, token)
             if stops.hit or (constraint is not None and constraint.done):  # done: only EOS is left
                 finish = "stop"
                 break
@@ -205,7 +230,7 @@ class Model:
         if not stops.hit:
             tail = stops.add(detok.flush()) + (stops.flush() if not stops.hit else "")
             if tail:
-                yield tail, None, None
+                yield Piece(tail, None)
         t_end = time.perf_counter()
         t_first = t_first or t_end
         n_after = max(len(tokens) - 1, 0)
@@ -217,24 +242,21 @@ class Model:
             total_ms=(t_end - t0) * 1e3, logprobs=lps,
             speculation=drafter.stats.to_dict() if drafter is not None else None,
         )
-        yield "", None, result
+        yield Done(result)
 
     @takes_generation_options
     def generate(self, prompt: str | list[int], options: GenerationOptions) -> GenerationResult:
         """Generate from ``prompt`` (text, or token ids as they are) -> GenerationResult."""
-        return result_of(self._iterate(prompt, options))
+        return result_of(self.iterate(prompt, options))
 
     @takes_generation_options
     def stream(self, prompt: str | list[int], options: GenerationOptions) -> Iterator[str]:
         """``generate``, streamed: the output's text pieces as they are generated."""
-        return pieces_of(self._iterate(prompt, options))
-
+        return pieces_of(self.iterate(prompt, options))
 
 
 def token_logprobs(logits, token: int, top: int) -> dict:
     """Log-softmax of the model's raw logits (before sampling processors), as OpenAI reports."""
-    import numpy as np
-
     from .sampling import log_softmax
 
     lp = log_softmax(logits)

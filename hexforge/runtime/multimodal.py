@@ -166,7 +166,9 @@ def splice(manifest, ids: list[int], encoded: Encoded) -> tuple[list[int], Media
     does not already have them: chat templates like Qwen's write them) and collect the rows."""
     specs = {e.placeholder_id: e for e in manifest.encoders}
     new_ids: list[int] = []
-    index, embeds, extra = [], [], {}
+    index: list[int] = []
+    embeds: list[np.ndarray] = []
+    extra: dict[str, list[np.ndarray]] = {}
     taken = dict.fromkeys(encoded, 0)
     for i, t in enumerate(ids):
         if t not in encoded:
@@ -184,13 +186,13 @@ def splice(manifest, ids: list[int], encoded: Encoded) -> tuple[list[int], Media
             extra.setdefault(bind, []).append(v)
         if spec.end_id is not None and (i + 1 == len(ids) or ids[i + 1] != spec.end_id):
             new_ids.append(spec.end_id)
-    rows = MediaRows(index=np.asarray(index, np.int64),
-                     embeds=np.concatenate(embeds).astype(np.float32),
-                     extra={b: np.concatenate(v).astype(np.float32) for b, v in extra.items()})
+    media = MediaRows(index=np.asarray(index, np.int64),
+                      embeds=np.concatenate(embeds).astype(np.float32),
+                      extra={b: np.concatenate(v).astype(np.float32) for b, v in extra.items()})
     if manifest.host.positions == "mrope":  # Qwen-VL: 3-D positions over each image's grid
         image = manifest.encoder("image")
-        rows.rope_positions, rows.rope_delta = mrope_positions(new_ids, image)
-    return new_ids, rows
+        media.rope_positions, media.rope_delta = mrope_positions(new_ids, image)
+    return new_ids, media
 
 
 def mrope_positions(ids, spec, grid: tuple[int, int, int] | None = None

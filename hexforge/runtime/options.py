@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Annotated, Any, get_type_hints
 
@@ -116,16 +116,33 @@ def takes_generation_options(fn):
     return method
 
 
-def result_of(items) -> GenerationResult:
-    """The result of ``Model._iterate``'s items (read to the end)."""
-    for _, _, result in items:
-        if result is not None:
-            return result
-    raise AssertionError("unreachable")
+@dataclass(frozen=True)
+class Piece:
+    """Text of the output as it is generated (``Model.iterate``): ``token`` the id whose text it
+    ends with; None for the text the stream's end released (held back for a stop string, or
+    bytes of a character that the last token did not complete)."""
+
+    text: str
+    token: int | None
 
 
-def pieces_of(items) -> Iterator[str]:
-    """The text pieces of ``Model._iterate``'s items, as they come."""
-    for piece, _, result in items:
-        if result is None:
-            yield piece
+@dataclass(frozen=True)
+class Done:
+    """The last item of ``Model.iterate``: the whole request's result."""
+
+    result: GenerationResult
+
+
+def result_of(items: Iterable[Piece | Done]) -> GenerationResult:
+    """The result of ``Model.iterate``'s items (read to the end)."""
+    for item in items:
+        if isinstance(item, Done):
+            return item.result
+    raise AssertionError("unreachable: iterate ends with Done")
+
+
+def pieces_of(items: Iterable[Piece | Done]) -> Iterator[str]:
+    """The text pieces of ``Model.iterate``'s items, as they come."""
+    for item in items:
+        if isinstance(item, Piece):
+            yield item.text

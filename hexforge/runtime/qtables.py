@@ -59,7 +59,7 @@ class Int8Table:
         ok = (q is not None and q.dtype in (np.int8, np.uint8) and q.ndim == 2 and scales.ndim == 2
               and scales.shape[0] == q.shape[0] and scales.shape[1] > 0
               and q.shape[1] % scales.shape[1] == 0)
-        if not ok:
+        if not ok or q is None:
             got = "missing" if q is None else f"{q.dtype} {list(q.shape)}"
             raise BundleError(f"host table {name!r}: int8 rows ({got}) do not match their scales "
                               f"{list(scales.shape)}")
@@ -101,7 +101,7 @@ class Int4Table:
         ok = (q is not None and q.dtype == np.uint8 and q.ndim == 2 and scales.ndim == 2
               and scales.shape[0] == q.shape[0] and scales.shape[1] > 0
               and (2 * q.shape[1]) % scales.shape[1] == 0)
-        if not ok:
+        if not ok or q is None:
             got = "missing" if q is None else f"{q.dtype} {list(q.shape)}"
             raise BundleError(f"host table {name!r}: int4 rows ({got}) do not match their scales "
                               f"{list(scales.shape)}")
@@ -119,3 +119,7 @@ class Int4Table:
         pairs = np.take(self._PAIRS, q, axis=0)  # [..., D / 2, 2]
         return (pairs.reshape(*q.shape[:-1], -1, self.block) * s[..., None]).reshape(
             *q.shape[:-1], 2 * q.shape[-1])
+
+
+# a host table as loaded: float rows, or quantized rows dequantized on each gather
+HostTable = np.ndarray | Int8Table | Int4Table

@@ -17,8 +17,16 @@ from typing import Any, Protocol
 from ..errors import RequestError
 from ..manifest import Manifest
 from .engine import Engine
-from .multimodal import Encoded, MediaRows, check_marks, encode_media, splice
-from .options import GenerationOptions, GenerationResult, pieces_of, result_of, takes_generation_options
+from .multimodal import Encoded, MediaRows, check_marks, splice
+from .options import (
+    Done,
+    GenerationOptions,
+    GenerationResult,
+    Piece,
+    pieces_of,
+    result_of,
+    takes_generation_options,
+)
 from .text import TextTokenizer
 
 
@@ -29,14 +37,15 @@ class ChatModel(Protocol):
     manifest: Manifest
     tokenizer: TextTokenizer
     engine: Engine
-    _preprocessors: dict
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True
                             ) -> str: ...
 
-    def _iterate(self, prompt: str | list[int], o: GenerationOptions,
-                 steps: Callable[..., Iterator[tuple[int, Any]]] | None = None
-                 ) -> Iterator[tuple[str, int | None, GenerationResult | None]]: ...
+    def encode_media(self, images: list | None, audios: list | None) -> Encoded: ...
+
+    def iterate(self, prompt: str | list[int], o: GenerationOptions | None = None,
+                steps: Callable[..., Iterator[tuple[int, Any]]] | None = None
+                ) -> Iterator[Piece | Done]: ...
 
 MEDIA_KEYS = {"image": "images", "audio": "audios"}  # modality -> the message's key for its items
 
@@ -98,30 +107,33 @@ class ChatSession:
 
         # the media rows go to ``steps``: the turn's options hand none to the single-prompt path
         text_only = dataclasses.replace(options, images=None, audios=None)
-        for item in m._iterate(ids, text_only, steps=steps):
-            if item[2] is not None:  # before handing out the result: callers stop reading there
+        for item in m.iterate(ids, text_only, steps=steps):
+            if isinstance(item, Done):  # before handing out the result: callers stop reading there
                 self.cached = ids + yielded[:-1]  # every yielded token but the last went in
                 self.resets = eng.resets
-                self.messages = [*msgs, {"role": "assistant", "content": item[2].text}]
+                self.messages = [*msgs, {"role": "assistant", "content": item.result.text}]
                 self._encoded = {k: v for k, v in self._encoded.items()
                                  if any(v[0] is x for x in self.messages)}
             yield item
 
     def _user_message(self, content: str, images: list | None, audios: list | None) -> dict:
         """The user message of a turn; its media encoded (and kept) before any decoder work."""
-        msg = {"role": "user", "content": content}
+        msg: dict[str, Any] = {"role": "user", "content": content}
         if not images and not audios:
             return msg
         if not isinstance(content, str):
             raise RequestError("a turn with images / audio takes its text as a string")
         m = self.model
-        encoded = encode_media(m.engine, m.manifest, images, audios, m._preprocessors)
+        encoded = m.encode_media(images, audios)
         marks, given = "", {"image": images, "audio": audios}
         for modality, key in MEDIA_KEYS.items():
             if not given[modality]:
                 continue
-            items = msg[key] = list(given[modality])
-            text = m.manifest.encoder(modality).placeholder_text
+            items = msg[key] = list(given[modality] or [])
+            spec = m.manifest.encoder(modality)
+            if spec is None:
+                raise RequestError(f"this bundle has no {modality} encoder")
+            text = spec.placeholder_text
             if text not in content:  # no place marked: the items go before the text
                 marks += text * len(items)
         msg["content"] = marks + content
@@ -139,8 +151,8 @@ class ChatSession:
                 continue
             kept = self._encoded.get(id(msg))
             if kept is None or kept[0] is not msg:
-                kept = self._encoded[id(msg)] = (msg, encode_media(
-                    m.engine, m.manifest, msg.get("images"), msg.get("audios"), m._preprocessors))
+                kept = self._encoded[id(msg)] = (msg, m.encode_media(msg.get("images"),
+                                                                     msg.get("audios")))
             for placeholder, items in kept[1].items():
                 media.setdefault(placeholder, []).extend(items)
         if not media:

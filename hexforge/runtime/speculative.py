@@ -170,9 +170,11 @@ class Stepper(Protocol):
     (``engine.Engine``, which calls the loop: a protocol, so this module needs no import of it)."""
 
     step_costs: StepCosts
-    verify_len: int  # rows of a verify step
     pos: int  # the next row's position
     context: int
+
+    @property
+    def verify_len(self) -> int: ...  # rows of a verify step
 
     def decode(self, token: int, copy: bool = True) -> np.ndarray: ...
 

@@ -34,7 +34,7 @@ class SlotGroup:
         # decode_mask's row: mask([row_q]), kept in place (IO binding then never rebinds it);
         # row_q = -1: stale, rebuilt on the next decode_mask
         self.row = np.zeros((1, 1, 1, self.capacity + 1), dtype=np.float32)
-        self.row_q, self.row_value = -1, None
+        self.row_q, self.row_value = -1, None  # type: tuple[int, float | None]
 
     def reset(self) -> None:
         self.slot_pos.fill(-1)
@@ -98,17 +98,30 @@ class SlotGroup:
         self.row_q = q + 1
 
 
+def _source(spec: StateSpec) -> str:
+    """A kv_shared state's donor (the manifest checks every kv_shared state names one)."""
+    assert spec.source is not None, spec.name
+    return spec.source
+
+
+def _group(spec: StateSpec) -> str:
+    """A KV cache's slot group (the manifest checks every kv_* state names one)."""
+    assert spec.group is not None, spec.name
+    return spec.group
+
+
 def write_rows(buf: np.ndarray, new: np.ndarray, slots: np.ndarray, axis: int = 2) -> None:
     """buf [1, H, S, D] <- new [1, H, T, D] rows [:n] at `slots` [n] (slices when contiguous);
     ``axis`` 3: keys held transposed, buf [1, H, D, S] <- new [1, H, D, T]."""
     n = slots.shape[0]
-    lead = (slice(None),) * axis
+    lead: tuple[slice, ...] = (slice(None),) * axis
     src = new[(*lead, slice(0, n))]
     s0 = int(slots[0])
     if int(slots[-1]) - s0 == n - 1:
         buf[(*lead, slice(s0, s0 + n))] = src
     else:
-        buf[(*lead, slots)] = src
+        rows: tuple[slice | np.ndarray, ...] = (*lead, slots)
+        buf[rows] = src
 
 
 @dataclass(frozen=True)
@@ -131,7 +144,7 @@ def target_forms(manifest: Manifest, target: TargetSpec) -> dict[str, BufferForm
             if kind != "state" or name not in specs:
                 continue
             while specs[name].kind == "kv_shared":
-                name = specs[name].source
+                name = _source(specs[name])
             if t.dtype != specs[name].dtype or t.keys_transposed:
                 out[name] = BufferForm(t.dtype, t.keys_transposed)
     return out
@@ -152,7 +165,7 @@ class State:
             shape = [*s.shape[:-2], s.shape[-1], s.shape[-2]] if form.keys_transposed else s.shape
             self.buffers[s.name] = np.zeros([1, *shape], dtype=NP_DTYPES[form.dtype])
         # KV caches: (buffer, slot group, the axis its rows run along), looked up once per write
-        self.kv = {s.name: (self.buffers[s.name], self.groups[s.group],
+        self.kv = {s.name: (self.buffers[s.name], self.groups[_group(s)],
                             3 if forms.get(s.name, BufferForm(s.dtype)).keys_transposed else 2)
                    for s in manifest.state if s.kind in ("kv_full", "kv_sliding")}
 
@@ -160,7 +173,7 @@ class State:
         """A fresh sequence. The recurrent states (conv fifos, ssm) are read whole: zeroed. KV
         caches are not: no step reads a row its slot group does not hold. The cpu steps read
         only the rows held; the static steps' mask hides the others (the HTP recipes' bounded
-        -100 too: the test on w8a16 gives a fresh engine's logits bit for bit), and their
+        -100 too: the test on w8-fp16 gives a fresh engine's logits bit for bit), and their
         values, zero-initialised or stale, are finite. Zeroing them cost every request a pass
         over all of them, and the first one a fault of every page; left alone, a page of cache
         is resident once a step writes a row in it (docs/measurements.md)."""
@@ -173,7 +186,7 @@ class State:
     def buffer(self, name: str) -> np.ndarray:
         spec = self.specs[name]
         while spec.kind == "kv_shared":
-            spec = self.specs[spec.source]
+            spec = self.specs[_source(spec)]
         return self.buffers[spec.name]
 
     def commit(self, new: dict[str, np.ndarray], positions: np.ndarray) -> None:

@@ -50,7 +50,7 @@ class StreamingDetokenizer:
     """
 
     def __init__(self, tok: TextTokenizer):
-        self.tok, self.ids = tok, []
+        self.tok, self.ids = tok, list[int]()
         self.prefix_offset = self.read_offset = 0
 
     def add(self, token_id: int) -> str:

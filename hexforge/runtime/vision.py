@@ -62,10 +62,11 @@ class Gemma4ImagePrep:
     def __init__(self, params: dict):
         from ..errors import BundleError
 
-        def get(name: str, kind: type, default=None):
+        def get(name: str, kind: type | tuple[type, ...], default=None):
             value = params.get(name, default)
             if value is None or isinstance(value, bool) or not isinstance(value, kind):
-                raise BundleError(f"gemma4_image: parameter {name} must be a {kind.__name__}, "
+                what = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+                raise BundleError(f"gemma4_image: parameter {name} must be a {what}, "
                                   f"got {value!r}")
             return value
 

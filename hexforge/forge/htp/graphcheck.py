@@ -19,7 +19,7 @@ takes hours on the simulator) still learns whether a graph that compiled compute
 Why the compiled graph's own source is the reference, not the float graph: the check asks
 whether the HTP computes what it was given. Against the float graph it also measures the
 weights' rounding, and a random-weight network at real depth amplifies that like a chaotic
-system (Qwen3.5-4B w4a16 s0, 16 layers: relative error 1.09 vs float, where its int8 twin
+system (Qwen3.5-4B w4-fp16 s0, 16 layers: relative error 1.09 vs float, where its int8 twin
 read 0.08): the bar could not tell rounding from a broken kernel.
 
 What it covers: one call of every graph, with the build's own I/O (fp16 residual scale, weight
@@ -46,6 +46,7 @@ from ...runtime.state import NP_DTYPES
 from ...runtime.text import TextTokenizer
 from ..memory import release_heap
 from ..ortrun import run_graph
+from .recipes import QuantRecipe
 
 DECODE_STEP = 8  # the decode call checked: 8 cached rows before it
 # a graph whose output is this far from its source graph's on the CPU computes wrong, whatever
@@ -148,16 +149,15 @@ def compare(got: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str,
     return out
 
 
-def check_target(root: Path, spec: TargetSpec, calls: dict[str, tuple[dict, dict]], log,
+def check_target(root: Path, spec: TargetSpec, recipe: QuantRecipe,
+                 calls: dict[str, tuple[dict, dict]], log,
                  sources: dict[str, Path] | None = None) -> dict[str, dict]:
     """Every compiled decoder graph of ``spec`` on the HTP with its captured feeds, against
     ``sources[name]`` (the graph it was compiled from) on the CPU, else its float outputs;
     -> graph name -> {outputs: {name: relative error, cosine, max|Δ|, max|ref|}, vs_float,
     seconds, passed}."""
-    from .recipes import get_recipe
-
     so = qnn.session_options(qnn.provider_options(spec.htp_arch, spec.soc_model,
-                                                  fp16=get_recipe(spec.quant).activations is None), {})
+                                                  fp16=recipe.activations is None), {})
     report = {}
     for g in spec.graphs:
         if g.name not in calls:

@@ -35,6 +35,7 @@ from ...runtime.backends import Backend
 from ...runtime.engine import Engine
 from ...runtime.text import TextTokenizer
 from ..ortrun import run_graph
+from .recipes import built_recipe
 
 
 @dataclass
@@ -54,10 +55,8 @@ class TensorError:
 def qdq_graph_files(bundle: Path, manifest: Manifest, target: str) -> dict[str, Path]:
     """Graph name -> the ONNX it was compiled from (QDQ, weight-only or the float graph itself),
     under the bundle's ``_work/``."""
-    from .recipes import get_recipe
-
     spec = manifest.targets[target]
-    suffix = get_recipe(spec.quant).compiled_suffix
+    suffix = built_recipe(spec).compiled_suffix
     names = [g.name for g in spec.graphs if g.role not in ("vision", "audio")]
     for folder in sorted((bundle / "_work").glob(f"{spec.quant}-*")):
         files = {n: folder / f"{n}{suffix}" for n in names}

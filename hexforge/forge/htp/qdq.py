@@ -5,7 +5,7 @@
                ──ORT QNN QDQ tool (uint16 activations, ranges from the calibration cache)──▶ QDQ ONNX
                ──requantize_weights: every MatMul weight re-quantized from the float original──▶
                  W8: int8 per-output-channel  DequantizeLinear(axis=1)
-                     (w8a16-qdq-b128: int8 blocks  DequantizeLinear(axis=0, block_size=128))
+                     (w8-u16-b128: int8 blocks  DequantizeLinear(axis=0, block_size=128))
                  W4: int4 block-wise          DequantizeLinear(axis=0, block_size=B)   (opset 21)
                  (the formats, round to nearest or GPTQ: weightquant.py)
 
