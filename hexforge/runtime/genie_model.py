@@ -92,6 +92,20 @@ def _refuse_shared_weights_off_device(folder: Path, config: dict) -> None:
                               "which load on a Snapdragon device only, not in the x86 simulator")
 
 
+def genie_result(tokenizer, tokens: list[int], prompt_tokens: int, finish: str, t0: float,
+                 t_first: float | None, backend: str) -> GenerationResult:
+    """A Genie request's result from its tokens and clock readings (perf_counter: the start,
+    the first token; the end is now)."""
+    t_end = time.perf_counter()
+    t_first = t_first or t_end
+    n_after = max(len(tokens) - 1, 0)
+    return GenerationResult(
+        text=tokenizer.decode(tokens), token_ids=tokens, prompt_tokens=prompt_tokens,
+        finish_reason=finish, ttft_ms=(t_first - t0) * 1e3,
+        decode_tok_s=n_after / (t_end - t_first) if n_after and t_end > t_first else 0.0,
+        total_ms=(t_end - t0) * 1e3, timings={"backend": backend})
+
+
 class GenieModel:
     """generate / stream over a Genie bundle folder; one dialog, reset before each request."""
 
@@ -180,14 +194,8 @@ class GenieModel:
         tail = detok.flush()
         if tail:
             yield tail, None, None
-        t_end = time.perf_counter()
-        t_first = t_first or t_end
-        n_after = max(len(tokens) - 1, 0)
-        yield "", None, GenerationResult(
-            text=self.tokenizer.decode(tokens), token_ids=tokens, prompt_tokens=len(ids),
-            finish_reason=finish, ttft_ms=(t_first - t0) * 1e3,
-            decode_tok_s=n_after / (t_end - t_first) if n_after and t_end > t_first else 0.0,
-            total_ms=(t_end - t0) * 1e3, timings={"backend": "genie"})
+        yield "", None, genie_result(self.tokenizer, tokens, len(ids), finish, t0, t_first,
+                                     "genie")
 
     def generate(self, prompt: str | list[int], **kw) -> GenerationResult:
         for _, _, result in self._iterate(prompt, **kw):

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..errors import BundleError, RequestError
 from . import genie
-from .genie_model import GenieModel, absolute_paths, sampler_config
+from .genie_model import GenieModel, absolute_paths, genie_result, sampler_config
 
 PIPELINE = "genie_pipeline.json"
 
@@ -391,7 +391,7 @@ class GeniePipelineModel(GenieModel):
                                         ignore_eos, **rest)
             return
         from .genie_model import _refuse
-        from .options import GenerationResult, check_request
+        from .options import check_request
 
         _refuse(rest)
         sampler = self.config["dialog"].get("sampler", {})
@@ -466,14 +466,8 @@ class GeniePipelineModel(GenieModel):
         tail = detok.flush()
         if tail:
             yield tail, None, None
-        t_end = time.perf_counter()
-        t_first = t_first or t_end
-        n_after = max(len(tokens) - 1, 0)
-        yield "", None, GenerationResult(
-            text=self.tokenizer.decode(tokens), token_ids=tokens, prompt_tokens=len(ids),
-            finish_reason=finish, ttft_ms=(t_first - t0) * 1e3,
-            decode_tok_s=n_after / (t_end - t_first) if n_after and t_end > t_first else 0.0,
-            total_ms=(t_end - t0) * 1e3, timings={"backend": "genie-pipeline"})
+        yield "", None, genie_result(self.tokenizer, tokens, len(ids), finish, t0, t_first,
+                                     "genie-pipeline")
 
     def log_tail(self) -> list[str]:
         return self._made[2].tail() if self._made is not None else []
