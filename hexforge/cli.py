@@ -37,13 +37,9 @@ def cmd_build(a) -> int:
 def cmd_run(a) -> int:
     from . import load
 
-    if a.backend == "genie":  # Qualcomm's runtime drives the bundle's Genie folder
-        from .runtime.genie_pipeline import open_genie  # its pipeline for images / audio
-
-        model = open_genie(a.bundle, arch=a.arch or a.target)
-    else:
-        model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target,
-                     allow_cpu_fallback=a.allow_cpu_fallback)
+    model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target,
+                 allow_cpu_fallback=a.allow_cpu_fallback)
+    if a.backend != "genie":
         _say_draft_cap(model, a.prompt_lookup)
     kw = _sampling(a)
     kw["response_format"] = _response_format(a)

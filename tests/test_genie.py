@@ -46,15 +46,46 @@ def test_genie_greedy_tokens_equal_qnn_sim(genie_bundle):
     ids = prompt_ids(20)  # past the AR-16 prefill: Genie chunks the prompt itself
     want = hexforge.load(genie_bundle, backend="qnn-sim").generate(
         ids, max_new_tokens=12, ignore_eos=True).token_ids
-    model = GenieModel(genie_bundle)
+    model = hexforge.load(genie_bundle, backend="genie")  # the Model API over libGenie
+    assert isinstance(model, GenieModel)
     try:
         got = model.generate(ids, max_new_tokens=12, ignore_eos=True)
         again = model.generate(ids, max_new_tokens=12, ignore_eos=True)  # a reset dialog
+        streamed = "".join(model.stream(ids, max_new_tokens=12, ignore_eos=True))
     finally:
         model.close()
     assert got.token_ids == want
     assert again.token_ids == want
+    assert streamed == got.text
     assert got.finish_reason == "length" and got.prompt_tokens == 20
+
+
+def test_genie_takes_the_typed_options_and_refuses_what_it_cannot_honour(genie_bundle):
+    """GenieModel's generate has GenerationOptions' typed signature (as Model's); an option
+    Genie has no counterpart for is one RequestError before libGenie runs; an unknown keyword is
+    a TypeError; the default length is the bundle's generation default, as Model's."""
+    import inspect
+
+    import hexforge
+    from hexforge.errors import RequestError
+    from hexforge.runtime.genie_model import GenieModel
+    from hexforge.runtime.options import GenerationOptions
+
+    model = GenieModel(genie_bundle)
+    try:
+        params = inspect.signature(model.generate).parameters
+        assert {"max_new_tokens", "top_p", "prompt_lookup"} <= set(params)
+        for bad in (dict(min_p=0.1), dict(stop=["x"]), dict(prompt_lookup=2),
+                    dict(repetition_penalty=1.3), dict(logprobs=0), dict(images=["a.png"])):
+            with pytest.raises(RequestError, match="not supported"):
+                model.generate(prompt_ids(9), **bad)
+        with pytest.raises(TypeError):
+            model.generate(prompt_ids(9), nonesuch=1)
+        r = model.request(prompt_ids(9), GenerationOptions())
+        sim = hexforge.load(genie_bundle, backend="cpu")
+        assert r.max_new == sim.generation.max_new_tokens and r.temperature == 0.0
+    finally:
+        model.close()
 
 
 def test_the_oracle_scores_the_genie_binaries_fed_as_genie_feeds_them(genie_bundle):
@@ -129,3 +160,19 @@ def test_genie_build_refuses_what_it_cannot_make(ckpt, tmp_path):
         with pytest.raises(BuildError, match=words):
             build(ckpt("llama"), tmp_path / "b", BuildOptions(genie=True, context=128, **opts),
                   log=lambda m: None)
+
+
+def test_regression_a_renamed_graph_name_kept_its_length_with_no_room_for_filler():
+    """padded_name returned a name one character short when the readable part and the suffix
+    filled the old name exactly: the binary's bytes would have moved. Every new name has the
+    old one's length, with and without the old digits (the pipeline's nodes take none)."""
+    from hexforge.forge.ctxname import padded_name
+
+    old = "QNNExecutionProvider_QNN_1234_1_0"
+    for readable, suffix in (("prompt_ar16", "_1_of_2"), ("a" * (len(old) - 8), "_1_of_2"),
+                             ("image_encoder", "")):
+        for keep in (True, False):
+            new = padded_name(old, readable, suffix, keep_digits=keep)
+            assert len(new) == len(old) and new.startswith(readable) and new.endswith(suffix)
+            filler = new[len(readable):len(new) - len(suffix)]
+            assert keep or not any(c.isdigit() for c in filler)

@@ -203,8 +203,7 @@ def test_media_tower_norms_are_prescaled_out_of_the_fp16_subnormals(ckpt, monkey
         monkeypatch.undo()
         return seen
 
-    for m in hf.modules():  # this model's norms start uncalibrated, as in a fresh build
-        blocks.NORM_PRESCALE.pop(id(m), None)
+    blocks.clear_norm_prescales(hf)  # this model's norms start uncalibrated, as in a fresh build
     before = norm_mean_squares()
     assert len(before) > 20 and min(before) < 2.0**-14  # the bug: a subnormal mean square
     calibrate_encoder_norms(encoders, specs, hf)

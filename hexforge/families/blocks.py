@@ -33,8 +33,21 @@ from .ortops import (
     simplified_layer_norm,
 )
 
-# id(HF norm module) -> power-of-two input prescale, measured by ``calibrate_norm_scales``
-NORM_PRESCALE: dict[int, float] = {}
+# the power-of-two input prescale ``record_norm_prescales`` measured, kept on the HF norm module
+# itself: the measurement belongs to that model (a process-wide dict keyed by id(module) outlived
+# the model and handed its entries to whatever module was allocated at a reused address)
+PRESCALE_ATTR = "hexforge_prescale"
+
+
+def norm_prescale(hf_norm: nn.Module) -> float:
+    """The prescale recorded on ``hf_norm`` (1.0 before calibration)."""
+    return float(hf_norm.__dict__.get(PRESCALE_ATTR, 1.0))
+
+
+def clear_norm_prescales(root: nn.Module) -> None:
+    """Forget every prescale recorded under ``root`` (its norms as before calibration)."""
+    for mod in root.modules():
+        mod.__dict__.pop(PRESCALE_ATTR, None)
 
 
 def calibrate_norm_scales(hf, input_ids: list[int], layers=()) -> float:
@@ -89,7 +102,7 @@ def record_norm_prescales(root: nn.Module, run) -> dict[str, float]:
     out = {}
     for name, (mod, rms) in seen.items():
         k = 2.0 ** -round(math.log2(rms)) if rms > 0 else 1.0
-        NORM_PRESCALE[id(mod)] = k
+        mod.__dict__[PRESCALE_ATTR] = k
         out[name] = k
     return out
 
@@ -138,7 +151,7 @@ class RMSNorm(nn.Module):
     def from_hf(cls, hf_norm: nn.Module, unit_offset: bool = False) -> RMSNorm:
         eps = getattr(hf_norm, "variance_epsilon", None) or getattr(hf_norm, "eps", 1e-6)
         return cls(getattr(hf_norm, "weight", None), eps, unit_offset,
-                   NORM_PRESCALE.get(id(hf_norm), 1.0))
+                   norm_prescale(hf_norm))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel:  # any rank, and fp32 needs no prescale (it is exact anyway: k = 2^n)

@@ -38,7 +38,7 @@ from torch import nn
 from ..errors import CheckpointError, UnsupportedModelError
 from ..manifest import EncoderSpec
 from .base import EncoderFamily, from_config
-from .blocks import NORM_PRESCALE
+from .blocks import norm_prescale
 from .graphio import GraphIO
 
 FP16_MAX = 65504.0
@@ -175,7 +175,7 @@ class ConformerLayer(nn.Module):
 
     def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         return _rms(x, norm.weight if norm.with_scale else None, norm.eps,
-                    NORM_PRESCALE.get(id(norm), 1.0))
+                    norm_prescale(norm))
 
     def ffn(self, x: torch.Tensor, ff: nn.Module, lin: nn.ModuleList) -> torch.Tensor:
         g = -self.gc if self.gc is not None else None
@@ -256,7 +256,7 @@ class AudioEncoder(nn.Module):
         h = self.tower.output_proj(h)  # [1, S, output_proj_dims]
         e = self.embed
         pre = e.embedding_pre_projection_norm
-        h = e.embedding_projection(_rms(h, None, pre.eps, NORM_PRESCALE.get(id(pre), 1.0)))
+        h = e.embedding_projection(_rms(h, None, pre.eps, norm_prescale(pre)))
         return h * mask.unsqueeze(-1)  # [1, S, H_text]; rows past the audio zeroed
 
 

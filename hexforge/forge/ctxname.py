@@ -26,15 +26,15 @@ from pathlib import Path
 from ..errors import BuildError
 
 
-def padded_name(old: str, readable: str, suffix: str) -> str:
-    """``readable`` + filler + ``suffix``, exactly ``len(old)`` characters; the filler is the
-    old name's digits (so two graphs renamed alike stay distinct), then ``x``."""
+def padded_name(old: str, readable: str, suffix: str = "", keep_digits: bool = True) -> str:
+    """``readable`` + "_" + filler + ``suffix``, exactly ``len(old)`` characters; the filler is
+    the old name's digits (so two graphs renamed alike stay distinct) unless ``keep_digits`` is
+    False, then ``x``."""
     room = len(old) - len(readable) - len(suffix) - 1
     if room < 0:
         raise BuildError(f"graph name {old!r} is too short to carry {readable + suffix!r}")
-    digits = "".join(re.findall(r"\d", old))
-    filler = (digits + "x" * room)[:room]
-    return f"{readable}_{filler}{suffix}" if room else f"{readable}{suffix}"[:len(old)]
+    digits = "".join(re.findall(r"\d", old)) if keep_digits else ""
+    return f"{readable}_{(digits + 'x' * room)[:room]}{suffix}"
 
 
 def graph_name_of(ctx_onnx: Path) -> str:
@@ -47,16 +47,17 @@ def graph_name_of(ctx_onnx: Path) -> str:
     return nodes[0].name
 
 
-def rename_graph(ctx_onnx: Path, binary: Path, readable: str, suffix: str) -> str:
+def rename_graph(ctx_onnx: Path, binary: Path, readable: str, suffix: str = "",
+                 keep_digits: bool = True) -> str:
     """Rename the one graph of ``binary`` (and its EPContext node in ``ctx_onnx``) to
-    ``padded_name(old, readable, suffix)``. -> the new name. The binary is rewritten through a
+    ``padded_name(old, readable, suffix, keep_digits)``. -> the new name. The binary is rewritten through a
     temporary file, so an interruption leaves the old one whole."""
     import onnx
 
     model = onnx.load(str(ctx_onnx), load_external_data=False)
     (node,) = [n for n in model.graph.node if n.op_type == "EPContext"]
     old = node.name
-    new = padded_name(old, readable, suffix)
+    new = padded_name(old, readable, suffix, keep_digits)
     data = binary.read_bytes()
     count = data.count(old.encode())
     if count == 0:

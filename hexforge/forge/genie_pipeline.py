@@ -17,7 +17,7 @@ Genie decoder (forge/genie.py), so a phone's Genie runs image and audio prompts 
 
 Each encoder family states its node form (``genie_node``); this module knows no family. The
 node graph's float inputs become uint16 (``quantize_inputs``: Genie feeds no float input), its
-QNN graph gets a name without digits (``name_plainly``), and a media row is what the text LUT
+QNN graph gets a name without digits (``ctxname.rename_graph``), and a media row is what the text LUT
 holds for a media placeholder, the soft token in place of the token embedding
 (``media_row_tail``). Measured facts behind each: docs/genie-pipelines.md.
 """
@@ -97,31 +97,6 @@ def quantize_inputs(path: Path, fixed_point: dict[str, tuple[float, float]]) -> 
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.save(model, str(path))
-
-
-def name_plainly(ctx: Path, binary: Path, readable: str) -> str:
-    """Rename the one QNN graph in ``binary`` (and its EPContext node) to ``readable`` padded
-    with "x" to the old name's length (forge/ctxname.py says why the length stays). No digits:
-    Genie's image and audio models read a graph's token count from its name when the tensors do
-    not tell it, and the digits of onnxruntime's hash make that parse fail ("stoi: out of
-    range", measured). -> the new name."""
-    import onnx
-
-    model = onnx.load(str(ctx), load_external_data=False)
-    (node,) = [n for n in model.graph.node if n.op_type == "EPContext"]
-    old = node.name
-    if len(readable) + 1 > len(old):
-        raise BuildError(f"graph name {old!r} is too short for {readable!r}")
-    new = f"{readable}_".ljust(len(old), "x")
-    data = binary.read_bytes()
-    if not data.count(old.encode()):
-        raise BuildError(f"{binary.name} does not hold graph name {old!r}")
-    tmp = binary.with_name(binary.name + ".renaming")
-    tmp.write_bytes(data.replace(old.encode(), new.encode()))
-    tmp.replace(binary)
-    node.name = new
-    onnx.save(model, str(ctx))
-    return new
 
 
 def node_config(form, binary: str) -> dict:
@@ -223,6 +198,7 @@ def build_genie_pipelines(fam, hf, args, encoders: list, specs: list, targets, o
                           manifest, log) -> None:
     """For each HTP target's Genie folder (forge/genie.py made it), the towers as Genie nodes:
     compiled per arch, their node configs, text-generator.json and genie_pipeline.json."""
+    from .ctxname import rename_graph
     from .genie_bundle import CONFIG, folder_name
     from .htp.compile import compile_graph
 
@@ -240,7 +216,10 @@ def build_genie_pipelines(fam, hf, args, encoders: list, specs: list, targets, o
         for modality, (form, path) in nodes.items():
             res = compile_graph(path, work / f"{target.name}-{form.role}.ctx.onnx",
                                 target.htp_arch, soc, fp16=True)
-            name_plainly(res["ctx"], res["bin"], form.role.replace("-", "_"))
+            # no digits in the name: Genie's image and audio models read a graph's token count
+            # from its name when the tensors do not tell it, and the digits of onnxruntime's hash
+            # make that parse fail ("stoi: out of range", measured)
+            rename_graph(res["ctx"], res["bin"], form.role.replace("-", "_"), keep_digits=False)
             binary = folder / f"{form.role}.bin"
             res["bin"].replace(binary)
             (folder / f"{form.role}.json").write_text(

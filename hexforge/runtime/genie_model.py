@@ -18,12 +18,21 @@ import json
 import platform
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..errors import BundleError, RequestError
+from ..manifest import GenerationDefaults, load_manifest
 from . import genie
 from .genie_checks import check_folder
-from .options import GenerationResult, check_request
+from .options import (
+    Done,
+    GenerationMethods,
+    GenerationOptions,
+    GenerationResult,
+    Piece,
+    check_request,
+)
 from .text import ChatTemplate, TextTokenizer, encode_prompt
 
 CONFIG = "genie_config.json"
@@ -106,7 +115,7 @@ def genie_result(tokenizer, tokens: list[int], prompt_tokens: int, finish: str, 
         total_ms=(t_end - t0) * 1e3, timings={"backend": backend})
 
 
-class GenieModel:
+class GenieModel(GenerationMethods):
     """generate / stream over a Genie bundle folder; one dialog, reset before each request."""
 
     def __init__(self, bundle: str | Path, arch: str | None = None, log_level: str = "warn"):
@@ -125,6 +134,10 @@ class GenieModel:
         self.tokenizer = TextTokenizer(self.folder)
         tok_dir = self.bundle / "tokenizer"  # the chat template, when the folder is in a bundle
         self.chat_template = ChatTemplate.load(tok_dir) if tok_dir.is_dir() else None
+        # the length a request gets by default: the bundle's generation defaults, as Model's
+        self.max_new_tokens = (load_manifest(self.bundle).generation.max_new_tokens
+                               if (self.bundle / "manifest.json").is_file()
+                               else GenerationDefaults().max_new_tokens)
         self.log_level = log_level
         self._dialog: genie.Dialog | None = None
         self._made_for: str | None = None
@@ -162,64 +175,56 @@ class GenieModel:
     def encode(self, prompt: str | list[int]) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
-    def _iterate(self, prompt, max_new_tokens=None, temperature=None, top_k=None, top_p=None,
-                 seed=None, ignore_eos=False, **unsupported
-                 ) -> Iterator[tuple[str, int | None, GenerationResult | None]]:
-        _refuse(unsupported)
+    def request(self, prompt: str | list[int], o: GenerationOptions,
+                media: frozenset[str] = frozenset()) -> GenieRequest:
+        """``o`` checked against what Genie can do (``media``: the options a pipeline adds) and
+        completed with the bundle's defaults: Genie's sampler block for the sampler, the
+        manifest's generation defaults for the length (as ``Model``)."""
+        refuse_unsupported(o, media)
         sampler = self.config["dialog"].get("sampler", {})
-        temperature = (0.0 if sampler.get("greedy") else sampler.get("temp", 0.0)) \
-            if temperature is None else temperature
-        top_k = sampler.get("top-k", 0) if top_k is None else top_k
-        top_p = sampler.get("top-p", 1.0) if top_p is None else top_p
+        return GenieRequest(
+            ids=self.encode(prompt),
+            max_new=self.max_new_tokens if o.max_new_tokens is None else o.max_new_tokens,
+            temperature=(0.0 if sampler.get("greedy") else sampler.get("temp", 0.0))
+            if o.temperature is None else o.temperature,
+            top_k=sampler.get("top-k", 0) if o.top_k is None else o.top_k,
+            top_p=sampler.get("top-p", 1.0) if o.top_p is None else o.top_p,
+            seed=o.seed, ignore_eos=o.ignore_eos)
+
+    def iterate(self, prompt: str | list[int], o: GenerationOptions | None = None
+                ) -> Iterator[Piece | Done]:
+        """As ``Model.iterate``: a ``Piece`` per piece of text, then one ``Done``."""
         t0 = time.perf_counter()
-        ids = self.encode(prompt)
-        max_new = (max(1, min(256, self.context - len(ids))) if max_new_tokens is None
-                   else max_new_tokens)
-        check_request(ids, max_new, self.n_vocab, self.context)  # integrity: before libGenie
-        dialog = self._dialog_for(temperature, top_k, top_p, seed, ignore_eos)
+        r = self.request(prompt, o or GenerationOptions())
+        check_request(r.ids, r.max_new, self.n_vocab, self.context)  # integrity: before libGenie
+        dialog = self._dialog_for(r.temperature, r.top_k, r.top_p, r.seed, r.ignore_eos)
         detok = self.tokenizer.detokenizer()
         tokens: list[int] = []
         finish, t_first = "length", None
-        for token in dialog.generate(ids, max_new):
+        for token in dialog.generate(r.ids, r.max_new):
             t_first = t_first or time.perf_counter()
-            if token in self.eos and not ignore_eos:  # Genie hands the EOS over, then stops
+            if token in self.eos and not r.ignore_eos:  # Genie hands the EOS over, then stops
                 finish = "stop"
                 break
             tokens.append(token)
             piece = detok.add(token)
             if piece:
-                yield piece, token, None
-        if finish == "length" and len(tokens) < max_new and dialog.last_status == 0:
+                yield Piece(piece, token)
+        if finish == "length" and len(tokens) < r.max_new and dialog.last_status == 0:
             finish = "stop"  # Genie stopped at an EOS it did not hand over
         tail = detok.flush()
         if tail:
-            yield tail, None, None
-        yield "", None, genie_result(self.tokenizer, tokens, len(ids), finish, t0, t_first,
-                                     "genie")
-
-    def generate(self, prompt: str | list[int], **kw) -> GenerationResult:
-        for _, _, result in self._iterate(prompt, **kw):
-            if result is not None:
-                return result
-        raise AssertionError("unreachable")
-
-    def stream(self, prompt: str | list[int], **kw) -> Iterator[str]:
-        for piece, _, result in self._iterate(prompt, **kw):
-            if result is None:
-                yield piece
+            yield Piece(tail, None)
+        yield Done(genie_result(self.tokenizer, tokens, len(r.ids), finish, t0, t_first,
+                                "genie"))
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if self.chat_template is None:
             raise RequestError("no chat template beside this Genie bundle: use a plain prompt")
         return self.chat_template.render(messages, add_generation_prompt=True)
 
-    def chat(self, messages: list[dict], **kw) -> GenerationResult:
-        text = self.apply_chat_template(messages)
-        return self.generate(self.tokenizer.encode(text, add_special_tokens=False), **kw)
-
-    def stream_chat(self, messages: list[dict], **kw) -> Iterator[str]:
-        text = self.apply_chat_template(messages)
-        return self.stream(self.tokenizer.encode(text, add_special_tokens=False), **kw)
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
     def close(self) -> None:
         if self._dialog is not None:
@@ -227,17 +232,34 @@ class GenieModel:
             self._dialog = None
 
 
-# the Model options Genie has no counterpart for, with the value that means "not used"
-_NEUTRAL = {"min_p": 0.0, "repetition_penalty": 1.0, "penalty_window": 0, "stop": None,
-            "stop_token_ids": None, "logprobs": None, "response_format": None,
-            "constraint": None, "images": None, "audios": None, "prompt_lookup": None,
-            "prefill_mode": "chunked", "should_stop": None}
+@dataclass(frozen=True)
+class GenieRequest:
+    """One request as Genie takes it: the prompt's ids and the sampler, defaults filled in."""
+
+    ids: list[int]
+    max_new: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    ignore_eos: bool
 
 
-def _refuse(options: dict) -> None:
-    for k, v in options.items():
-        if k not in _NEUTRAL:
-            raise TypeError(f"unexpected option {k!r}")
-        if v not in (_NEUTRAL[k], None):
-            raise RequestError(f"--backend genie: {k.replace('_', '-')} is not supported (Genie "
-                               "samples and stops by itself)")
+# the GenerationOptions a Genie dialog has a counterpart for; the others must keep their defaults
+GENIE_OPTIONS = frozenset({"max_new_tokens", "temperature", "top_k", "top_p", "seed",
+                           "ignore_eos"})
+
+
+def refuse_unsupported(o: GenerationOptions, media: frozenset[str] = frozenset()) -> None:
+    """One line for an option Genie cannot honour (it samples and stops by itself): refused,
+    not ignored. "Unused" is the field's own default in GenerationOptions (one source)."""
+    for f in fields(GenerationOptions):
+        if f.name in GENIE_OPTIONS or f.name in media:
+            continue
+        value = getattr(o, f.name)
+        if value is not None and value != f.default and value != []:
+            what = ("images / audio need a Genie pipeline (build --genie with the model's towers)"
+                    if f.name in ("images", "audios") else
+                    "Genie samples and stops by itself")
+            raise RequestError(f"--backend genie: {f.name.replace('_', '-')} is not supported "
+                               f"({what})")

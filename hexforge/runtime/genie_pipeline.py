@@ -30,6 +30,10 @@ import numpy as np
 from ..errors import BundleError, RequestError
 from . import genie
 from .genie_model import GenieModel, absolute_paths, genie_result, sampler_config
+from .options import Done, GenerationOptions, Piece, check_request
+
+# the options a pipeline honours beside a dialog's
+MEDIA_OPTIONS = frozenset({"images", "audios"})
 
 PIPELINE = "genie_pipeline.json"
 
@@ -383,28 +387,19 @@ class GeniePipelineModel(GenieModel):
         self._made = (key, pipes, log)
         return pipes
 
-    def _iterate(self, prompt, max_new_tokens=None, temperature=None, top_k=None, top_p=None,
-                 seed=None, ignore_eos=False, images=None, audios=None, **rest
-                 ) -> Iterator[tuple]:
-        if not images and not audios:
-            yield from super()._iterate(prompt, max_new_tokens, temperature, top_k, top_p, seed,
-                                        ignore_eos, **rest)
+    def iterate(self, prompt: str | list[int], o: GenerationOptions | None = None
+                ) -> Iterator[Piece | Done]:
+        """As ``GenieModel.iterate``; a request with images / audio runs the pipeline."""
+        o = o or GenerationOptions()
+        if not o.images and not o.audios:
+            yield from super().iterate(prompt, o)
             return
-        from .genie_model import _refuse
-        from .options import check_request
-
-        _refuse(rest)
-        sampler = self.config["dialog"].get("sampler", {})
-        temperature = (0.0 if sampler.get("greedy") else sampler.get("temp", 0.0)) \
-            if temperature is None else temperature
-        top_k = sampler.get("top-k", 0) if top_k is None else top_k
-        top_p = sampler.get("top-p", 1.0) if top_p is None else top_p
         t0 = time.perf_counter()
-        ids, segments = self._segments(self.encode(prompt), images, audios)
-        max_new = (max(1, min(256, self.context - len(ids))) if max_new_tokens is None
-                   else max_new_tokens)
+        r = self.request(prompt, o, media=MEDIA_OPTIONS)
+        ids, segments = self._segments(r.ids, o.images, o.audios)
+        max_new, ignore_eos = r.max_new, r.ignore_eos
         check_request(ids, max_new, self.n_vocab, self.context)
-        pipes = self._pipelines_for(segments, max_new, temperature, top_k, top_p, seed,
+        pipes = self._pipelines_for(segments, max_new, r.temperature, r.top_k, r.top_p, r.seed,
                                     ignore_eos)
         pipe = pipes["textGenerator"]
         generator = pipe.nodes["textGenerator"]
@@ -457,7 +452,7 @@ class GeniePipelineModel(GenieModel):
             tokens.append(t)
             piece = detok.add(t)
             if piece:
-                yield piece, t, None
+                yield Piece(piece, t)
         worker.join()
         if error:
             raise error[0]
@@ -465,9 +460,9 @@ class GeniePipelineModel(GenieModel):
             finish = "stop"
         tail = detok.flush()
         if tail:
-            yield tail, None, None
-        yield "", None, genie_result(self.tokenizer, tokens, len(ids), finish, t0, t_first,
-                                     "genie-pipeline")
+            yield Piece(tail, None)
+        yield Done(genie_result(self.tokenizer, tokens, len(ids), finish, t0, t_first,
+                                "genie-pipeline"))
 
     def log_tail(self) -> list[str]:
         return self._made[2].tail() if self._made is not None else []

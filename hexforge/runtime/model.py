@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,17 +19,18 @@ from .engine import Engine
 from .multimodal import Encoded, decode_media, encode_media, prepare_media
 from .options import (
     Done,
+    GenerationMethods,
     GenerationOptions,
     GenerationResult,
     Piece,
-    pieces_of,
-    result_of,
-    takes_generation_options,
 )
 from .sampling import Sampler, make_sampler
 from .session import ChatSession
 from .speculative import PromptLookup
 from .text import ChatTemplate, TextTokenizer, encode_prompt
+
+if TYPE_CHECKING:
+    from .genie_model import GenieModel
 
 # a chat session's own generation loop (ChatSession): (ids, sampler, max new tokens, drafter) ->
 # (token, logits) per step
@@ -97,7 +99,7 @@ class StopStrings:
         return out
 
 
-class Model:
+class Model(GenerationMethods):
     def __init__(self, bundle: str | Path, backend: str | Backend = "cpu",
                  arch: str | int | None = None, target: str | None = None,
                  allow_cpu_fallback: bool = False, check_digests: bool | None = None):
@@ -136,17 +138,7 @@ class Model:
                                "use a plain completion prompt")
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
 
-    @takes_generation_options
-    def chat(self, messages: list[dict], options: GenerationOptions) -> GenerationResult:
-        """Render ``messages`` with the checkpoint's chat template and generate the reply."""
-        return result_of(self.iterate(self._chat_ids(messages), options))
-
-    @takes_generation_options
-    def stream_chat(self, messages: list[dict], options: GenerationOptions) -> Iterator[str]:
-        """``chat``, streamed: the reply's text pieces as they are generated."""
-        return pieces_of(self.iterate(self._chat_ids(messages), options))
-
-    def _chat_ids(self, messages: list[dict]) -> list[int]:
+    def chat_ids(self, messages: list[dict]) -> list[int]:
         text = self.apply_chat_template(messages)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -244,16 +236,6 @@ class Model:
         )
         yield Done(result)
 
-    @takes_generation_options
-    def generate(self, prompt: str | list[int], options: GenerationOptions) -> GenerationResult:
-        """Generate from ``prompt`` (text, or token ids as they are) -> GenerationResult."""
-        return result_of(self.iterate(prompt, options))
-
-    @takes_generation_options
-    def stream(self, prompt: str | list[int], options: GenerationOptions) -> Iterator[str]:
-        """``generate``, streamed: the output's text pieces as they are generated."""
-        return pieces_of(self.iterate(prompt, options))
-
 
 def token_logprobs(logits, token: int, top: int) -> dict:
     """Log-softmax of the model's raw logits (before sampling processors), as OpenAI reports."""
@@ -278,10 +260,19 @@ def parse_arch(arch: str | int | None) -> int | None:
 
 def load(bundle: str | Path, backend: str | Backend = "cpu", arch: str | int | None = None,
          target: str | None = None, allow_cpu_fallback: bool = False,
-         check_digests: bool | None = None) -> Model:
+         check_digests: bool | None = None) -> Model | GenieModel:
     """Load a bundle: backend "cpu" (default), "qnn", "qnn-sim" or "auto" (or a resolved
     ``Backend``); ``arch`` = the device's Hexagon arch (e.g. "v81") when running HTP targets.
     The files the target reads are checked against the manifest's sizes every time, and against
     its SHA-256 digests where ``check_digests`` is True, or (None) where this machine has not
-    verified them as they are now (bundlefiles.py); False: sizes only."""
+    verified them as they are now (bundlefiles.py); False: sizes only.
+
+    backend "genie": the bundle's Genie folder (build --genie) run by Qualcomm's libGenie
+    (runtime/genie_model.py; with its pipeline for images / audio where it has one): the same
+    generate / stream / chat / iterate, with the options Genie has a counterpart for."""
+    if backend == "genie":
+        from .genie_pipeline import open_genie
+
+        genie_arch = target.removeprefix("genie-") if target else arch
+        return open_genie(bundle, None if genie_arch is None else str(genie_arch))
     return Model(bundle, backend, arch, target, allow_cpu_fallback, check_digests)

@@ -146,3 +146,36 @@ def pieces_of(items: Iterable[Piece | Done]) -> Iterator[str]:
     for item in items:
         if isinstance(item, Piece):
             yield item.text
+
+
+class GenerationMethods:
+    """``generate`` / ``stream`` / ``chat`` / ``stream_chat``, made of a class's ``iterate``
+    (prompt, GenerationOptions) -> Piece..., Done and its ``chat_ids`` (messages -> the chat
+    template's ids): one set of methods, one signature, for every runtime (Model, GenieModel)."""
+
+    def iterate(self, prompt: str | list[int], o: GenerationOptions | None = None
+                ) -> Iterator[Piece | Done]:
+        raise NotImplementedError
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        raise NotImplementedError
+
+    @takes_generation_options
+    def generate(self, prompt: str | list[int], options: GenerationOptions) -> GenerationResult:
+        """Generate from ``prompt`` (text, or token ids as they are) -> GenerationResult."""
+        return result_of(self.iterate(prompt, options))
+
+    @takes_generation_options
+    def stream(self, prompt: str | list[int], options: GenerationOptions) -> Iterator[str]:
+        """``generate``, streamed: the output's text pieces as they are generated."""
+        return pieces_of(self.iterate(prompt, options))
+
+    @takes_generation_options
+    def chat(self, messages: list[dict], options: GenerationOptions) -> GenerationResult:
+        """Render ``messages`` with the checkpoint's chat template and generate the reply."""
+        return result_of(self.iterate(self.chat_ids(messages), options))
+
+    @takes_generation_options
+    def stream_chat(self, messages: list[dict], options: GenerationOptions) -> Iterator[str]:
+        """``chat``, streamed: the reply's text pieces as they are generated."""
+        return pieces_of(self.iterate(self.chat_ids(messages), options))
