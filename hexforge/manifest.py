@@ -44,8 +44,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from .errors import BundleError
 
-SCHEMA_VERSION = 2  # 2: ``files`` records every file of the bundle (size, SHA-256)
-READABLE_SCHEMAS = (1, 2)  # 1: bundles built before the file list; they load without its checks
+# 2: ``files`` records every file of the bundle (size, SHA-256); 3: a cache TensorSpec may say
+# ``keys_transposed`` (an older hexforge would refuse the field in a long pydantic error: the
+# version makes it say "upgrade hexforge" in one line)
+SCHEMA_VERSION = 3
+READABLE_SCHEMAS = (1, 2, 3)  # 1: bundles built before the file list; they load without its checks
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024  # refuse before parsing anything bigger
 

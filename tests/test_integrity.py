@@ -60,7 +60,7 @@ def test_the_build_records_every_file_with_its_size_and_sha256(genie_bundle):
     m = load_manifest(genie_bundle)
     on_disk = sorted(p.relative_to(genie_bundle).as_posix() for p in genie_bundle.rglob("*")
                      if p.is_file() and p.name != "manifest.json")
-    assert m.schema_version == 2
+    assert m.schema_version == 3
     assert [r.path for r in m.file_records] == on_disk
     assert {"README.md", "report.json", "genie-v81/genie_config.json",
             "v81/s0.decode.ctx_qnn.bin"} <= set(on_disk)
@@ -177,10 +177,10 @@ def test_a_schema_1_bundle_without_a_file_list_still_loads(bundle, copy_of, caps
 def test_a_newer_schema_asks_for_a_newer_hexforge(bundle, copy_of):
     b = copy_of(bundle("llama"))
     m = json.loads((b / "manifest.json").read_text())
-    m["schema_version"] = 3
+    m["schema_version"] = 4
     (b / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(BundleError, match=r"schema_version 3 is not supported \(this hexforge "
-                                          r"reads 1, 2\); upgrade hexforge"):
+    with pytest.raises(BundleError, match=r"schema_version 4 is not supported \(this hexforge "
+                                          r"reads 1, 2, 3\); upgrade hexforge"):
         hexforge.load(b)
 
 

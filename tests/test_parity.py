@@ -122,7 +122,7 @@ def test_the_oracles_greedy_tokens_are_read_off_teacher_forcing_until_a_miss(bun
     monkeypatch.setattr(Engine, "generate_step",
                         lambda self, *a, **k: runs.append(a) or real_generate(self, *a, **k))
 
-    def oracle(bias_at=None, token=None):
+    def oracle(bias_at=None, token=None, **kw):
         engine = Engine(b, manifest, "cpu", OracleCpuBackend())
         if bias_at is not None:  # a wrong bundle: from one position on, `token` wins
             decode = engine.decode
@@ -132,7 +132,8 @@ def test_the_oracles_greedy_tokens_are_read_off_teacher_forcing_until_a_miss(bun
                 logits[token] += 1e4 * (at == bias_at)
                 return logits
             engine.decode = biased
-        return verify_target(family, hf, engine, tok, manifest, "cpu", "fp32", new_tokens=16)
+        return verify_target(family, hf, engine, tok, manifest, "cpu", "fp32", new_tokens=16,
+                             **kw)
 
     r = oracle()
     assert r["passed"] and r["greedy"]["exact"] and r["greedy"]["bundle"] == r["greedy"]["hf"]
@@ -144,3 +145,31 @@ def test_the_oracles_greedy_tokens_are_read_off_teacher_forcing_until_a_miss(bun
     assert len(runs) == 1 and not r["passed"]
     assert r["greedy"]["matching_prefix"] == 3 and r["greedy"]["bundle"][:4] == [
         *hf_tokens[:3], wrong] and len(r["greedy"]["bundle"]) == 16
+    # the simulator's form (continue_after_miss=False): no greedy run, the same verdict and
+    # matching prefix, the bundle's tokens up to the miss
+    runs.clear()
+    again = oracle(bias_at=len(prompt) + 2, token=wrong, continue_after_miss=False)
+    assert runs == [] and again["failures"] == r["failures"]
+    assert again["greedy"]["matching_prefix"] == 3
+    assert again["greedy"]["bundle"] == [*hf_tokens[:3], wrong]
+
+
+def test_the_oracles_held_out_text_runs_the_cpu_head_on_many_rows_at_once(bundle):
+    """The head graph is [1, 1, H]: the held-out text went through it a row at a time, each call
+    reading the whole head (Gemma-3's 671 MB, 600 times). The oracle opens the same graph with
+    its row axis symbolic: the same logits as the engine's one-row calls."""
+    import numpy as np
+
+    from hexforge.forge.quality import HEAD_ROWS, bundle_logits, rows_head
+
+    model = hexforge.load(bundle("llama"))
+    engine = model.engine
+    batched = rows_head(engine)
+    assert batched is not None
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((1, HEAD_ROWS + 3, model.manifest.hidden_size)).astype(np.float32)
+    engine.pos = 1
+    one = np.stack([engine.head_logits(hidden[:, i:i + 1]) for i in range(hidden.shape[1])])
+    np.testing.assert_allclose(batched(hidden)[0], one, rtol=1e-5, atol=1e-5)
+    ids = prompt_ids(HEAD_ROWS + 9)  # more rows than one call takes
+    assert bundle_logits(engine, ids).shape == (len(ids), model.manifest.vocab_size)

@@ -199,14 +199,16 @@ def open_genie_graphs(ctx_files: dict[int, list[Path]], genie_folder: Path, htp_
 
 
 def verify_genie(graphs: GenieGraphs, ref: dict, quant: str, new_tokens: int,
-                 text_name: str) -> dict:
-    """The Genie graphs judged like a target (``verify.verify_target``'s measures and gates)."""
+                 text_name: str, steps: int | None = None, continue_after_miss: bool = True
+                 ) -> dict:
+    """The Genie graphs judged like a target (``verify.verify_target``'s measures and gates,
+    ``steps`` and ``continue_after_miss`` as there)."""
     from dataclasses import asdict
 
     from .quality import compare, log_softmax
     from .verify import GATES, first_miss, greedy_as_forced, kl_failures
 
-    prompt, tokens = ref["prompt"], ref["tokens"]
+    prompt, tokens = ref["prompt"], ref["tokens"][:steps]
     graphs.reset()
     got = [graphs.prompt(prompt)[-1]]
     for token in tokens[:-1]:
@@ -223,7 +225,10 @@ def verify_genie(graphs: GenieGraphs, ref: dict, quant: str, new_tokens: int,
 
     n = min(new_tokens, graphs.C - len(prompt))
     own = greedy_as_forced(got[:n], tokens[:n])
-    if own is None:  # a miss: Genie's own greedy tokens from there on
+    if own is None and not continue_after_miss:  # up to the miss, read off the forced run
+        forced = [int(row.argmax()) for row in got[:n]]
+        own = forced[:first_miss(forced, tokens[:n]) + 1]
+    elif own is None:  # a miss: Genie's own greedy tokens from there on
         graphs.reset()
         own, logits = [], graphs.prompt(prompt)[-1]
         for i in range(n):
@@ -259,8 +264,10 @@ def verify_genie_bundles(root: Path, manifest, args, refs: dict[str, dict], new_
                          text_name: str) -> dict[str, dict]:
     """Each HTP target's Genie bundle (``genie-<target>/``) judged on the HTP -> {folder: report},
     beside the targets' own in report.json."""
+    from ..runtime import qnn
     from .genie_bundle import folder_name
     from .progress import stage
+    from .verify import simulated_steps
 
     out = {}
     work = root / "_work" / "genie"
@@ -270,8 +277,11 @@ def verify_genie_bundles(root: Path, manifest, args, refs: dict[str, dict], new_
         with stage(f"oracle {folder_name(name)}", 1) as advance:
             graphs = open_genie_graphs(genie_ctx_files(work, name, manifest.context),
                                        root / folder_name(name), spec.htp_arch, spec.soc_model)
-            out[folder_name(name)] = verify_genie(graphs, refs[name], spec.quant, new_tokens,
-                                                  text_name)
+            simulated = not qnn.is_arm_host()
+            out[folder_name(name)] = verify_genie(
+                graphs, refs[name], spec.quant, new_tokens, text_name,
+                steps=simulated_steps(spec, new_tokens) if simulated else None,
+                continue_after_miss=not simulated)
             del graphs
             advance()
     return out

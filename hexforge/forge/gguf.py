@@ -171,21 +171,28 @@ def gguf_checkpoint(path: str | Path, log=None) -> Path:
     out = cache_root() / _sha256(src)[:24]
     if (out / "config.json").is_file():
         return out
-    if log:
-        log(f"converting {src.name} (GGUF, dequantized to fp32) into {out}")
+    from filelock import FileLock  # transformers' own dependency
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(out.parent)  # conversions killed earlier (the OOM killer runs no finally)
-    temp = TempDir(out)
-    try:
-        _convert(src, temp.path)
-        (temp.path / "hexforge_gguf.json").write_text(json.dumps({"source": src.name}))
+    # two builds of one GGUF at once convert it once: the second waits for the first's result
+    # (both converted it side by side, minutes of CPU each, and the loser's work was thrown away)
+    with FileLock(str(out) + ".lock"):
+        if (out / "config.json").is_file():
+            return out
+        if log:
+            log(f"converting {src.name} (GGUF, dequantized to fp32) into {out}")
+        remove_stale(out.parent)  # conversions killed earlier (the OOM killer runs no finally)
+        temp = TempDir(out)
         try:
-            os.replace(temp.path, out)
-        except OSError:  # a concurrent conversion of the same file finished first
-            if not (out / "config.json").is_file():
-                raise
-    finally:
-        temp.discard()
+            _convert(src, temp.path)
+            (temp.path / "hexforge_gguf.json").write_text(json.dumps({"source": src.name}))
+            try:
+                os.replace(temp.path, out)
+            except OSError:  # a conversion without the lock (an older hexforge) finished first
+                if not (out / "config.json").is_file():
+                    raise
+        finally:
+            temp.discard()
     return out
 
 
