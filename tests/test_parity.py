@@ -173,3 +173,31 @@ def test_the_oracles_held_out_text_runs_the_cpu_head_on_many_rows_at_once(bundle
     np.testing.assert_allclose(batched(hidden)[0], one, rtol=1e-5, atol=1e-5)
     ids = prompt_ids(HEAD_ROWS + 9)  # more rows than one call takes
     assert bundle_logits(engine, ids).shape == (len(ids), model.manifest.vocab_size)
+
+
+def test_regression_a_qdq_twins_head_is_not_batched(htp_bundle):
+    """The batched head reached the CPU twin of a w8-u16 target (its QDQ graphs on the CPU EP),
+    whose norm reshapes to [1, 1, H]: onnxruntime failed the build ("cannot be reshaped";
+    test_htp's failed-gate test). Only a head of row-wise ops is batched; others run a row a
+    call, as before."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import onnx
+
+    from hexforge.forge.quality import ROW_WISE_OPS, rows_head
+
+    b = htp_bundle("llama", "w8-u16", keep_work=True, verify=False)
+    qdq = [p for p in sorted((b / "_work").rglob("head*.onnx")) if any(
+        n.op_type == "QuantizeLinear" for n in onnx.load(str(p), load_external_data=False).graph.node)]
+    assert qdq
+
+    def engine(path):
+        return SimpleNamespace(target=SimpleNamespace(htp_arch=None), bundle=b,
+                               plan=SimpleNamespace(head=SimpleNamespace(
+                                   file=str(path.relative_to(b)))), hidden_dtype=np.float32)
+
+    assert rows_head(engine(qdq[0])) is None
+    ops = {n.op_type for n in onnx.load(str(b / "cpu" / "head.onnx"),
+                                        load_external_data=False).graph.node}
+    assert ops <= ROW_WISE_OPS and rows_head(engine(b / "cpu" / "head.onnx")) is not None

@@ -127,6 +127,9 @@ def bundle_logits(engine, ids: list[int]) -> np.ndarray:
 
 
 HEAD_ROWS = 64  # rows a call of the cpu head at once: [1, 64, 262144] fp32 logits are 67 MB
+# the ops a head may hold for its rows to be batched: each row computed alone, no shape in them
+ROW_WISE_OPS = frozenset({"SimplifiedLayerNormalization", "MatMul", "MatMulNBits", "Mul", "Div",
+                          "Add", "Tanh", "Cast"})
 
 
 def rows_head(engine):
@@ -148,8 +151,9 @@ def rows_head(engine):
     spec = engine.plan.head
     path = confine(engine.bundle, spec.file)
     model = onnx.load(str(path), load_external_data=False)
-    if [i.name for i in model.graph.input] != ["hidden"]:
-        return None
+    if [i.name for i in model.graph.input] != ["hidden"] or any(
+            n.op_type not in ROW_WISE_OPS for n in model.graph.node):
+        return None  # e.g. a QDQ twin's head, whose norm reshapes to [1, 1, H]
     for value in [*model.graph.input, *model.graph.output]:
         dims = value.type.tensor_type.shape.dim
         if len(dims) != 3:
