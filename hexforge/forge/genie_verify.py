@@ -206,7 +206,7 @@ def verify_genie(graphs: GenieGraphs, ref: dict, quant: str, new_tokens: int,
     from dataclasses import asdict
 
     from .quality import compare, log_softmax
-    from .verify import GATES, first_miss, greedy_as_forced, kl_failures
+    from .verify import GATES, first_miss, greedy_as_forced, greedy_up_to_miss, kl_failures
 
     prompt, tokens = ref["prompt"], ref["tokens"][:steps]
     graphs.reset()
@@ -226,8 +226,7 @@ def verify_genie(graphs: GenieGraphs, ref: dict, quant: str, new_tokens: int,
     n = min(new_tokens, graphs.C - len(prompt))
     own = greedy_as_forced(got[:n], tokens[:n])
     if own is None and not continue_after_miss:  # up to the miss, read off the forced run
-        forced = [int(row.argmax()) for row in got[:n]]
-        own = forced[:first_miss(forced, tokens[:n]) + 1]
+        own = greedy_up_to_miss(got[:n], tokens[:n])
     elif own is None:  # a miss: Genie's own greedy tokens from there on
         graphs.reset()
         own, logits = [], graphs.prompt(prompt)[-1]

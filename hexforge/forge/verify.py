@@ -209,6 +209,13 @@ def greedy_as_forced(rows: list[np.ndarray], tokens: list[int]) -> list[int] | N
     return got if got == list(tokens) else None
 
 
+def greedy_up_to_miss(rows: list[np.ndarray], tokens: list[int]) -> list[int]:
+    """The bundle's greedy tokens up to and including its first miss, read off the teacher-forced
+    logits ``rows`` (``greedy_as_forced``: up to the miss both runs feed the same tokens)."""
+    forced = [greedy(row) for row in rows]
+    return forced[:first_miss(forced, tokens) + 1]
+
+
 def oracle_prompt(tok: TextTokenizer, prefill_len: int, context: int, new_tokens: int) -> list[int]:
     """The oracle's prompt: longer than one AR-N chunk, so prefill chains chunks."""
     N = prefill_len
@@ -280,8 +287,7 @@ def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Mani
         if got is None and continue_after_miss:  # the bundle's own tokens on are the greedy run's
             got = [token for token, _ in engine.generate_step(prompt, greedy, len(tokens))]
         elif got is None:  # its greedy run would agree up to the miss and take the miss's token
-            forced = [greedy(row) for row in got_rows]
-            got = forced[:first_miss(forced, tokens) + 1]
+            got = greedy_up_to_miss(got_rows, tokens)
         advance(len(tokens))
     match = first_miss(got, tokens)
 

@@ -32,6 +32,7 @@ from .options import (
     GenerationResult,
     Piece,
     check_request,
+    request_clock,
 )
 from .text import ChatTemplate, TextTokenizer, encode_prompt
 
@@ -105,14 +106,10 @@ def genie_result(tokenizer, tokens: list[int], prompt_tokens: int, finish: str, 
                  t_first: float | None, backend: str) -> GenerationResult:
     """A Genie request's result from its tokens and clock readings (perf_counter: the start,
     the first token; the end is now)."""
-    t_end = time.perf_counter()
-    t_first = t_first or t_end
-    n_after = max(len(tokens) - 1, 0)
     return GenerationResult(
         text=tokenizer.decode(tokens), token_ids=tokens, prompt_tokens=prompt_tokens,
-        finish_reason=finish, ttft_ms=(t_first - t0) * 1e3,
-        decode_tok_s=n_after / (t_end - t_first) if n_after and t_end > t_first else 0.0,
-        total_ms=(t_end - t0) * 1e3, timings={"backend": backend})
+        finish_reason=finish, **request_clock(t0, t_first, len(tokens)),
+        timings={"backend": backend})
 
 
 class GenieModel(GenerationMethods):

@@ -23,6 +23,7 @@ from .options import (
     GenerationOptions,
     GenerationResult,
     Piece,
+    request_clock,
 )
 from .sampling import Sampler, make_sampler
 from .session import ChatSession
@@ -223,15 +224,10 @@ class Model(GenerationMethods):
             tail = stops.add(detok.flush()) + (stops.flush() if not stops.hit else "")
             if tail:
                 yield Piece(tail, None)
-        t_end = time.perf_counter()
-        t_first = t_first or t_end
-        n_after = max(len(tokens) - 1, 0)
         result = GenerationResult(
             text=stops.text if stops.stops else self.tokenizer.decode(tokens), token_ids=tokens,
             prompt_tokens=len(ids), finish_reason="stop" if stops.hit else finish,
-            ttft_ms=(t_first - t0) * 1e3,
-            decode_tok_s=n_after / (t_end - t_first) if n_after and t_end > t_first else 0.0,
-            total_ms=(t_end - t0) * 1e3, logprobs=lps,
+            **request_clock(t0, t_first, len(tokens)), logprobs=lps,
             speculation=drafter.stats.to_dict() if drafter is not None else None,
         )
         yield Done(result)

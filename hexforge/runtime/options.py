@@ -7,7 +7,7 @@ import functools
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
-from typing import Annotated, Any, get_type_hints
+from typing import Annotated, Any, TypedDict, get_type_hints
 
 from ..errors import ContextOverflowError, RequestError
 
@@ -114,6 +114,25 @@ def takes_generation_options(fn):
                                        return_annotation=own.get("return", sig.return_annotation))
     method.__doc__ = f"{fn.__doc__ or ''}\n\nKeyword arguments (GenerationOptions):\n{_options_doc()}"
     return method
+
+
+class Clock(TypedDict):
+    ttft_ms: float
+    decode_tok_s: float
+    total_ms: float
+
+
+def request_clock(t0: float, t_first: float | None, n_tokens: int) -> Clock:
+    """A request's ttft_ms / decode_tok_s / total_ms from its perf_counter readings (the start,
+    the first token; the end is now) and its output length: every runtime's result reads them."""
+    import time
+
+    t_end = time.perf_counter()
+    t_first = t_first or t_end
+    n_after = max(n_tokens - 1, 0)
+    return Clock(ttft_ms=(t_first - t0) * 1e3,
+                 decode_tok_s=n_after / (t_end - t_first) if n_after and t_end > t_first else 0.0,
+                 total_ms=(t_end - t0) * 1e3)
 
 
 @dataclass(frozen=True)
