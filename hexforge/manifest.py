@@ -274,7 +274,7 @@ class TargetSpec(_Model):
     mask_value: float = -1e9  # additive mask for hidden keys (HTP: bounded, see docs/htp.md)
     hidden_dtype: DType = "float32"  # the shard-to-shard hand-off
     hidden_scale: float = 1.0  # the hand-off is HF's hidden state times this (fp16 graphs carry a
-    # residual stream that would overflow fp16 scaled down: blocks.use_fp16_form)
+    # residual stream that would overflow fp16 scaled down: ExportForm.residual_scale)
     weight_shared: bool = False  # prefill + decode of a shard share one context binary (device only)
     graphs: list[GraphSpec]
     plan: RunPlan

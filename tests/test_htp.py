@@ -359,6 +359,7 @@ def test_regression_fused_norm_with_a_leading_dim_zeroed_rows_on_the_htp(tmp_pat
     import torch
 
     from hexforge.families.blocks import RMSNorm
+    from hexforge.families.form import fp16
     from hexforge.families.graphio import GraphIO
     from hexforge.forge.export import export_module
     from hexforge.forge.htp.compile import compile_graph
@@ -368,8 +369,7 @@ def test_regression_fused_norm_with_a_leading_dim_zeroed_rows_on_the_htp(tmp_pat
 
         def __init__(self):
             super().__init__()
-            self.norm = RMSNorm(torch.linspace(0.5, 1.5, 32), 1e-6)
-            self.norm.fused = True
+            self.norm = RMSNorm(torch.linspace(0.5, 1.5, 32), 1e-6, form=fp16())
 
         def example_inputs(self):
             return (torch.randn(16, 4, 32),)

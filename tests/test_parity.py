@@ -201,3 +201,35 @@ def test_regression_a_qdq_twins_head_is_not_batched(htp_bundle):
     ops = {n.op_type for n in onnx.load(str(b / "cpu" / "head.onnx"),
                                         load_external_data=False).graph.node}
     assert ops <= ROW_WISE_OPS and rows_head(engine(b / "cpu" / "head.onnx")) is not None
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma4"])
+def test_the_fp16_form_carries_the_stream_at_one_over_s_and_nothing_else_moves(
+        ckpt, hf_model, family):
+    """The form a module is made in (families/form.py) changes how it is written, not what it
+    computes: in eager fp32 the fp16 form with s = 4 gives the first shard's hidden at 1/4 of the
+    plain form's and the same new cache rows, and its head reads that 1/4 stream back to the
+    same logits. A form flipped on after construction (the old setters) would leave one side
+    unscaled and fail here."""
+    import torch
+
+    from hexforge.families import load_family
+    from hexforge.families.form import PLAIN, fp16
+
+    hf = hf_model(family)
+    fam = load_family(hf.config.model_type).FAMILY
+    args = fam.Args.from_config(json.loads((ckpt(family) / "config.json").read_text()))
+    layers = (0, 2)
+    plain = fam.decoder_module(hf, args, layers, 4, 16, PLAIN)
+    scaled = fam.decoder_module(hf, args, layers, 4, 16, fp16(4.0))
+    torch.manual_seed(0)
+    example = plain.example_inputs()
+    with torch.no_grad():
+        want, got = plain(*example), scaled(*example)
+        assert torch.allclose(got[0] * 4.0, want[0], rtol=1e-4, atol=1e-4)
+        for g, w in zip(got[1:], want[1:], strict=True):
+            assert torch.allclose(g, w, rtol=1e-4, atol=1e-5)
+        hidden = want[0][:, -1:]
+        logits = fam.head_module(hf, args, PLAIN)(hidden)
+        assert torch.allclose(fam.head_module(hf, args, fp16(4.0))(hidden / 4.0), logits,
+                              rtol=1e-4, atol=1e-4)

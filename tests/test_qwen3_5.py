@@ -137,12 +137,12 @@ def test_fused_gated_delta_net_step_equals_the_written_out_one(ckpt, hf_model):
     against the HTP form: the same output, fifo and state."""
     import torch
 
+    from hexforge.families.form import CPU
     from hexforge.families.qwen3_5 import Args, GatedDeltaNet
 
     args = Args.from_config(json.loads((ckpt("qwen3_5") / "config.json").read_text()))
     hf_lin = hf_model("qwen3_5").model.layers[0].linear_attn
-    plain, fused = GatedDeltaNet(hf_lin, args, 1), GatedDeltaNet(hf_lin, args, 1)
-    fused.cpu_kernel = True
+    plain, fused = GatedDeltaNet(hf_lin, args, 1), GatedDeltaNet(hf_lin, args, 1, CPU)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 1, args.hidden_size, generator=g)
     fifo = torch.randn(1, args.linear_conv_kernel_dim - 1, args.conv_dim, generator=g)

@@ -70,16 +70,9 @@ def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work
     root.mkdir(parents=True)
     t = time.perf_counter()
     shards = plan_target(fam, hf, target, opts, log)
-    from hexforge.families import blocks
-
-    layout = blocks.use_htp_kv_layout
-    if baseline:  # keys as rows: export_float looks the layout function up when it runs
-        blocks.use_htp_kv_layout = lambda m: False
-    try:
-        graphs, plan = export_float(fam, hf, args, shards, opts, root, "g", log,
-                                    fp16_residual_scale=fp16_scale(fam, peak, log))
-    finally:
-        blocks.use_htp_kv_layout = layout
+    graphs, plan = export_float(fam, hf, args, shards, opts, root, "g", log,
+                                fp16_residual_scale=fp16_scale(fam, peak, log),
+                                keys_transposed=not baseline)  # baseline: keys as rows
     if not baseline:
         graphs = fp16_kv(root, graphs, fam.state_spec(args, context))
     if recipe.weight_only:

@@ -12,9 +12,10 @@ A family module (``families/<model_type>.py``) provides::
       host_tensors(hf, args)  -> {name: ndarray} embedding table, rope inv_freq, PLE tables ...
       host_recipe(hf, args)   -> HostRecipe      how the host makes graph inputs
       layer_weight_bytes(hf)  -> [int]           per-layer weight bytes, for the shard planner
-      decoder_module(hf, args, layers, seq_len, ctx) -> torch module with .io (GraphIO)  [export]
+      decoder_module(hf, args, layers, seq_len, ctx, form) -> torch module with .io   [export]
       cpu_step_module(hf, args, layers, seq_len, ctx) -> the cpu target's AR-N / AR-1 module [export]
-      head_module(hf, args)   -> torch module with .io                                 [export]
+      head_module(hf, args, form) -> torch module with .io                            [export]
+        (form: the frozen ExportForm each block is made in, families/form.py)
       reference_layers(hf)    -> the HF decoder layers (hooked by the oracle for per-shard cosine)
 
 This module itself is torch-free; ``families/blocks.py`` holds the torch export building blocks,
@@ -33,6 +34,7 @@ import numpy as np
 
 from ..manifest import EmbedSpec, HostRecipe, MaskGroup, RopeSpec, StateSpec
 from . import lowp
+from .form import CPU, PLAIN, ExportForm
 
 
 @dataclass(frozen=True)
@@ -145,8 +147,8 @@ class DecoderFamily:
     """
 
     Args = DenseArgs
-    # fp16 graphs may carry the residual stream scaled (blocks.use_fp16_form): every module
-    # that reads or writes it in this family's shards and head has ``set_residual_scale``
+    # fp16 graphs may carry the residual stream scaled (``ExportForm.residual_scale``): every
+    # module that reads or writes it in this family's shards and head applies the form's scale
     residual_scaling = True
 
     # Config fields that change the math, each with the values these graphs reproduce (and why
@@ -269,10 +271,13 @@ class DecoderFamily:
         return sum(p.numel() for p in hf.parameters() if id(p) not in text)
 
     # ---- export modules ----
-    def decoder_module(self, hf, args, layers: tuple[int, int], seq_len: int, context: int):
+    def decoder_module(self, hf, args, layers: tuple[int, int], seq_len: int, context: int,
+                       form: ExportForm = PLAIN):
+        """Decoder layers ``layers`` as one static step of ``seq_len`` rows over a ``context``-row
+        cache, written in ``form`` (the cpu, fixed-point or fp16 graph: form.py)."""
         from . import blocks
 
-        return blocks.DenseShard(self, hf, args, layers, seq_len, context)
+        return blocks.DenseShard(self, hf, args, layers, seq_len, context, form)
 
     def cpu_step_module(self, hf, args, layers: tuple[int, int], seq_len: int, context: int):
         """The cpu target's AR-N prefill (seq_len N) and AR-1 decode (1) modules: full-cache
@@ -282,7 +287,7 @@ class DecoderFamily:
         from . import blocks
 
         return blocks.InPlaceCache.wrap(
-            blocks.use_cpu_kernels(self.decoder_module(hf, args, layers, seq_len, context)),
+            self.decoder_module(hf, args, layers, seq_len, context, CPU),
             self.cache_row_rope_tables(hf, args, context))
 
     def cache_row_rope_tables(self, hf, args, rows: int) -> dict[str, tuple]:
@@ -298,19 +303,20 @@ class DecoderFamily:
         return {r.name: rope_tables(np.asarray(tensors[r.inv_freq]), r.attention_scaling, rows)
                 for r in recipe.ropes if r.mrope_section is None}
 
-    def head_module(self, hf, args):
+    def head_module(self, hf, args, form: ExportForm = PLAIN):
+        """Final norm + lm_head on one hidden row, in ``form``."""
         from . import blocks
 
         tm = self.text_model(hf)
-        return blocks.Head(tm.norm, hf.lm_head, softcap=None)
+        return blocks.Head(tm.norm, hf.lm_head, softcap=None, form=form)
 
-    def attention(self, hf_layer, args):
+    def attention(self, hf_layer, args, form: ExportForm = PLAIN):
         """The static attention block for one HF layer (families add q/k norms here)."""
         from . import blocks
 
         return blocks.StaticAttention(
             hf_layer.self_attn, n_heads=args.num_attention_heads, n_kv=args.num_key_value_heads,
-            head_dim=args.head_dim, scaling=args.head_dim**-0.5,
+            head_dim=args.head_dim, scaling=args.head_dim**-0.5, form=form,
         )
 
 

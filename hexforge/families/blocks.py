@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .form import PLAIN, ExportForm
 from .graphio import GraphIO
 from .ortops import (
     CacheLengths,
@@ -107,38 +108,26 @@ def record_norm_prescales(root: nn.Module, run) -> dict[str, float]:
     return out
 
 
-def use_cpu_kernels(module: nn.Module) -> nn.Module:
-    """Mark every RMSNorm and attention rope of ``module`` to export as one fused onnxruntime node
-    each; -> module. Unfused, a norm is 7 nodes (x*x, mean, add, sqrt, div, 2 mul) that
-    onnxruntime's own fusion does not match (it looks for Pow) and a rope 6: their per-node cost
-    is what separated the int4 decode from genai's (docs/measurements.md).
-
-    The graph-level fusions (residual Add + norm, int8/int4 q/k/v packed into one MatMulNBits)
-    are made on the exported ONNX: ``forge/fuse.py``."""
-    for m in module.modules():
-        if hasattr(m, "cpu_kernel"):  # RMSNorm, StaticAttention, qwen3_5.GatedDeltaNet
-            m.cpu_kernel = True
-    return module
-
-
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim: rank 3 (the HTP returned wrong rows for some rank-4 RMSNorm
     shapes), input prescaled by a power of two (``calibrate_norm_scales``); ``unit_offset`` for
     (1 + w) checkpoints, ``weight`` None for scale-free norms (Gemma-4's v_norm).
-    ``cpu_kernel`` (``use_cpu_kernels``): one fused onnxruntime node, for cpu graphs.
-    ``fused`` (``use_fp16_form``): the same fused node on the prescaled input, for HTP graphs
-    with fp16 activations: the decomposed chain materialises x*x, which overflows fp16 on the
-    massive activations of trained models (SmolLM2's first row reaches 22,500 in one channel:
-    x*x = 5e8 > 65504), while the HTP's own RmsNorm kept that row exact (docs/htp.md).
+    ``form.kernels`` "cpu": one fused onnxruntime node, for cpu graphs. "fp16": the same fused
+    node on the prescaled input, for HTP graphs with fp16 activations: the decomposed chain
+    materialises x*x, which overflows fp16 on the massive activations of trained models
+    (SmolLM2's first row reaches 22,500 in one channel: x*x = 5e8 > 65504), while the HTP's own
+    RmsNorm kept that row exact (docs/htp.md).
     ``input_scale`` / ``out_scale``: the graph's input is HF's times ``input_scale``, the output
-    is HF's times ``out_scale`` (a residual stream carried at 1/s: ``use_fp16_form``)."""
+    is HF's times ``out_scale`` (a residual stream carried at 1/s: ``ExportForm.stream``); the
+    module that owns the norm knows which side of it is the stream."""
 
     def __init__(self, weight: torch.Tensor | None, eps: float, unit_offset: bool = False,
-                 prescale: float = 1.0):
+                 prescale: float = 1.0, form: ExportForm = PLAIN, *, input_scale: float = 1.0,
+                 out_scale: float = 1.0):
         super().__init__()
         self.weight, self.eps, self.unit_offset, self.prescale = weight, eps, unit_offset, prescale
-        self.cpu_kernel = self.fused = False
-        self.input_scale = self.out_scale = 1.0
+        self.cpu_kernel, self.fused = form.cpu, form.fused_norm
+        self.input_scale, self.out_scale = input_scale, out_scale
 
     def _gain(self, dim: int, like: torch.Tensor) -> torch.Tensor:
         if self.weight is None:
@@ -148,10 +137,11 @@ class RMSNorm(nn.Module):
         return g * self.out_scale if self.out_scale != 1.0 else g
 
     @classmethod
-    def from_hf(cls, hf_norm: nn.Module, unit_offset: bool = False) -> RMSNorm:
+    def from_hf(cls, hf_norm: nn.Module, unit_offset: bool = False, form: ExportForm = PLAIN, *,
+                input_scale: float = 1.0, out_scale: float = 1.0) -> RMSNorm:
         eps = getattr(hf_norm, "variance_epsilon", None) or getattr(hf_norm, "eps", 1e-6)
         return cls(getattr(hf_norm, "weight", None), eps, unit_offset,
-                   norm_prescale(hf_norm))
+                   norm_prescale(hf_norm), form, input_scale=input_scale, out_scale=out_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel:  # any rank, and fp32 needs no prescale (it is exact anyway: k = 2^n)
@@ -174,36 +164,6 @@ class RMSNorm(nn.Module):
         if self.weight is not None or self.out_scale != 1.0:
             x3 = x3 * self._gain(shape[-1], x3)
         return x3.reshape(shape)
-
-
-def use_fp16_form(module: nn.Module, residual_scale: float = 1.0) -> nn.Module:
-    """HTP graphs with fp16 activations: every RMSNorm as one fused node (``RMSNorm.fused``), and
-    the residual stream carried at 1 / ``residual_scale`` where a module can (its
-    ``set_residual_scale``: the shards and the head). -> module.
-
-    Why the scale: Gemma-3-270M's first row reaches ~100,000 in one residual channel, past fp16's
-    65,504 in the residual itself. Pre-norms ignore a global scale (their eps scaled with it), so
-    dividing the embedding and everything added to the residual by a power of two is exact in
-    fp32 and keeps the stream inside fp16 (the rescaling transformers applies to Gemma for fp16)."""
-    for m in module.modules():
-        if isinstance(m, RMSNorm):
-            m.fused = True
-    for m in module.modules():
-        if hasattr(m, "set_residual_scale"):
-            m.set_residual_scale(residual_scale)
-    return module
-
-
-def use_htp_kv_layout(module: nn.Module) -> bool:
-    """HTP graphs: caches that keep keys transposed, [1, KVH, D, C], where the module can (its
-    ``set_keys_transposed``: the dense shards). -> whether it could; the manifest's TensorSpecs
-    then say ``keys_transposed`` (forge/htp/kvcast.py)."""
-    found = False
-    for m in module.modules():
-        if hasattr(m, "set_keys_transposed"):
-            m.set_keys_transposed()
-            found = True
-    return found
 
 
 def residual_scale(absmax: float, limit: float = 8192.0) -> float:
@@ -240,32 +200,32 @@ ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh, "silu": torch.nn.functional.silu,
 
 
 class GeluTanh(nn.Module):
-    """``gelu_tanh``; ``cpu_kernel`` (``use_cpu_kernels``): onnxruntime's FastGelu, one node for
-    seven — two a Gemma-4 layer (MLP, per-layer-input gate), each node a dispatch and a pass over
-    the row."""
+    """``gelu_tanh``; cpu graphs (``form.cpu``): onnxruntime's FastGelu, one node for seven —
+    two a Gemma-4 layer (MLP, per-layer-input gate), each node a dispatch and a pass over the
+    row."""
 
-    def __init__(self):
+    def __init__(self, form: ExportForm = PLAIN):
         super().__init__()
-        self.cpu_kernel = False
+        self.cpu_kernel = form.cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fast_gelu(x) if self.cpu_kernel else gelu_tanh(x)
 
 
-def activation(name: str):
+def activation(name: str, form: ExportForm = PLAIN):
     """The decoder's activation ``name`` (a key of ACTIVATIONS): a module where cpu graphs
     export it as one fused node, else the function."""
-    return GeluTanh() if ACTIVATIONS[name] is gelu_tanh else ACTIVATIONS[name]
+    return GeluTanh(form) if ACTIVATIONS[name] is gelu_tanh else ACTIVATIONS[name]
 
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) on the HF module's Linear layers, with our activation."""
 
-    def __init__(self, hf_mlp: nn.Module, name: str):
+    def __init__(self, hf_mlp: nn.Module, name: str, form: ExportForm = PLAIN):
         super().__init__()
         self.gate_proj, self.up_proj = hf_mlp.gate_proj, hf_mlp.up_proj
         self.down_proj = hf_mlp.down_proj
-        self.act = activation(name)
+        self.act = activation(name, form)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -376,7 +336,8 @@ class StaticAttention(nn.Module):
 
     def __init__(self, hf_attn: nn.Module, *, n_heads: int, n_kv: int, head_dim: int,
                  scaling: float, q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
-                 v_norm: nn.Module | None = None, output_gate: bool = False):
+                 v_norm: nn.Module | None = None, output_gate: bool = False,
+                 form: ExportForm = PLAIN):
         super().__init__()
         # a KV-shared layer (Gemma-4) has only q/o: it attends over its donor's keys/values
         self.q_proj, self.o_proj = hf_attn.q_proj, hf_attn.o_proj
@@ -386,10 +347,10 @@ class StaticAttention(nn.Module):
         self.q_norm, self.k_norm, self.v_norm = q_norm, k_norm, v_norm
         # Qwen3.5: q_proj emits [query | gate] per head; the output is out * sigmoid(gate)
         self.output_gate = output_gate
-        self.cpu_kernel = False  # use_cpu_kernels: onnxruntime's fused rope
-        # use_htp_kv_layout: the cache holds keys transposed, [1, KVH, D, C], as QK^T reads
-        # them: no transpose of the whole cache each step (kvcast.py has the measurement)
-        self.keys_transposed = False
+        self.cpu_kernel = form.cpu  # onnxruntime's fused rope
+        # the cache holds keys transposed, [1, KVH, D, C], as QK^T reads them: no transpose of
+        # the whole cache each step (kvcast.py has the measurement)
+        self.keys_transposed = form.keys_transposed
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         T = x.shape[1]
@@ -496,18 +457,16 @@ class StaticAttention(nn.Module):
 class DenseLayer(nn.Module):
     """Pre-norm llama block: x + attn(norm(x)); x + mlp(norm(x)). HF norm/MLP modules reused."""
 
-    def __init__(self, hf_layer: nn.Module, attn: StaticAttention):
+    def __init__(self, hf_layer: nn.Module, attn: StaticAttention, form: ExportForm = PLAIN):
         super().__init__()
-        self.input_norm = RMSNorm.from_hf(hf_layer.input_layernorm)
-        self.post_attn_norm = RMSNorm.from_hf(hf_layer.post_attention_layernorm)
+        # the residual stream at 1/s (``form.stream``): the norms read it so, the branches add
+        # into it so (one Mul each; no post-norm to fold the scale into)
+        u = form.stream
+        self.input_norm = RMSNorm.from_hf(hf_layer.input_layernorm, form=form, input_scale=u)
+        self.post_attn_norm = RMSNorm.from_hf(hf_layer.post_attention_layernorm, form=form,
+                                              input_scale=u)
         self.attn, self.mlp = attn, hf_layer.mlp
-        self.add_scale = 1.0
-
-    def set_residual_scale(self, s: float) -> None:
-        """The residual stream at 1/s (``use_fp16_form``): the norms read it so, the branches
-        add into it so (one Mul each; no post-norm to fold the scale into)."""
-        self.input_norm.input_scale = self.post_attn_norm.input_scale = 1.0 / s
-        self.add_scale = 1.0 / s
+        self.add_scale = u
 
     def _add(self, x, branch):
         return x + (branch * self.add_scale if self.add_scale != 1.0 else branch)
@@ -523,14 +482,15 @@ class DenseShard(nn.Module):
 
     inputs : hidden [1,T,H], cos/sin [1,T,R], mask_full [1,1,T,C+T], past.L{i}.k/v [1,KVH,C,D] ...
     outputs: hidden_out [1,T,H], new.L{i}.k/v [1,KVH,T,D] ...
-    (keys [1,KVH,D,C] in, [1,KVH,D,T] out under ``use_htp_kv_layout``)
+    (keys [1,KVH,D,C] in, [1,KVH,D,T] out under ``form.keys_transposed``)
     """
 
-    def __init__(self, fam, hf, args, layers: tuple[int, int], seq_len: int, context: int):
+    def __init__(self, fam, hf, args, layers: tuple[int, int], seq_len: int, context: int,
+                 form: ExportForm = PLAIN):
         super().__init__()
         ref = fam.reference_layers(hf)
         self.layer_ids = list(range(*layers))
-        self.layers = nn.ModuleList([DenseLayer(ref[i], fam.attention(ref[i], args))
+        self.layers = nn.ModuleList([DenseLayer(ref[i], fam.attention(ref[i], args, form), form)
                                      for i in self.layer_ids])
         self.seq_len, self.context, self.args = seq_len, context, args
         self.io = GraphIO(
@@ -540,22 +500,13 @@ class DenseShard(nn.Module):
             outputs=[("hidden_out", "hidden")]
             + [(f"new.L{i}.{kv}", f"state:L{i}.{kv}") for i in self.layer_ids for kv in "kv"],
         )
-        self.entry_scale = 1.0
-        self.keys_transposed = False  # use_htp_kv_layout
-
-    def set_keys_transposed(self) -> None:
-        """Every layer's cache keeps its keys as [1, KVH, D, C] (``use_htp_kv_layout``)."""
-        self.keys_transposed = True
-        for m in self.modules():
-            if isinstance(m, StaticAttention):
-                m.keys_transposed = True
-        self.io.keys_transposed = {n for n, _ in self.io.inputs + self.io.outputs
-                                   if n.startswith(("past.", "new.")) and n.endswith(".k")}
-
-    def set_residual_scale(self, s: float) -> None:
-        """The first shard takes HF's hidden (the embedding) and scales it to 1/s; later shards
-        take the stream already scaled (``use_fp16_form``)."""
-        self.entry_scale = 1.0 / s if self.layer_ids and self.layer_ids[0] == 0 else 1.0
+        # the first shard takes HF's hidden (the embedding) and scales it to 1/s; later shards
+        # take the stream already scaled
+        self.entry_scale = form.stream if self.layer_ids and self.layer_ids[0] == 0 else 1.0
+        self.keys_transposed = form.keys_transposed  # every layer's cache: keys [1, KVH, D, C]
+        if form.keys_transposed:
+            self.io.keys_transposed = {n for n, _ in self.io.inputs + self.io.outputs
+                                       if n.startswith(("past.", "new.")) and n.endswith(".k")}
 
     def enter(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden * self.entry_scale if self.entry_scale != 1.0 else hidden
@@ -612,15 +563,15 @@ class Head(nn.Module):
     """Final norm + lm_head (+ optional logit softcap) on one hidden row: [1,1,H] -> [1,1,V]."""
 
     def __init__(self, norm: nn.Module, lm_head: nn.Module, softcap: float | None,
-                 hidden_size: int | None = None, unit_offset: bool = False):
+                 hidden_size: int | None = None, unit_offset: bool = False,
+                 form: ExportForm = PLAIN):
         super().__init__()
-        self.norm, self.lm_head = RMSNorm.from_hf(norm, unit_offset), lm_head
+        # the final norm reads the stream at 1/s (``form.stream``)
+        self.norm = RMSNorm.from_hf(norm, unit_offset, form, input_scale=form.stream)
+        self.lm_head = lm_head
         self.softcap = softcap
         self.hidden_size = hidden_size or lm_head.weight.shape[1]
         self.io = GraphIO(inputs=[("hidden", "hidden")], outputs=[("logits", "logits")])
-
-    def set_residual_scale(self, s: float) -> None:
-        self.norm.input_scale = 1.0 / s  # the final norm reads the stream at 1/s
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         return (torch.randn(1, 1, self.hidden_size),)

@@ -25,6 +25,7 @@ from torch import nn
 
 from . import blocks, gemma4
 from .base import Accepts
+from .form import PLAIN, ExportForm
 
 
 @dataclass
@@ -71,35 +72,33 @@ class Gemma3Family(gemma4.Gemma4Family):
                            "graphs are a causal decoder's"),
     }
 
-    def layer_module(self, hf_layer, args: Args, i: int) -> nn.Module:
-        return Gemma3Layer(hf_layer, args)
+    def layer_module(self, hf_layer, args: Args, i: int, form: ExportForm = PLAIN) -> nn.Module:
+        return Gemma3Layer(hf_layer, args, form)
 
-    def head_module(self, hf, args: Args):
+    def head_module(self, hf, args: Args, form: ExportForm = PLAIN):
         tm = self.text_model(hf)
         return blocks.Head(tm.norm, hf.lm_head, softcap=args.final_logit_softcapping,
-                           hidden_size=args.hidden_size, unit_offset=True)
+                           hidden_size=args.hidden_size, unit_offset=True, form=form)
 
 
 class Gemma3Layer(gemma4.Gemma4Layer):
     """One HF Gemma3DecoderLayer in ``Gemma4Layer``'s interface (static, shared and in-place
     forwards): its four norms, q/k norms (1 + w), no per-layer input, no layer scalar."""
 
-    def __init__(self, hf_layer: nn.Module, args: Args):
+    def __init__(self, hf_layer: nn.Module, args: Args, form: ExportForm = PLAIN):
         nn.Module.__init__(self)
         a = hf_layer.self_attn
 
         def norm(m):
-            return blocks.RMSNorm.from_hf(m, unit_offset=True)
+            return blocks.RMSNorm.from_hf(m, unit_offset=True, form=form)
 
         self.shared, self.has_ple = False, False
         self.attn = blocks.StaticAttention(
             a, n_heads=args.num_attention_heads, n_kv=args.kv_heads[0], head_dim=args.head_dims[0],
-            scaling=args.query_pre_attn_scalar ** -0.5, q_norm=norm(a.q_norm), k_norm=norm(a.k_norm))
-        h = hf_layer
-        self.in_norm, self.post_attn_norm = norm(h.input_layernorm), norm(h.post_attention_layernorm)
-        self.pre_ff_norm = norm(h.pre_feedforward_layernorm)
-        self.post_ff_norm = norm(h.post_feedforward_layernorm)
-        self.mlp = blocks.GatedMLP(h.mlp, args.hidden_activation)
+            scaling=args.query_pre_attn_scalar ** -0.5, q_norm=norm(a.q_norm), k_norm=norm(a.k_norm),
+            form=form)
+        self._norms(hf_layer, form, unit_offset=True)
+        self.mlp = blocks.GatedMLP(hf_layer.mlp, args.hidden_activation, form)
         self.register_buffer("layer_scalar", None)
 
 

@@ -38,6 +38,7 @@ from ..errors import UnsupportedModelError
 from ..manifest import EmbedSpec, ExtraEmbedSpec, HostRecipe, MaskGroup, RopeSpec, StateSpec
 from . import blocks, ortops
 from .base import Accepts, DecoderFamily
+from .form import CPU, PLAIN, ExportForm, fp16
 from .graphio import GraphIO
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -179,23 +180,23 @@ class Gemma4Family(DecoderFamily):
                 for layer in tm.layers]
 
     # ---- export modules -------------------------------------------------------------------------
-    def decoder_module(self, hf, args: Args, layers: tuple[int, int], seq_len: int, context: int):
-        return Gemma4Shard(self, hf, args, layers, seq_len, context)
+    def decoder_module(self, hf, args: Args, layers: tuple[int, int], seq_len: int, context: int,
+                       form: ExportForm = PLAIN):
+        return Gemma4Shard(self, hf, args, layers, seq_len, context, form)
 
-    def head_module(self, hf, args: Args):
+    def head_module(self, hf, args: Args, form: ExportForm = PLAIN):
         tm = self.text_model(hf)
         return blocks.Head(tm.norm, hf.lm_head, softcap=args.final_logit_softcapping,
-                           hidden_size=args.hidden_size)
+                           hidden_size=args.hidden_size, form=form)
 
-    def layer_module(self, hf_layer, args: Args, i: int) -> nn.Module:
+    def layer_module(self, hf_layer, args: Args, i: int, form: ExportForm = PLAIN) -> nn.Module:
         """Layer i's static step module (``Gemma4Layer``'s interface)."""
-        return Gemma4Layer(hf_layer, args, i)
+        return Gemma4Layer(hf_layer, args, i, form)
 
     def cpu_step_module(self, hf, args, layers: tuple[int, int], seq_len: int, context: int):
-        """The cpu form of the step (``Gemma4Shard`` with cpu=True): full caches updated in place
-        by GroupQueryAttention, sliding rings cut to the rows held."""
-        return blocks.use_cpu_kernels(Gemma4Shard(self, hf, args, layers, seq_len, context,
-                                                  cpu=True))
+        """The cpu form of the step (``Gemma4Shard`` in the CPU form): full caches updated in
+        place by GroupQueryAttention, sliding rings cut to the rows held."""
+        return Gemma4Shard(self, hf, args, layers, seq_len, context, CPU)
 
     # ---- Genie --------------------------------------------------------------------------------
     def genie_spec(self, hf, args: Args):
@@ -249,36 +250,40 @@ class Gemma4Layer(nn.Module):
     """One HF Gemma4TextDecoderLayer as a static step. Unshared layers return (x, k_new, v_new,
     keys, values) — keys/values = [cache | new] for sharers in the same shard; sharers take them."""
 
-    def __init__(self, hf_layer: nn.Module, args: Args, i: int):
+    def __init__(self, hf_layer: nn.Module, args: Args, i: int, form: ExportForm = PLAIN):
         super().__init__()
         a = hf_layer.self_attn
         self.shared = args.donors[i] is not None
         self.attn = blocks.StaticAttention(
             a, n_heads=args.num_attention_heads, n_kv=args.kv_heads[i], head_dim=args.head_dims[i],
-            scaling=1.0, q_norm=blocks.RMSNorm.from_hf(a.q_norm),
-            k_norm=None if self.shared else blocks.RMSNorm.from_hf(a.k_norm),
-            v_norm=None if self.shared else blocks.RMSNorm.from_hf(a.v_norm))
-        h, norm = hf_layer, blocks.RMSNorm.from_hf
-        self.in_norm, self.post_attn_norm = norm(h.input_layernorm), norm(h.post_attention_layernorm)
-        self.pre_ff_norm = norm(h.pre_feedforward_layernorm)
-        self.post_ff_norm = norm(h.post_feedforward_layernorm)
-        self.mlp = blocks.GatedMLP(h.mlp, args.hidden_activation)
+            scaling=1.0, q_norm=blocks.RMSNorm.from_hf(a.q_norm, form=form),
+            k_norm=None if self.shared else blocks.RMSNorm.from_hf(a.k_norm, form=form),
+            v_norm=None if self.shared else blocks.RMSNorm.from_hf(a.v_norm, form=form),
+            form=form)
+        self._norms(hf_layer, form, unit_offset=False)
+        h = hf_layer
+        self.mlp = blocks.GatedMLP(h.mlp, args.hidden_activation, form)
         self.has_ple = bool(args.hidden_size_per_layer_input)
         if self.has_ple:
             self.ple_gate, self.ple_proj = h.per_layer_input_gate, h.per_layer_projection
-            self.ple_norm = norm(h.post_per_layer_input_norm)
-            self.act = blocks.activation(args.hidden_activation)
+            self.ple_norm = blocks.RMSNorm.from_hf(h.post_per_layer_input_norm, form=form,
+                                                   out_scale=form.stream)
+            self.act = blocks.activation(args.hidden_activation, form)
         self.register_buffer("layer_scalar", h.layer_scalar.detach().clone())
-        self.residual_scale = 1.0
 
-    def set_residual_scale(self, s: float) -> None:
-        """The residual stream at 1/s (``blocks.use_fp16_form``): the pre-norms read it so, the
-        post-norms write it so (their gains / s: exact for a power of two)."""
-        self.residual_scale = s
-        self.in_norm.input_scale = self.pre_ff_norm.input_scale = 1.0 / s
-        self.post_attn_norm.out_scale = self.post_ff_norm.out_scale = 1.0 / s
-        if self.has_ple:
-            self.ple_norm.out_scale = 1.0 / s
+    def _norms(self, h: nn.Module, form: ExportForm, unit_offset: bool) -> None:
+        """The four sandwich norms. The residual stream at 1/s (``form.stream``): the pre-norms
+        read it so, the post-norms write it so (their gains / s: exact for a power of two)."""
+        u = form.stream
+
+        def norm(m: nn.Module, **scale: float) -> blocks.RMSNorm:
+            return blocks.RMSNorm.from_hf(m, unit_offset, form, **scale)
+
+        self.residual_scale = form.residual_scale
+        self.in_norm = norm(h.input_layernorm, input_scale=u)
+        self.post_attn_norm = norm(h.post_attention_layernorm, out_scale=u)
+        self.pre_ff_norm = norm(h.pre_feedforward_layernorm, input_scale=u)
+        self.post_ff_norm = norm(h.post_feedforward_layernorm, out_scale=u)
 
     def _tail(self, x, attn_out, ple_i):
         x = x + self.post_attn_norm(attn_out)
@@ -355,20 +360,23 @@ class Gemma4Shard(nn.Module):
     """
 
     def __init__(self, fam: Gemma4Family, hf, args: Args, layers: tuple[int, int], seq_len: int,
-                 context: int, cpu: bool = False, rings: bool = True):
+                 context: int, form: ExportForm = PLAIN, rings: bool = True):
         super().__init__()
         tm = fam.text_model(hf)
+        form = form.with_plain_keys()  # its caches keep keys as rows
+        cpu = form.cpu
         self.args, self.seq_len, self.context, self.cpu = args, seq_len, context, cpu
         self.rings = rings  # False: sliding layers keep every row too, windowed by their mask
-        self.entry_scale = 1.0
         self.a, self.b = layers
+        # the first shard scales HF's hidden (the embedding) to 1/s (``form.stream``)
+        self.entry_scale = form.stream if self.a == 0 else 1.0
         ids = list(range(*layers))
-        self.layers = nn.ModuleList([fam.layer_module(tm.layers[i], args, i) for i in ids])
+        self.layers = nn.ModuleList([fam.layer_module(tm.layers[i], args, i, form) for i in ids])
         P = args.hidden_size_per_layer_input
         if P:
             w = tm.per_layer_model_projection.weight.detach()  # [L*P, H]
             self.ple_w = nn.Parameter(w[self.a * P:self.b * P].clone(), requires_grad=False)
-            self.ple_norm = blocks.RMSNorm.from_hf(tm.per_layer_projection_norm)
+            self.ple_norm = blocks.RMSNorm.from_hf(tm.per_layer_projection_norm, form=form)
         self.types = [t for t in (SLIDING, FULL) if t in {args.layer_types[i] for i in ids}]
         self.own = [i for i in ids if args.donors[i] is None]
         self.external = sorted({args.donors[i] for i in ids
@@ -394,10 +402,6 @@ class Gemma4Shard(nn.Module):
             + [(f"present.L{i}.{kv}", f"alias:past.L{self._cache_of(i)}.{kv}") for i in ids
                if self._cache_of(i) in self.in_place for kv in "kv"],
         )
-
-    def set_residual_scale(self, s: float) -> None:
-        """The first shard scales HF's hidden (the embedding) to 1/s (``blocks.use_fp16_form``)."""
-        self.entry_scale = 1.0 / s if self.a == 0 else 1.0
 
     def _cache_of(self, i: int) -> int:
         """The layer whose cache layer i reads: its own, or its donor's."""
@@ -543,7 +547,6 @@ class GemmaGenieStep(nn.Module):
     def __init__(self, fam: Gemma4Family, hf, args: Args, host, layers: tuple[int, int],
                  seq_len: int, context: int, residual_scale: float, rope_dims: dict[str, int]):
         super().__init__()
-        from .blocks import use_fp16_form
         from .genieio import (
             INPUT_IDS,
             INPUTS_EMBEDS,
@@ -560,9 +563,9 @@ class GemmaGenieStep(nn.Module):
         self.args, self.T, self.S = args, seq_len, context - seq_len
         self.rope_dims = rope_dims
         self.first, self.last = a == 0, b == L
-        self.shard = use_fp16_form(Gemma4Shard(fam, hf, args, layers, seq_len, self.S,
-                                               rings=False), residual_scale)
-        self.head = use_fp16_form(fam.head_module(hf, args), residual_scale) if self.last else None
+        form = fp16(residual_scale)
+        self.shard = Gemma4Shard(fam, hf, args, layers, seq_len, self.S, form, rings=False)
+        self.head = fam.head_module(hf, args, form) if self.last else None
         self.ple = bool(args.hidden_size_per_layer_input)
         self.entry = (TokenGather(fam.text_model(hf).embed_tokens.weight, host.embed.scale)
                       if self.first and not self.ple else None)

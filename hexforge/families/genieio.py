@@ -207,14 +207,15 @@ class DenseGenieStep(nn.Module):
     def make(cls, fam, hf, args, host, layers: tuple[int, int], seq_len: int, context: int,
              form: GenieForm, residual_scale: float) -> DenseGenieStep:
         """Layers ``layers`` for AR ``seq_len`` and context ``context`` in the fp16 form of HTP
-        graphs (blocks.use_fp16_form)."""
-        from .blocks import use_fp16_form
+        graphs (``form.fp16``: fused norms, the stream at 1/``residual_scale``), Genie's own
+        cache layout (``genie_kv_layout``) in place of transposed keys."""
+        from .form import fp16
 
+        export = fp16(residual_scale)
         past = context - seq_len if form.past_is_cl_minus_ar else context
         last = layers[1] == args.num_hidden_layers
-        shard = use_fp16_form(fam.decoder_module(hf, args, layers, seq_len, past), residual_scale)
-        head = (use_fp16_form(fam.head_module(hf, args), residual_scale)
-                if form.with_head and last else None)
+        shard = fam.decoder_module(hf, args, layers, seq_len, past, export)
+        head = fam.head_module(hf, args, export) if form.with_head and last else None
         entry = (TokenGather(fam.text_model(hf).embed_tokens.weight, host.embed.scale)
                  if form.token_ids and layers[0] == 0 else None)
         return cls(shard, head, entry, args, seq_len, past, form)

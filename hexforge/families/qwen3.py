@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from . import llama
 from .base import DenseArgs
+from .form import PLAIN, ExportForm
 
 
 @dataclass
@@ -22,14 +23,15 @@ class Qwen3Family(llama.LlamaFamily):
 
     Args = Args
 
-    def attention(self, hf_layer, args):
+    def attention(self, hf_layer, args, form: ExportForm = PLAIN):
         from . import blocks
 
         a = hf_layer.self_attn
         return blocks.StaticAttention(
             a, n_heads=args.num_attention_heads, n_kv=args.num_key_value_heads,
             head_dim=args.head_dim, scaling=args.head_dim**-0.5,
-            q_norm=blocks.RMSNorm.from_hf(a.q_norm), k_norm=blocks.RMSNorm.from_hf(a.k_norm),
+            q_norm=blocks.RMSNorm.from_hf(a.q_norm, form=form),
+            k_norm=blocks.RMSNorm.from_hf(a.k_norm, form=form), form=form,
         )
 
 

@@ -33,6 +33,7 @@ from torch import nn
 from ..manifest import EmbedSpec, HostRecipe, RopeSpec, StateSpec
 from . import blocks
 from .base import DecoderFamily
+from .form import PLAIN, ExportForm, fp16
 from .graphio import GraphIO
 from .ortops import (
     linear_attention,
@@ -86,7 +87,7 @@ class Args:
 class Qwen35Family(DecoderFamily):
     """Qwen3.5 text: GatedDeltaNet + gated full attention hybrid."""
 
-    residual_scaling = False  # its layers read the stream unscaled (no set_residual_scale)
+    residual_scaling = False  # its layers read the stream unscaled (form.residual_scale unread)
 
     Args = Args
 
@@ -138,8 +139,9 @@ class Qwen35Family(DecoderFamily):
                             mrope_interleaved=True)],
         )
 
-    def decoder_module(self, hf, args: Args, layers: tuple[int, int], seq_len: int, context: int):
-        return Qwen35Shard(self, hf, args, layers, seq_len, context)
+    def decoder_module(self, hf, args: Args, layers: tuple[int, int], seq_len: int, context: int,
+                       form: ExportForm = PLAIN):
+        return Qwen35Shard(self, hf, args, layers, seq_len, context, form)
 
     def cpu_step_module(self, hf, args: Args, layers: tuple[int, int], seq_len: int, context: int):
         """The cpu form (fused GatedDeltaNet decode ops, in-place KV caches), and in the decode
@@ -161,9 +163,9 @@ class Qwen35Family(DecoderFamily):
         module.io = GraphIO(inputs=module.io.inputs, outputs=outputs)
         return module
 
-    def head_module(self, hf, args: Args):
+    def head_module(self, hf, args: Args, form: ExportForm = PLAIN):
         return blocks.Head(self.text_model(hf).norm, hf.lm_head, softcap=None, unit_offset=True,
-                           hidden_size=args.hidden_size)
+                           hidden_size=args.hidden_size, form=form)
 
     # ---- Genie --------------------------------------------------------------------------------
     def genie_spec(self, hf, args: Args):
@@ -229,18 +231,18 @@ def delta_rule_chunk(q, k, v, g, beta, S, upper, strict_lower, lower):
 
 class GatedDeltaNet(nn.Module):
     """HF Qwen3_5GatedDeltaNet as a static step on the HF module's weights. ``cpu_kernel``
-    (``blocks.use_cpu_kernels``): onnxruntime's fused ops instead (``_forward_cpu``)."""
+    (``form.cpu``): onnxruntime's fused ops instead (``_forward_cpu``)."""
 
-    def __init__(self, hf_lin: nn.Module, args: Args, seq_len: int):
+    def __init__(self, hf_lin: nn.Module, args: Args, seq_len: int, form: ExportForm = PLAIN):
         super().__init__()
         self.in_proj_qkv, self.in_proj_z = hf_lin.in_proj_qkv, hf_lin.in_proj_z
         self.in_proj_b, self.in_proj_a, self.out_proj = hf_lin.in_proj_b, hf_lin.in_proj_a, hf_lin.out_proj
         w = hf_lin.conv1d.weight.detach()[:, 0, :]  # [C, K]
         self.conv_w = nn.Parameter(w.t().contiguous(), requires_grad=False)  # [K, C] time-major
-        self.cpu_kernel = False
+        self.cpu_kernel = form.cpu
         self.neg_A = nn.Parameter(-hf_lin.A_log.detach().float().exp(), requires_grad=False)
         self.dt_bias = hf_lin.dt_bias
-        self.norm = blocks.RMSNorm.from_hf(hf_lin.norm)
+        self.norm = blocks.RMSNorm.from_hf(hf_lin.norm, form=form)
         self.act = blocks.ACTIVATIONS[args.hidden_act]
         self.K, self.T = args.linear_conv_kernel_dim, seq_len
         self.hk, self.hv = args.linear_num_key_heads, args.linear_num_value_heads
@@ -323,21 +325,25 @@ class GatedDeltaNet(nn.Module):
 
 
 class Qwen35Layer(nn.Module):
-    def __init__(self, hf_layer: nn.Module, args: Args, i: int, seq_len: int):
+    def __init__(self, hf_layer: nn.Module, args: Args, i: int, seq_len: int,
+                 form: ExportForm = PLAIN):
         super().__init__()
         self.kind = args.layer_types[i]
-        self.in_norm = blocks.RMSNorm.from_hf(hf_layer.input_layernorm, unit_offset=True)
-        self.post_norm = blocks.RMSNorm.from_hf(hf_layer.post_attention_layernorm, unit_offset=True)
-        self.mlp = blocks.GatedMLP(hf_layer.mlp, args.hidden_act)
+
+        def norm(m: nn.Module) -> blocks.RMSNorm:
+            return blocks.RMSNorm.from_hf(m, unit_offset=True, form=form)
+
+        self.in_norm, self.post_norm = norm(hf_layer.input_layernorm), norm(
+            hf_layer.post_attention_layernorm)
+        self.mlp = blocks.GatedMLP(hf_layer.mlp, args.hidden_act, form)
         if self.kind == FULL:
             a = hf_layer.self_attn
             self.mixer = blocks.StaticAttention(
                 a, n_heads=args.num_attention_heads, n_kv=args.num_key_value_heads,
                 head_dim=args.head_dim, scaling=args.head_dim ** -0.5, output_gate=True,
-                q_norm=blocks.RMSNorm.from_hf(a.q_norm, unit_offset=True),
-                k_norm=blocks.RMSNorm.from_hf(a.k_norm, unit_offset=True))
+                q_norm=norm(a.q_norm), k_norm=norm(a.k_norm), form=form)
         else:
-            self.mixer = GatedDeltaNet(hf_layer.linear_attn, args, seq_len)
+            self.mixer = GatedDeltaNet(hf_layer.linear_attn, args, seq_len, form)
 
     def forward(self, x, step: dict, s0, s1):
         """s0, s1: past k, v (full) or fifo, ssm (linear) -> (x, new s0, new s1)."""
@@ -361,13 +367,16 @@ class Qwen35Shard(nn.Module):
     """
 
     def __init__(self, fam: Qwen35Family, hf, args: Args, layers: tuple[int, int], seq_len: int,
-                 context: int):
+                 context: int, form: ExportForm = PLAIN):
         super().__init__()
         tm = fam.text_model(hf)
+        # its caches keep keys as rows; its layers read the stream unscaled (residual_scaling)
+        form = form.with_plain_keys()
         self.args, self.seq_len, self.context = args, seq_len, context
         self.ids = list(range(*layers))
         self.rot_dim = 2 * tm.rotary_emb.inv_freq.numel()  # partial rotary: R < head_dim
-        self.layers = nn.ModuleList([Qwen35Layer(tm.layers[i], args, i, seq_len) for i in self.ids])
+        self.layers = nn.ModuleList([Qwen35Layer(tm.layers[i], args, i, seq_len, form)
+                                     for i in self.ids])
         kinds = {args.layer_types[i] for i in self.ids}
         self.has_full, self.has_linear = FULL in kinds, LINEAR in kinds
         self.padded = self.has_linear and seq_len > 1
@@ -449,15 +458,14 @@ class Qwen35GenieStep(nn.Module):
     def __init__(self, fam: Qwen35Family, hf, args: Args, host, layers: tuple[int, int],
                  seq_len: int, context: int, residual_scale: float):
         super().__init__()
-        from .blocks import use_fp16_form
         from .genieio import INPUT_IDS, LOGITS, MASK, TokenGather, kv_names, residual_name, rope_names
 
         a, b = layers
         self.args, self.T, self.S = args, seq_len, context - seq_len
         self.first, self.last = a == 0, b == args.num_hidden_layers
-        self.shard = use_fp16_form(Qwen35Shard(fam, hf, args, layers, seq_len, self.S),
-                                   residual_scale)
-        self.head = use_fp16_form(fam.head_module(hf, args), residual_scale) if self.last else None
+        form = fp16(residual_scale)
+        self.shard = Qwen35Shard(fam, hf, args, layers, seq_len, self.S, form)
+        self.head = fam.head_module(hf, args, form) if self.last else None
         self.entry = (TokenGather(fam.text_model(hf).embed_tokens.weight, host.embed.scale)
                       if self.first else None)
         sh = self.shard

@@ -27,6 +27,7 @@ from torch import nn
 from ..manifest import EmbedSpec, HostRecipe, RopeSpec
 from . import blocks
 from .base import DenseArgs
+from .form import PLAIN, ExportForm
 from .graphio import GraphIO
 from .qwen3 import Qwen3Family
 
@@ -84,8 +85,9 @@ class Qwen3VLFamily(Qwen3Family):
                             mrope_interleaved=True)],
         )
 
-    def decoder_module(self, hf, args: Args, layers: tuple[int, int], seq_len: int, context: int):
-        return Qwen3VLShard(self, hf, args, layers, seq_len, context)
+    def decoder_module(self, hf, args: Args, layers: tuple[int, int], seq_len: int, context: int,
+                       form: ExportForm = PLAIN):
+        return Qwen3VLShard(self, hf, args, layers, seq_len, context, form)
 
     # ---- Genie: qwen3vl-mrope, the LUT's inputs_embeds, deepstack inputs (below) ----
     def genie_spec(self, hf, args: Args):
@@ -108,8 +110,8 @@ class Qwen3VLShard(blocks.DenseShard):
     """
 
     def __init__(self, fam: Qwen3VLFamily, hf, args: Args, layers: tuple[int, int], seq_len: int,
-                 context: int):
-        super().__init__(fam, hf, args, layers, seq_len, context)
+                 context: int, form: ExportForm = PLAIN):
+        super().__init__(fam, hf, args, layers, seq_len, context, form)
         self.deepstack = [i for i in self.layer_ids if i < args.num_deepstack]
         io = self.io
         self.io = GraphIO(
@@ -189,8 +191,8 @@ class Qwen3VLGenieStep(nn.Module):
         super().__init__()
         from .genieio import DenseGenieStep, GenieForm
 
-        form = GenieForm(token_ids=False, embeds_name=INPUTS_EMBEDS)
-        self.inner = DenseGenieStep.make(fam, hf, args, host, layers, seq_len, context, form,
+        io_form = GenieForm(token_ids=False, embeds_name=INPUTS_EMBEDS)
+        self.inner = DenseGenieStep.make(fam, hf, args, host, layers, seq_len, context, io_form,
                                          residual_scale)
         self.ds = list(self.inner.shard.deepstack)
         self.S_vis = visual_tokens(hf) if self.ds else 0

@@ -22,8 +22,8 @@ from .progress import stage
 
 
 def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
-                  rel_folder: str, log, cpu: bool = False, fp16_residual_scale: float | None = None
-                  ) -> tuple[list[GraphSpec], RunPlan]:
+                  rel_folder: str, log, cpu: bool = False, fp16_residual_scale: float | None = None,
+                  keys_transposed: bool = True) -> tuple[list[GraphSpec], RunPlan]:
     """Export prefill + decode per shard and the head as float ONNX into root/rel_folder.
     cpu: the cpu target's own graphs — fused onnxruntime nodes (``fuse``), prefill and decode
     graphs that update the cache in place (``fam.cpu_step_module``), the last decode graph with
@@ -32,9 +32,21 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
 
         HTP:  s0.prefill s0.decode -> s0.weights ...  head -> head.weights
         cpu:  s0.prefill s0.decode -> s0.weights ...  sK.prefill sK.decode+head head -> sK.weights
-    """
-    from ..families.blocks import WithHead, use_cpu_kernels, use_fp16_form, use_htp_kv_layout
 
+    The modules' form (families/form.py): CPU on cpu; with ``fp16_residual_scale`` (HTP graphs
+    with fp16 activations) fused norms, the stream at 1/s and keys transposed where the shard
+    has it (kvcast.py; ``keys_transposed`` False: as rows, a lever's baseline); else PLAIN, the
+    decomposed graph the quantizer takes.
+    """
+    from ..families.blocks import WithHead
+    from ..families.form import CPU, PLAIN, fp16
+
+    if cpu:
+        form = CPU
+    elif fp16_residual_scale is not None:
+        form = fp16(fp16_residual_scale, keys_transposed)
+    else:
+        form = PLAIN
     fuse = fuse_cpu_graph if cpu else None
     folder = root / rel_folder
     folder.mkdir(parents=True)
@@ -43,10 +55,6 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
 
     def export(items: list[tuple[str, str, object]], layers=None) -> list[GraphSpec]:
         """(name, role, module) items exported side by side (export_modules)."""
-        if fp16_residual_scale is not None:  # HTP graphs with fp16 activations
-            for _, _, m in items:
-                use_htp_kv_layout(m)  # keys transposed where the shard can (kvcast.py)
-            items = [(n, r, use_fp16_form(m, fp16_residual_scale)) for n, r, m in items]
         paths = [folder / f"{n}.onnx" for n, _, _ in items]
 
         def done(i: int, seconds: float) -> None:
@@ -65,17 +73,20 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
         for s, (a, b) in enumerate(shards):
             # a bf16 model: only this shard's layers (and the head it runs) in fp32
             with fam.float32(hf, layers=(a, b), head=cpu and s == last, towers=False):
-                step = fam.cpu_step_module if cpu else fam.decoder_module
-                items = [(f"s{s}.prefill", "prefill",
-                          step(hf, args, (a, b), opts.prefill_len, opts.context))]
-                decode = step(hf, args, (a, b), 1, opts.context)
+                def step(rows: int, layers: tuple[int, int] = (a, b)):
+                    if cpu:
+                        return fam.cpu_step_module(hf, args, layers, rows, opts.context)
+                    return fam.decoder_module(hf, args, layers, rows, opts.context, form)
+
+                items = [(f"s{s}.prefill", "prefill", step(opts.prefill_len))]
+                decode = step(1)
                 if cpu and s == last:
-                    decode = WithHead(decode, use_cpu_kernels(fam.head_module(hf, args)))
+                    decode = WithHead(decode, fam.head_module(hf, args, form))
                 items.append((f"s{s}.decode", "decode", decode))
                 if cpu and opts.verify_len:
-                    verify = step(hf, args, (a, b), opts.verify_len, opts.context)
+                    verify = step(opts.verify_len)
                     if s == last:  # every row's logits: each checks the draft after it
-                        verify = WithHead(verify, use_cpu_kernels(fam.head_module(hf, args)))
+                        verify = WithHead(verify, fam.head_module(hf, args, form))
                     items.append((f"s{s}.verify", "verify", verify))
                 pre, dec, *ver = export(items, (a, b))
                 # the modules hold the shard's fp32 copies: gone before its weights are shared
@@ -90,8 +101,7 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
             release_mapped_pages(hf.name_or_path)  # the checkpoint pages this shard was read from
             release_heap()  # and what its exports freed (GBs: torch's and onnx's working copies)
         with fam.float32(hf, head=True, towers=False):
-            head_module = fam.head_module(hf, args)
-            head, = export([("head", "head", use_cpu_kernels(head_module) if cpu else head_module)])
+            head, = export([("head", "head", fam.head_module(hf, args, form))])
         graphs.append(head)
         release_mapped_pages(hf.name_or_path)
         release_heap()

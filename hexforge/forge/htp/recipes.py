@@ -51,8 +51,8 @@ COMPILED_SUFFIX = {"float": ".onnx", "weight-only": ".wo.onnx", "fixed-point": "
 # Names say what a recipe is: w<bits>-fp16 are weight-only (int weights, fp16 activations),
 # w<bits>-u16 fixed-point (int weights, uint16 activations: calibrated Q/DQ pairs).
 RECIPES = {
-    # float graphs, fp16 on the HTP, in blocks.use_fp16_form (fused norms, the residual stream
-    # scaled into fp16's range where it would not fit)
+    # float graphs, fp16 on the HTP, in the fp16 ExportForm (families/form.py: fused norms,
+    # the residual stream scaled into fp16's range where it would not fit)
     "fp16": QuantRecipe("fp16", None, None, bytes_per_weight=2.0, mask_value=-30000.0),
     # weight-only: the fp16 graphs with every weight MatMul as MatMulNBits (int8 / int4 in blocks
     # of 32, the head int8 under int4), rounded to nearest, no calibration. The binary holds int4
