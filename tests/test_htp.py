@@ -45,10 +45,13 @@ def test_quantized_bundle_compiles_runs_and_meets_its_threshold(htp_bundle, quan
         info = qnn.binary_info(qnn.context_binary_of(b / g["file"]))
         assert (info["soc"], info["arch"]) == ("SM8850", 81)
     # the simulator emulates MatMulNBits: weight-only targets are judged there on 8
-    # teacher-forced tokens, the others on all (the report says so); the held-out text whole
+    # teacher-forced tokens, the others on all (the report says so); the held-out text whole,
+    # a weight-only head's rows through its CPU twin (the head binary judged on the TF rows)
     weight_only = quant in ("w8-fp16", "w4-fp16")
     assert rep["greedy"]["new_tokens"] == (8 if weight_only else HTP_VERIFY_TOKENS)
     assert ("emulated" in rep["simulator"]) == weight_only
+    assert ("CPU twin" in rep["simulator"]) == weight_only
+    assert rep["graphs"]["head"]["rows"] >= rep["greedy"]["new_tokens"]  # the head binary's own
     assert rep["text"]["tokens"] == report(b)["cpu"]["text"]["tokens"]
     model = hexforge.load(b, backend="qnn-sim")
     r = model.generate(prompt_ids(HTP_PROMPT), max_new_tokens=8, ignore_eos=True)

@@ -98,9 +98,10 @@ def compare(ref: np.ndarray, got: np.ndarray, ids: list[int]) -> dict:
     }
 
 
-def bundle_logits(engine, ids: list[int]) -> np.ndarray:
+def bundle_logits(engine, ids: list[int], head=None) -> np.ndarray:
     """The bundle's logits [n, V] for every position of ``ids``, teacher-forced as a prompt is
-    run: AR-N prefill chunks, each chunk's valid hidden rows through the head graph one by one.
+    run: AR-N prefill chunks, each chunk's valid hidden rows through the head graph one by one,
+    or through ``head`` ([1, 1, H] -> [1, 1, V]: ``twin_head``) where given.
     (A cpu target's decode graph runs its own head; the prefill path here has none.)"""
     rows: list[np.ndarray] = []
     last = engine.target.plan.shards[-1].prefill
@@ -118,6 +119,8 @@ def bundle_logits(engine, ids: list[int]) -> np.ndarray:
     if len(rows) != len(ids):  # a prompt tail that went through AR-1 (an in-place cache's end)
         raise BuildError(f"evaluation text of {len(ids)} tokens does not fit the prefill chunks "
                          f"of a {engine.context}-token context")
+    if head is not None:
+        return np.stack([head(r[None])[0, -1] for r in rows])
     batched = rows_head(engine)
     if batched is not None:
         hidden = np.stack(rows)  # [n, 1, H]
@@ -172,6 +175,27 @@ def rows_head(engine):
     dtype = engine.hidden_dtype
     out = model.graph.output[0].name
     return lambda hidden: session.run([out], {"hidden": hidden.astype(dtype)})[0]
+
+
+def twin_head(path, hidden_dtype: str = "float32"):
+    """The head graph an HTP target's head binary was compiled from (``path``, its weights
+    beside it) on the CPU EP, as a function [1, 1, H] -> logits [1, 1, V].
+
+    Why: on the x86 simulator a weight-only head (MatMulNBits, emulated) takes ~4.5 s a row,
+    and the held-out text is 256 rows: ~19 of a first build's minutes. Its CPU twin holds the
+    same quantized weights (the int8 / int4 grid the device reads) at ~10 ms a row; only the
+    HTP's fp16 rounding of the activations is missing, which the head binary's own rows (the
+    teacher-forced ones, on the simulator) measure."""
+    import onnxruntime as ort
+
+    from ..runtime.backends import configure_threads
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    configure_threads(so)
+    session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    name, out = session.get_inputs()[0].name, session.get_outputs()[0].name
+    return lambda hidden: session.run([out], {name: hidden.astype(hidden_dtype)})[0]
 
 
 

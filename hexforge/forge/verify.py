@@ -225,11 +225,12 @@ def oracle_prompt(tok: TextTokenizer, prefill_len: int, context: int, new_tokens
 def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Manifest, target: str,
                   quant: str, new_tokens: int = 64, ref: dict | None = None,
                   evaluation: EvalText | None = None, steps: int | None = None,
-                  continue_after_miss: bool = True) -> dict:
+                  continue_after_miss: bool = True, text_head=None) -> dict:
     """One target against HF: teacher-forced on HF's greedy tokens (the first ``steps`` of
     ``new_tokens``), the held-out text, greedy. ``continue_after_miss``: at a greedy miss run the
     bundle's own greedy tokens on (else they stop at the miss: the matching prefix is known from
-    the teacher-forced run without another decode step a token)."""
+    the teacher-forced run without another decode step a token). ``text_head``: the head the
+    held-out text's rows go through (default the target's own: ``quality.bundle_logits``)."""
     from .quality import bundle_logits, compare, log_softmax
 
     evaluation = evaluation or default_eval()
@@ -280,7 +281,7 @@ def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Mani
         kl_tf = (np.exp(lp_want) * (lp_want - lp_got)).sum(-1)
 
         text = {"text": evaluation.name,
-                **compare(ref["eval_logits"], bundle_logits(engine, ids), ids)}
+                **compare(ref["eval_logits"], bundle_logits(engine, ids, text_head), ids)}
         advance()
 
         got = greedy_as_forced(got_rows, tokens)
@@ -337,6 +338,33 @@ def simulated_steps(spec, new_tokens: int) -> int:
         else new_tokens
 
 
+def simulated_twin_head(bundle: Path, spec, sources: dict[str, str] | None, engine: Engine):
+    """On the x86 simulator, a weight-only target's held-out text goes through its head's CPU
+    twin (``quality.twin_head``: the graph the head binary was compiled from, ``sources``), its
+    decoder rows still the binaries'; None elsewhere (the target's own head)."""
+    from ..manifest import confine
+    from .htp.recipes import built_recipe
+    from .quality import twin_head
+
+    if spec.htp_arch is None or qnn.is_arm_host() or not built_recipe(spec).weight_only:
+        return None
+    head = engine.plan.head.name
+    if not sources or head not in sources:
+        return None
+    return twin_head(confine(bundle, sources[head]), spec.hidden_dtype)
+
+
+def simulator_line(steps: int, n: int, twin_head: bool) -> str:
+    """report[target]["simulator"]: what the x86 simulator ran of the oracle."""
+    slow = " (MatMulNBits is emulated on the x86 simulator, ~30 s a SmolLM2 decode step)"
+    text = ("; the held-out text through the decoder binaries, its rows through the head's CPU "
+            "twin (the graph the head binary was compiled from: ~4.5 s a row there; the head "
+            "binary judged on the teacher-forced rows)") if twin_head else "; the held-out text whole"
+    return (f"{steps} teacher-forced / greedy tokens of {n}" + (slow if steps < n else "") + text
+            + "; greedy tokens up to the first miss (the teacher-forced run gives them: no "
+            "second decode loop)")
+
+
 def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[str] | None = None,
                   new_tokens: int = 64, references: dict[str, dict] | None = None,
                   qdq_twins: dict[str, dict[str, str]] | None = None,
@@ -369,15 +397,13 @@ def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[st
         simulated = spec.htp_arch is not None and not qnn.is_arm_host()
         n = min(new_tokens, manifest.context - 2)
         steps = simulated_steps(spec, n) if simulated else n
+        twin = simulated_twin_head(bundle, spec, (qdq_twins or {}).get(name), engine)
         report[name] = r = verify_target(family, hf, engine, tok, manifest, name, spec.quant,
                                          new_tokens=n, ref=(references or {}).get(name),
                                          evaluation=evaluation, steps=steps,
-                                         continue_after_miss=not simulated)
+                                         continue_after_miss=not simulated, text_head=twin)
         if simulated:
-            r["simulator"] = (f"{steps} teacher-forced / greedy tokens of {n}" + (
-                " (MatMulNBits is emulated on the x86 simulator, ~30 s a SmolLM2 decode step)"
-                if steps < n else "") + "; the held-out text whole; greedy tokens up to the "
-                "first miss (the teacher-forced run gives them: no second decode loop)")
+            r["simulator"] = simulator_line(steps, n, twin is not None)
         if manifest.encoders:
             with family.float32_forward(hf):
                 r["encoders"] = verify_encoders(engine, manifest, hf,
