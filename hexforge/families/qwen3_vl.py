@@ -118,6 +118,7 @@ class Qwen3VLShard(blocks.DenseShard):
             inputs=io.inputs[:4] + [(f"deepstack_{i}", f"deepstack:{i}") for i in self.deepstack]
             + io.inputs[4:],
             outputs=io.outputs,
+            keys_transposed=io.keys_transposed,  # the dense shard's cache layout, kept
         )
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
