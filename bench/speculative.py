@@ -1,8 +1,10 @@
 """Speculative decoding with prompt lookup on a real model: decode tok/s with and without, per
 task, in one run (the two interleaved, their order alternating by round), greedy tokens checked
-identical; and the expected ratio on the HTP from the roofline.
+identical; and the expected ratio on the HTP from the roofline and, given the graphs' Hextimate
+estimates (``--hextimate``: docs/speculative.md has SmolLM2's), from those.
 
     python bench/speculative.py BUNDLE [--rounds 5] [--k 7] [--new 256] [--json out.json]
+                                [--hextimate us.json]
 
 Tasks: input-grounded ones (repeat a paragraph, lightly edit it, fix a bug in a given function,
 answer with quotes from a given text), where the output copies spans of the prompt, and one
@@ -78,6 +80,26 @@ def htp_estimate(spec: dict, tokens: int, head_share: float) -> dict:
             "htp_prefill_path": round(tokens / prefill_path, 2) if calls else 1.0}
 
 
+def hextimate_speedup(spec: dict, tokens: int, us: dict) -> dict:
+    """The same run's decode time on the HTP by Hextimate's per-graph estimates (us: "decode",
+    "head" — a decode step is both —, "verify" the AR-k decoder graph, "head_k" a head graph of k
+    rows, "prefill" the AR-N graph) against plain decode's tokens x step:
+
+        plain     tokens x (decode + head)
+        ar_k      decode_calls x (decode + head) + verify_calls x (verify + head_k)
+        prefill   decode_calls x (decode + head) + verify_calls x prefill + rows x head
+
+    ar_k: an AR-k verify graph with the head inside (every row's logits from one read of the
+    head's weights); prefill: today's path on HTP targets (the AR-N graph, the head once per row
+    read)."""
+    step = us["decode"] + us["head"]
+    rows = spec["tokens_per_verify"] * spec["verify_calls"]
+    base = spec["decode_calls"] * step
+    ar_k = base + spec["verify_calls"] * (us["verify"] + us["head_k"])
+    prefill = base + spec["verify_calls"] * us["prefill"] + rows * us["head"]
+    return {"ar_k": round(tokens * step / ar_k, 2), "prefill_path": round(tokens * step / prefill, 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("bundle")
@@ -86,7 +108,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256, help="max new tokens")
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--hextimate", default=None, metavar="JSON", help="Hextimate us of the HTP "
+                    "graphs: {decode, head, verify, head_k, prefill} (docs/speculative.md)")
     a = ap.parse_args()
+    us = json.loads(Path(a.hextimate).read_text()) if a.hextimate else None
 
     import hexforge
     from hexforge.inspect import decode_bytes_per_token
@@ -122,6 +147,8 @@ def main() -> None:
                "ratio_range": [round(min(spec_tps) / max(plain_tps), 3),
                                round(max(spec_tps) / min(plain_tps), 3)],
                "htp_estimate": htp_estimate(spec, len(plain) - 1, head_share)}
+        if us:
+            row["hextimate_speedup"] = hextimate_speedup(spec, len(plain) - 1, us)
         out["tasks"][name] = row
         print(name, json.dumps(row), file=sys.stderr, flush=True)
     out["verify_over_decode_s"] = round(model.engine.step_costs.ratio, 3)
