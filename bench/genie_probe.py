@@ -4,7 +4,7 @@ Builds a tiny llama bundle for an HTP arch (fp16), then hands Genie (the onnxrun
 libGenie.so, which drives the x86 HTP simulator) one variant after another:
 
   A*  the bundle's own binaries, with the config knobs Genie offers (cache-group names)
-  F*  the decoder re-exported in Genie's I/O contract (families/genieio.py ``GenieForm``): the whole
+  F*  the decoder re-exported in Genie's I/O contract (families/genieio.py ``GenieContract``): the whole
       contract, then the contract with one part left as hexforge has it, to see which parts Genie
       really requires, and a weight-shared context
 and prints, per attempt, Genie's verdict in its own words (the last error lines of its log) and,
@@ -128,7 +128,7 @@ def main() -> int:
 
     from hexforge.families import load_family
     from hexforge.families.blocks import calibrate_norm_scales
-    from hexforge.families.genieio import DenseGenieStep, GenieForm
+    from hexforge.families.genieio import DenseGenieStep, GenieContract
     from hexforge.forge.genie import compile_genie_graphs, export_genie_graphs
     from hexforge.forge.htp.compile import compile_shared
     from hexforge.forge.pipeline import BuildOptions, build
@@ -190,9 +190,9 @@ def main() -> int:
     hf = fam.load_hf(ckpt)
     calibrate_norm_scales(hf, ids, fam.reference_layers(hf))
     host = fam.host_recipe(hf, args)
-    full = GenieForm()
+    full = GenieContract()
     forms = [("F0", "Genie's whole I/O contract", full)]
-    for i, f in enumerate(dataclasses.fields(GenieForm), 1):
+    for i, f in enumerate(dataclasses.fields(GenieContract), 1):
         if f.type == "bool" or f.type is bool:
             forms.append((f"F{i}", f"the contract but {f.name}=False",
                           dataclasses.replace(full, **{f.name: False})))

@@ -338,9 +338,9 @@ class DecoderFamily:
                    residual_scale: float):
         """Decoder layers ``layers`` for AR ``seq_len`` in Genie's I/O contract (the embedding
         gather in the first split, the head in the last): ``genieio.DenseGenieStep``."""
-        from .genieio import DenseGenieStep, GenieForm
+        from .genieio import DenseGenieStep, GenieContract
 
-        return DenseGenieStep.make(self, hf, args, host, layers, seq_len, context, GenieForm(),
+        return DenseGenieStep.make(self, hf, args, host, layers, seq_len, context, GenieContract(),
                                    residual_scale)
 
     def check_genie(self, args) -> None:

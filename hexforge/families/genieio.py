@@ -48,9 +48,9 @@ def kv_names(layer: int, direction: str, prefix: str = "past_") -> tuple[str, st
 
 
 @dataclass(frozen=True)
-class GenieForm:
+class GenieContract:
     """Which parts of the Genie contract a dense export takes (bench/genie_probe.py walks them one
-    by one; ``GenieForm()`` is the whole contract)."""
+    by one; ``GenieContract()`` is the whole contract)."""
 
     names: bool = True  # Genie's tensor names (else hexforge's: hidden, mask_full, past.L0.k ..)
     genie_kv_layout: bool = True  # keys [KVH, 1, D, S], values [KVH, 1, S, D] (else [1, KVH, S, D])
@@ -169,17 +169,17 @@ class DenseGenieStep(nn.Module):
         split i of n:  residual_<a>         ─▶ layers [a, b)    ─▶ residual_<b>
         split n of n:  residual_<a>         ─▶ layers [a, L) ─▶ head ─▶ logits
 
-    ``form`` switches parts of the contract off, for bench/genie_probe.py's ablations."""
+    ``contract`` switches parts of the contract off, for bench/genie_probe.py's ablations."""
 
     def __init__(self, shard: nn.Module, head: nn.Module | None, entry: TokenGather | None,
-                 args, seq_len: int, past_len: int, form: GenieForm):
+                 args, seq_len: int, past_len: int, contract: GenieContract):
         super().__init__()
-        self.shard, self.head, self.entry, self.form = shard, head, entry, form
+        self.shard, self.head, self.entry, self.contract = shard, head, entry, contract
         self.n_kv, self.head_dim, self.hidden = args.num_key_value_heads, args.head_dim, args.hidden_size
         self.T, self.S = seq_len, past_len
         layers = shard.layer_ids
         self.first, self.last = layers[0] == 0, layers[-1] == args.num_hidden_layers - 1
-        f = form
+        f = contract
         n = (lambda genie, ours: genie if f.names else ours)  # noqa: E731
         if not self.first:
             entry_name = residual_name(layers[0])
@@ -205,23 +205,24 @@ class DenseGenieStep(nn.Module):
 
     @classmethod
     def make(cls, fam, hf, args, host, layers: tuple[int, int], seq_len: int, context: int,
-             form: GenieForm, residual_scale: float) -> DenseGenieStep:
-        """Layers ``layers`` for AR ``seq_len`` and context ``context`` in the fp16 form of HTP
-        graphs (``form.fp16``: fused norms, the stream at 1/``residual_scale``), Genie's own
-        cache layout (``genie_kv_layout``) in place of transposed keys."""
+             contract: GenieContract, residual_scale: float) -> DenseGenieStep:
+        """Layers ``layers`` for AR ``seq_len`` and context ``context`` in the fp16 export form of
+        HTP graphs (``form.fp16(residual_scale)``: fused norms, the stream at 1/``residual_scale``),
+        the parts of Genie's I/O ``contract`` asked for (its cache layout, ``genie_kv_layout``, in
+        place of transposed keys)."""
         from .form import fp16
 
         export = fp16(residual_scale)
-        past = context - seq_len if form.past_is_cl_minus_ar else context
+        past = context - seq_len if contract.past_is_cl_minus_ar else context
         last = layers[1] == args.num_hidden_layers
         shard = fam.decoder_module(hf, args, layers, seq_len, past, export)
-        head = fam.head_module(hf, args, export) if form.with_head and last else None
+        head = fam.head_module(hf, args, export) if contract.with_head and last else None
         entry = (TokenGather(fam.text_model(hf).embed_tokens.weight, host.embed.scale)
-                 if form.token_ids and layers[0] == 0 else None)
-        return cls(shard, head, entry, args, seq_len, past, form)
+                 if contract.token_ids and layers[0] == 0 else None)
+        return cls(shard, head, entry, args, seq_len, past, contract)
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
-        f, T, S, KV, D = self.form, self.T, self.S, self.n_kv, self.head_dim
+        f, T, S, KV, D = self.contract, self.T, self.S, self.n_kv, self.head_dim
         tokens = (torch.zeros(1, T, dtype=torch.int32) if self.first and f.token_ids
                   else torch.randn(1, T, self.hidden))
         mask = torch.zeros(1, 1, T, S + T)
@@ -236,7 +237,7 @@ class DenseGenieStep(nn.Module):
         return (tokens, mask, torch.ones(rope_shape), torch.zeros(rope_shape), *past)
 
     def forward(self, tokens, mask, cos, sin, *past):
-        f = self.form
+        f = self.contract
         hidden = self.entry(tokens) if self.entry is not None else tokens
         if f.half_rope:
             cos, sin = full_rope(cos), full_rope(sin)

@@ -190,9 +190,9 @@ class Qwen3VLGenieStep(nn.Module):
     def __init__(self, fam: Qwen3VLFamily, hf, args: Args, host, layers: tuple[int, int],
                  seq_len: int, context: int, residual_scale: float):
         super().__init__()
-        from .genieio import DenseGenieStep, GenieForm
+        from .genieio import DenseGenieStep, GenieContract
 
-        io_form = GenieForm(token_ids=False, embeds_name=INPUTS_EMBEDS)
+        io_form = GenieContract(token_ids=False, embeds_name=INPUTS_EMBEDS)
         self.inner = DenseGenieStep.make(fam, hf, args, host, layers, seq_len, context, io_form,
                                          residual_scale)
         self.ds = list(self.inner.shard.deepstack)
