@@ -4,7 +4,7 @@ identical; and the expected ratio on the HTP from the roofline and, given the gr
 estimates (``--hextimate``: docs/speculative.md has SmolLM2's), from those.
 
     python bench/speculative.py BUNDLE [--rounds 5] [--k 7] [--new 256] [--json out.json]
-                                [--hextimate us.json]
+                                [--hextimate HTP_BUNDLE | us.json]
 
 Tasks: input-grounded ones (repeat a paragraph, lightly edit it, fix a bug in a given function,
 answer with quotes from a given text), where the output copies spans of the prompt, and one
@@ -13,9 +13,11 @@ open-ended prompt, where drafts rarely hit.
 HTP roofline: decode there is bound by reading the weights, and a call of a few rows costs about
 one weight read (compute is far from binding at k <= 8). So the expected decode speedup is the
 weight reads saved: generated tokens / weight reads, where a plain decode step or an AR-k verify
-step is one read. The runtime verifies on HTP targets through the AR-N prefill graph and runs
-the head graph once per row it reads: that path's estimate counts a body read per verify call and
-a head read per row read (``htp_prefill_path``).
+step is one read. Without verify graphs (a build without --htp-verify) the runtime verifies on
+HTP targets through the AR-N prefill graph and runs the head graph once per row it reads: that
+path's estimate counts a body read per verify call and a head read per row read
+(``htp_prefill_path``). ``--hextimate`` takes the graph times from an HTP bundle built with
+``--htp-verify --estimate``: its AR-k verify graphs and the head on k rows, against that path.
 """
 
 from __future__ import annotations
@@ -89,15 +91,37 @@ def hextimate_speedup(spec: dict, tokens: int, us: dict) -> dict:
         ar_k      decode_calls x (decode + head) + verify_calls x (verify + head_k)
         prefill   decode_calls x (decode + head) + verify_calls x prefill + rows x head
 
-    ar_k: an AR-k verify graph with the head inside (every row's logits from one read of the
-    head's weights); prefill: today's path on HTP targets (the AR-N graph, the head once per row
-    read)."""
+    ar_k: the AR-k verify graphs and the head on k rows (--htp-verify: every row's logits from
+    one read of the head's weights); prefill: the path without them (the AR-N graph, the head
+    once per row read)."""
     step = us["decode"] + us["head"]
     rows = spec["tokens_per_verify"] * spec["verify_calls"]
     base = spec["decode_calls"] * step
     ar_k = base + spec["verify_calls"] * (us["verify"] + us["head_k"])
     prefill = base + spec["verify_calls"] * us["prefill"] + rows * us["head"]
     return {"ar_k": round(tokens * step / ar_k, 2), "prefill_path": round(tokens * step / prefill, 2)}
+
+
+def bundle_hextimate(bundle: Path) -> dict:
+    """hextimate_speedup's graph times from an HTP bundle built with ``--htp-verify --estimate``
+    (its report.json): each role's graphs summed over the shards, of its first HTP target
+    that has verify graphs."""
+    from hexforge.estimate_bundle import stored_estimates
+    from hexforge.manifest import load_manifest
+
+    m = load_manifest(bundle)
+    for name, est in stored_estimates(bundle, m).items():
+        plan, g = m.targets[name].plan, est.get("graphs", {})
+        if plan.verify_head and all(n in g for n in plan.graph_names()):
+            def us(names: list[str], g: dict = g) -> float:
+                return sum(g[n]["us"] for n in names)
+            return {"target": name, "estimator": est["estimator"],
+                    "decode": us([s.decode for s in plan.shards]), "head": us([plan.head]),
+                    "verify": us([s.verify for s in plan.shards]),  # type: ignore[misc]
+                    "head_k": us([plan.verify_head]), "prefill": us([s.prefill for s in plan.shards]),
+                    "verify_len": plan.verify_len, "prefill_len": plan.prefill_len}
+    raise SystemExit(f"{bundle}: no HTP target with verify graphs and their estimate (build it "
+                     "with --htp-verify --estimate)")
 
 
 def main() -> None:
@@ -108,10 +132,14 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256, help="max new tokens")
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--json", default=None)
-    ap.add_argument("--hextimate", default=None, metavar="JSON", help="Hextimate us of the HTP "
-                    "graphs: {decode, head, verify, head_k, prefill} (docs/speculative.md)")
+    ap.add_argument("--hextimate", default=None, metavar="BUNDLE|JSON", help="Hextimate us of "
+                    "the HTP graphs: an HTP bundle built with --htp-verify --estimate, or a JSON "
+                    "{decode, head, verify, head_k, prefill} (docs/speculative.md)")
     a = ap.parse_args()
-    us = json.loads(Path(a.hextimate).read_text()) if a.hextimate else None
+    us = None
+    if a.hextimate:
+        src = Path(a.hextimate)
+        us = bundle_hextimate(src) if src.is_dir() else json.loads(src.read_text())
 
     import hexforge
     from hexforge.inspect import decode_bytes_per_token
@@ -124,7 +152,7 @@ def main() -> None:
     out = {"bundle": a.bundle, "date": time.strftime("%Y-%m-%d %H:%M"), "k": a.k,
            "command": " ".join(sys.argv),
            "verify_len": model.engine.verify_len, "rounds": a.rounds,
-           "head_share": round(head_share, 3), "tasks": {}}
+           "head_share": round(head_share, 3), "hextimate_us": us, "tasks": {}}
     for name in a.tasks.split(","):
         plain_tps, spec_tps, spec = [], [], None
         for r in range(a.rounds):

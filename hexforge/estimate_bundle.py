@@ -5,6 +5,8 @@ section, where the graphs to estimate come from, and the printout.
     prefill step = every shard's AR-N prefill graph                  (N tokens; the head once,
                                                                       on the last chunk's row)
     TTFT         = ceil(P / N) prefill steps + the head               (a P = 512-token prompt)
+    verify step  = every shard's AR-k verify graph + the head on k rows  (--htp-verify: one
+                                                                      --prompt-lookup call)
 
 Graph times only: between graphs the host hands the hidden state on and feeds every input (the
 KV cache included) — those hand-offs are counted apart (calls and bytes a step), not timed: the
@@ -61,7 +63,9 @@ def target_estimate(plan: RunPlan, graphs: list[GraphSpec], per_graph: dict[str,
     by_name = {g.name: g for g in graphs}
     decode = [s.decode for s in plan.shards] + [plan.head]
     prefill = [s.prefill for s in plan.shards]
-    missing = [n for n in decode + prefill if n not in per_graph]
+    verify = ([s.verify for s in plan.shards] + [plan.verify_head]  # type: ignore[misc]
+              if plan.verify_head else [])
+    missing = [n for n in decode + prefill + verify if n not in per_graph]
     if missing:
         raise BundleError(f"no estimate for {', '.join(missing)}")
     step = sum(per_graph[n].us for n in decode)
@@ -78,6 +82,10 @@ def target_estimate(plan: RunPlan, graphs: list[GraphSpec], per_graph: dict[str,
         "prefill_len": plan.prefill_len, "prefill_step_us": prefill_us,
         "prefill_tok_s": round(plan.prefill_len * 1e6 / prefill_us, 1) if prefill_us else None,
         "ttft_prompt_tokens": prompt, "ttft_ms": round(ttft_us / 1e3, 2),
+        # a --prompt-lookup call: k rows for about a decode step (speculation pays when more
+        # than verify_step_us / decode_step_us tokens a call are accepted)
+        **({"verify_len": plan.verify_len, "verify_graphs": verify,
+            "verify_step_us": sum(per_graph[n].us for n in verify)} if verify else {}),
         # the estimator's own bound: a step's DDR bytes at the bandwidth it implies
         "bound": {"ddr_bytes_per_step": ddr, "gbps": soc.ddr_gbps,
                   "decode_step_us": round(bound_us, 1),
@@ -189,7 +197,10 @@ def estimate_line(est: dict) -> str:
             f"prefill AR-{est['prefill_len']} {est['prefill_tok_s']:,} tok/s; TTFT "
             f"{est['ttft_ms']:,} ms for {est['ttft_prompt_tokens']} prompt tokens; its own "
             f"bound {b['decode_step_us']:,.0f} us ({b['ddr_bytes_per_step'] / 1e6:.1f} MB at "
-            f"{b['gbps']:g} GB/s: {b['fraction']:.0%} of it)")
+            f"{b['gbps']:g} GB/s: {b['fraction']:.0%} of it)"
+            + (f"; verify AR-{est['verify_len']} {est['verify_step_us']:,} us "
+               f"({est['verify_step_us'] / est['decode_step_us']:.2f}x a decode step)"
+               if est.get("verify_step_us") else ""))
 
 
 def print_estimates(estimates: dict[str, dict], where: str) -> None:

@@ -10,7 +10,8 @@ A bundle is a directory::
       cpu/                   one folder per target: graphs + their shared external weight files
         s0.prefill.onnx  s0.decode.onnx  head.onnx  s0.weights   (the last decode graph runs the
                                                                    head too: one file for all three)
-        s0.verify.onnx   AR-k rows for speculative decoding, on the shard's weight file (cpu only)
+        s0.verify.onnx   AR-k rows for speculative decoding, on the shard's weight file (cpu;
+                         HTP targets with --htp-verify, beside head.verify: the head on k rows)
       v81/ ...
 
 Every path in the manifest is relative, has no ``..``, and must resolve (symlinks included) inside
@@ -255,12 +256,22 @@ class RunPlan(_Model):
     shards: list[ShardPlan] = Field(min_length=1)
     head: str
     verify_len: int | None = None  # rows of the shards' verify graphs (None: no verify graphs)
+    # the head on verify_len rows (HTP: one call for a verify step's logits, where the cpu's last
+    # verify graph holds the head); None: the head graph runs once per row read
+    verify_head: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> RunPlan:
         if any((s.verify is None) != (self.verify_len is None) for s in self.shards):
             raise ValueError("verify graphs: every shard has one and verify_len is set, or none")
+        if self.verify_head is not None and self.verify_len is None:
+            raise ValueError("a verify head without verify graphs")
         return self
+
+    def graph_names(self) -> list[str]:
+        """Every graph the plan runs: the shards', the head (and its verify rows)."""
+        return ([x for s in self.shards for x in s.names()] + [self.head]
+                + ([self.verify_head] if self.verify_head else []))
 
 
 class TargetSpec(_Model):
@@ -284,7 +295,7 @@ class TargetSpec(_Model):
         names = [g.name for g in self.graphs]
         if len(set(names)) != len(names):
             raise ValueError(f"target {self.name}: duplicate graph names")
-        refs = [self.plan.head] + [x for s in self.plan.shards for x in s.names()]
+        refs = self.plan.graph_names()
         missing = [r for r in refs if r not in names]
         if missing:
             raise ValueError(f"target {self.name}: run plan names unknown graphs {missing}")

@@ -92,13 +92,13 @@ def hexforge(*args):
 @pytest.fixture(scope="module")
 def estimated(ckpt, tmp_path_factory):
     """Two builds of one tiny llama for v81 with --estimate (no oracle: the estimate is the
-    subject), the first keeping _work/."""
+    subject) and AR-4 verify graphs, the first keeping _work/."""
     root = tmp_path_factory.mktemp("estimate")
     out = []
     for i, extra in enumerate((["--keep-work"], [])):
         b = root / f"b{i}"
         r = hexforge("build", ckpt("llama"), "-o", b, "--target", "v81", "--quant", "fp16",
-                     "--context", "128", "--prefill-len", "16", "--verify-len", "0",
+                     "--context", "128", "--prefill-len", "16", "--verify-len", "4", "--htp-verify",
                      "--no-verify", "--estimate", "--json", *extra)
         assert r.returncode == 0, r.stderr[-2000:]
         assert json.loads(r.stdout)["targets"]["v81"]["oracle"] == "not run"
@@ -130,6 +130,9 @@ def test_cli_estimate_json_names(estimated):
         assert t["decode_graphs"] == decode
         assert t["decode_step_us"] == sum(t["graphs"][n]["us"] for n in decode)
         assert t["handoffs"]["calls_per_step"] == len(decode)
+        verify = [s.verify for s in m.plan.shards] + [m.plan.verify_head]  # --htp-verify's
+        assert t["verify_len"] == 4 and t["verify_graphs"] == verify
+        assert t["verify_step_us"] == sum(t["graphs"][n]["us"] for n in verify)
         for g in m.graphs:
             e = t["graphs"][g.name]
             assert {"us", "us_low", "us_high", "missing_ops", "fill_bytes"} <= set(e)
@@ -139,6 +142,7 @@ def test_cli_estimate_json_names(estimated):
     assert info["targets"]["v81"]["estimate"] == stored and info["report"] == {}
     shown = hexforge("inspect", plain).stdout
     assert "Hextimate, SA8797 (v81)" in shown and "bandwidth roofline" in shown
+    assert "verify AR-4" in shown
 
 
 def test_estimate_of_a_bundle_without_one_is_one_line_exit_2(estimated, tmp_path):
@@ -161,3 +165,10 @@ def test_estimate_needs_an_htp_target(ckpt, tmp_path):
     r = hexforge("build", ckpt("llama"), "-o", tmp_path / "out", "--estimate")
     assert r.returncode == 2 and "--estimate needs an HTP --target" in r.stderr
     assert r.stderr.count("\n") == 1 and not any(tmp_path.iterdir())
+
+
+def test_htp_verify_needs_an_htp_target_and_verify_rows(ckpt, tmp_path):
+    for args, target in ((["--htp-verify"], "cpu"), (["--htp-verify", "--verify-len", "0"], "v81")):
+        r = hexforge("build", ckpt("llama"), "-o", tmp_path / "out", "--target", target, *args)
+        assert r.returncode == 2 and "--htp-verify needs an HTP --target and --verify-len > 0" in r.stderr
+        assert r.stderr.count("\n") == 1 and not any(tmp_path.iterdir())

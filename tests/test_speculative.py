@@ -119,6 +119,25 @@ def test_greedy_tokens_are_identical_with_prompt_lookup_on_qnn_sim(htp_bundle, f
     assert_drafts_were_accepted_and_rejected(stats)
 
 
+@pytest.mark.parametrize("quant", ["w8-fp16", "w8-u16"])
+def test_greedy_tokens_are_identical_through_htp_verify_graphs(htp_bundle, quant):
+    """--htp-verify: AR-k verify graphs per shard and the head on k rows, compiled for v81 (the
+    QDQ recipe calibrated by teacher-forced verify steps): the same tokens as plain decoding,
+    the verify head called once a verify step, not once per row read."""
+    model = always_draft(hexforge.load(htp_bundle("llama", quant, "v81", htp_verify=True,
+                                                  verify_len=4), backend="qnn-sim", arch="v81"))
+    plan = model.engine.plan
+    assert [g.role for g in plan.graphs["verify"]] == ["verify"] and plan.verify_head is not None
+    assert plan.verify_head.seq_len == 4 == model.engine.verify_len
+    calls = Counter()
+    model.engine.observer = lambda g, *_: calls.update([g.name])
+    stats = []
+    for ids in prompts()[:2]:
+        stats += assert_same_greedy_tokens(model, ids, 24, ks=(3,))
+    assert_drafts_were_accepted_and_rejected(stats)
+    assert calls["head.verify"] == calls["s0.verify"] == sum(s["verify_calls"] for s in stats) > 0
+
+
 def test_verify_steps_stop_before_the_end_of_the_cache(bundle):
     """A verify step's rows (pad rows included) must end inside the cache: near the end the
     loop decodes one token a step instead, with the same tokens up to the last row."""

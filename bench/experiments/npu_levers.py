@@ -3,7 +3,7 @@
 simulator check, no bundle. For trying speed levers quickly (minutes, not a build); a lever's
 number for the docs is then the real build's (bench/npu_estimate.py).
 
-    python bench/experiments/npu_levers.py --work W [--model smollm2] [--quant fp16]
+    python bench/experiments/npu_levers.py --work W [--model smollm2 | CHECKPOINT] [--quant fp16]
                                            [--context 1024] [--prefill-len 64] [--json FILE]
                                            [--optrace s0.decode] [--option KEY=VALUE ...]
 
@@ -34,7 +34,7 @@ def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work
                     log=print, optrace: str | None = None, options: dict | None = None,
                     keep: bool = False, baseline: bool = False) -> dict:
     options = options or {}
-    from npu_estimate import gguf, optrace_report
+    from npu_estimate import MODELS, gguf, optrace_report
 
     from hexforge.estimate import estimate_graph
     from hexforge.estimate_bundle import target_estimate
@@ -55,7 +55,11 @@ def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work
     recipe = get_recipe(quant)
     if recipe.activations is not None:
         raise SystemExit("fixed-point recipes calibrate first: use a build (bench/npu_estimate.py)")
-    ckpt = read_checkpoint(gguf(model, work))
+    # a real model by name, or a checkpoint folder (bench/realsize.py's random-weight ones at
+    # the seeds' published shapes: speed does not depend on the weights' values)
+    src = gguf(model, work) if model in MODELS else Path(model)
+    ckpt = read_checkpoint(src)
+    model = model if model in MODELS else src.name
     fam = load_family(ckpt.model_type).FAMILY
     args = fam.Args.from_config(ckpt.config)
     hf = fam.load_hf(ckpt.dir)
@@ -101,7 +105,7 @@ def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", required=True)
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2", help="smollm2, gemma3 or a checkpoint folder")
     p.add_argument("--quant", default="fp16")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--prefill-len", type=int, default=64)

@@ -559,6 +559,23 @@ class WithHead(nn.Module):
         return (*outs, self.head(outs[0]))
 
 
+class OverRows(nn.Module):
+    """A per-row module (the head) traced over ``rows`` rows: [1,1,H] -> [1,rows,H] in, its
+    output per row. Why: an HTP verify step's k rows through one head call (the head's weights
+    stream once for all of them) instead of one call per row read."""
+
+    def __init__(self, inner: nn.Module, rows: int):
+        super().__init__()
+        self.inner, self.rows, self.io = inner, rows, inner.io
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.randn(x.shape[0], self.rows, *x.shape[2:])
+                     for x in self.inner.example_inputs())
+
+    def forward(self, *args):
+        return self.inner(*args)
+
+
 class Head(nn.Module):
     """Final norm + lm_head (+ optional logit softcap) on one hidden row: [1,1,H] -> [1,1,V]."""
 

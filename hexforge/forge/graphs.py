@@ -4,6 +4,9 @@ Used by every target: the cpu target ships them; HTP targets calibrate on them, 
 compile them. The cpu target also ships an AR-k verify graph per shard (speculative decoding,
 runtime/speculative.py) on the same weight file: on cpu a k-row call costs little more than one
 row while the AR-N prefill graph costs N rows' compute (bench/speculative.py measures both).
+HTP targets get them with --htp-verify, and the head on k rows beside the one-row head: a
+decode step streams every weight once for one row, so k rows cost about as much (Hextimate,
+SA8797 (v81), SmolLM2: AR-8 3,478 us vs AR-1 3,469; the head 891 us on 8 rows vs 842 on one).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
     has it (kvcast.py; ``keys_transposed`` False: as rows, a lever's baseline); else PLAIN, the
     decomposed graph the quantizer takes.
     """
-    from ..families.blocks import WithHead
+    from ..families.blocks import OverRows, WithHead
     from ..families.form import CPU, PLAIN, fp16
 
     if cpu:
@@ -67,8 +70,11 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
                           layers=layers, inputs=ins, outputs=outs)
                 for (n, r, _), (ins, outs) in zip(items, specs, strict=True)]
 
-    per_shard = 2 + (1 if cpu and opts.verify_len else 0)  # prefill, decode (, verify)
-    with stage(f"export {'cpu' if cpu else rel_folder}", len(shards) * per_shard + 1) as advance:
+    verify_len = opts.verify_len if cpu or opts.htp_verify else 0  # AR-k rows, 0: none
+    verify_head = bool(verify_len) and not cpu  # the cpu's last verify graph runs the head itself
+    per_shard = 2 + (1 if verify_len else 0)  # prefill, decode (, verify)
+    with stage(f"export {'cpu' if cpu else rel_folder}",
+               len(shards) * per_shard + 1 + verify_head) as advance:
         last = len(shards) - 1
         for s, (a, b) in enumerate(shards):
             # a bf16 model: only this shard's layers (and the head it runs) in fp32
@@ -83,9 +89,9 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
                 if cpu and s == last:
                     decode = WithHead(decode, fam.head_module(hf, args, form))
                 items.append((f"s{s}.decode", "decode", decode))
-                if cpu and opts.verify_len:
-                    verify = step(opts.verify_len)
-                    if s == last:  # every row's logits: each checks the draft after it
+                if verify_len:
+                    verify = step(verify_len)
+                    if cpu and s == last:  # every row's logits: each checks the draft after it
                         verify = WithHead(verify, fam.head_module(hf, args, form))
                     items.append((f"s{s}.verify", "verify", verify))
                 pre, dec, *ver = export(items, (a, b))
@@ -101,12 +107,17 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
             release_mapped_pages(hf.name_or_path)  # the checkpoint pages this shard was read from
             release_heap()  # and what its exports freed (GBs: torch's and onnx's working copies)
         with fam.float32(hf, head=True, towers=False):
-            head, = export([("head", "head", fam.head_module(hf, args, form))])
-        graphs.append(head)
+            heads = [("head", "head", fam.head_module(hf, args, form))]
+            if verify_head:  # [1, k, H] -> [1, k, V]: a verify step's logits in one call
+                heads.append(("head.verify", "head",
+                              OverRows(fam.head_module(hf, args, form), verify_len)))
+            head, *vhead = export(heads)
+        graphs += [head, *vhead]
         release_mapped_pages(hf.name_or_path)
         release_heap()
     run_plan = RunPlan(prefill_len=opts.prefill_len, shards=plan, head=head.name,
-                       verify_len=opts.verify_len if cpu and opts.verify_len else None)
+                       verify_len=verify_len or None,
+                       verify_head=vhead[0].name if vhead else None)
     group = weight_groups(run_plan, cpu)[-1]
     share_weights([folder / f"{n}.onnx" for n in group], weights_file(group), fuse)
     for g in graphs:
@@ -116,12 +127,13 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
 
 def weight_groups(plan: RunPlan, cpu: bool) -> list[list[str]]:
     """The graphs that share one weight file: each shard's prefill + decode (+ verify), and the
-    head — on its own for HTP targets, with the last shard on cpu (whose decode graph runs it)."""
+    head — on its own for HTP targets (with its verify rows), with the last shard on cpu (whose
+    decode graph runs it)."""
     groups = [s.names() for s in plan.shards]
     if cpu:
         groups[-1].append(plan.head)
     else:
-        groups.append([plan.head])
+        groups.append([plan.head] + ([plan.verify_head] if plan.verify_head else []))
     return groups
 
 

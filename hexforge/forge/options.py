@@ -98,6 +98,10 @@ class BuildOptions:
     verify_len: Annotated[int, Flag("k of the cpu target's AR-k verify graph (run "
                                     "--prompt-lookup drafts up to k-1 tokens a step); 0: "
                                     "none")] = 8
+    htp_verify: Annotated[bool, Flag(
+        "HTP: AR-k verify graphs too (k = --verify-len), one more binary per shard and the head "
+        "on k rows, so --prompt-lookup verifies k rows at about a decode step's cost; without "
+        "them it verifies through the AR-N prefill graphs")] = False
     max_shard_bytes: Annotated[int | dict[str, int] | None, Flag(
         "per-graph weight ceiling (default: the target's per-context ceiling, less 4 %% on HTP "
         "targets for the binary's overhead): 1.8G, or cpu=3G,v81=1.8G", parse=shard_bytes,
@@ -177,6 +181,8 @@ class BuildOptions:
             raise BuildError("--prefill-len must be >= 1 and --context >= 2")
         if not 0 <= self.verify_len < self.context:
             raise BuildError(f"--verify-len must be in [0, --context), got {self.verify_len}")
+        if self.htp_verify and not (htp and self.verify_len):
+            raise BuildError("--htp-verify needs an HTP --target and --verify-len > 0")
         if self.genie and not htp:
             raise BuildError("--genie needs an HTP --target (e.g. v81)")
         if self.estimate and not htp:

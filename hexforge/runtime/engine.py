@@ -68,7 +68,7 @@ class Engine:
         self.bundle, self.backend = bundle, backend
         self.step_costs = StepCosts()  # decode vs verify step time: when a draft pays
         self.sessions = {g.name: backend.session(bundle, self.target, g) for g in self.target.graphs
-                         if g.role != "verify"}
+                         if g.role != "verify" and g.name != self.target.plan.verify_head}
         self.hidden_dtype = NP_DTYPES[self.target.hidden_dtype]
         self.pos = 0
         self.resets = 0  # a chat session's state is its own only while no reset came between
@@ -106,9 +106,11 @@ class Engine:
                               f"on backend {self.backend.name}")
 
     def load_verify_sessions(self) -> None:
-        """Open the verify graphs' sessions (HTP targets verify through the prefill graphs:
-        nothing to open). The first verify step does; a benchmark may beforehand."""
-        for g in self.plan.graphs["verify"]:
+        """Open the verify graphs' sessions and the verify head's (HTP targets without them
+        verify through the prefill graphs: nothing to open). The first verify step does; a
+        benchmark may beforehand."""
+        head = [self.plan.verify_head] if self.plan.verify_head else []
+        for g in [*self.plan.graphs["verify"], *head]:
             if g.name not in self.sessions:
                 self.sessions[g.name] = self.backend.session(self.bundle, self.target, g)
                 self._check_in_place(g)
@@ -381,14 +383,22 @@ class Verification:
 
     def __init__(self, engine: Engine, inputs: dict[str, np.ndarray], positions: np.ndarray):
         self.engine, self.inputs, self.positions = engine, inputs, positions
+        self.rows: np.ndarray | None = None  # every row's logits, once the verify head ran
 
     def logits(self, i: int) -> np.ndarray:
-        """Row i's logits [V] (the graph's buffer). Without logits in the step (HTP targets,
-        verifying through prefill graphs) the head runs on that row only: rows after the first
-        miss are never paid for."""
+        """Row i's logits [V] (the graph's buffer). Without logits in the step the HTP's verify
+        head runs once on all rows at the first call; without that head either (verifying
+        through prefill graphs) the head runs on that row only: rows after the first miss are
+        never paid for."""
         eng, inputs = self.engine, self.inputs
         if eng.plan.head_in_step["verify"]:
             return inputs["logits"][0, i]
+        if eng.plan.verify_head is not None:
+            if self.rows is None:
+                out = {"hidden": inputs["hidden"]}
+                eng._run(eng.plan.verify_head, out, self.positions)
+                self.rows = out["logits"][0]
+            return self.rows[i]
         out = {"hidden": np.ascontiguousarray(inputs["hidden"][:, i:i + 1])}
         eng._run(eng.plan.head, out, self.positions[i:i + 1])
         return out["logits"][0, -1]

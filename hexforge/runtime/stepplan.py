@@ -47,6 +47,7 @@ def _frozen(d: dict) -> Mapping:
 class StepPlan:
     graphs: Mapping[str, tuple[GraphSpec, ...]]  # role -> the shards' graphs of that step, in order
     head: GraphSpec
+    verify_head: GraphSpec | None  # the head on a verify step's rows (HTP --htp-verify), one call
     verify_len: int  # rows of a verify step: the AR-k graphs', else the AR-N prefill graphs'
     prefill_in_place: bool  # prefill graphs write every row of a chunk into the cache (cpu)
     head_in_step: Mapping[str, bool]  # role -> its last graph outputs the logits (cpu)
@@ -76,6 +77,7 @@ class StepPlan:
         return cls(
             graphs=_frozen(graphs),
             head=target.graph(plan.head),
+            verify_head=target.graph(plan.verify_head) if plan.verify_head else None,
             verify_len=plan.verify_len or plan.prefill_len,
             # an in-place prefill graph writes all N rows of a chunk, pad rows included (later
             # steps overwrite them before anything reads them): a chunk must end inside the cache

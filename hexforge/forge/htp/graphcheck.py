@@ -5,7 +5,8 @@ takes hours on the simulator) still learns whether a graph that compiled compute
 
     float graphs (_work/) ── engine on the CPU EP over the calibration text's first rows
         │                      (prefill graphs: the 2nd AR-N chunk; decode graphs and the head:
-        │                       the 9th token, so attention reads a filled cache)
+        │                       the 9th token, so attention reads a filled cache; verify graphs
+        │                       and the verify head: the k tokens after it)
         ├─▶ each graph's last call: its feeds and float outputs
         ├─▶ the graph the HTP compiled (weight-only / QDQ; the float graph itself for fp16),
         │   same feeds, on the CPU EP ─▶ the reference
@@ -79,12 +80,15 @@ def capture_calls(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan:
             calls[g.name] = ({k: np.array(v) for k, v in feeds.items()},
                              {o.name: np.array(outputs[o.bind]) for o in g.outputs})
 
-    for live in [{s.prefill, s.decode} for s in plan.shards] + [{plan.head}]:
+    heads = [plan.head] + ([plan.verify_head] if plan.verify_head else [])
+    for live in [set(s.names()) for s in plan.shards] + [set(heads)]:
         engine = Engine(root, m, "_check", _PassBackend(backend(), live, returned))
         engine.observer = record
         engine.prefill(ids[: 2 * plan.prefill_len], mode="chunked")
         engine.reset()
         engine.prefill(ids[: DECODE_STEP + 1], mode="decode")
+        if plan.verify_len:  # AR-k verify graphs (--htp-verify): a step on that filled cache
+            engine.verify(ids[DECODE_STEP + 1: DECODE_STEP + 1 + plan.verify_len]).logits(0)
         del engine  # its sessions and the backend's weight maps, before the next pass
         release_heap()
     return calls

@@ -82,7 +82,7 @@ def calibrate(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: Run
         # the deepstack inputs on zeros and clip them (Qwen3-VL image logits cos 0.93 -> 0.999)
         prompts += _media_prompts(engine, m, ids, hf)
     out = Calibration({}, {}, {}, HessianStore(work / "hessians"))
-    runs = _calibration_runs(graphs, len(prompts))
+    runs = _calibration_runs(graphs, len(prompts), plan.verify_head)
     kept: dict[str, dict[tuple, list]] = {g.name: {} for g in graphs}  # small feeds seen early
     kept_bytes = 0
     with stage("calibrate", len(graphs)) as advance:
@@ -136,8 +136,10 @@ def calibrate(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: Run
                     engine.reset()
                     if run[1] == "chunked":
                         engine.prefill(prompt, media=rows)
-                    else:
+                    elif run[1] == "decode":
                         engine.prefill(prompt[:CALIB_DECODE_STEPS], mode="decode", media=rows)
+                    else:
+                        _verify_steps(engine, prompt)
                     now.clear()
                 out.ranges[g.name] = stats.save_ranges(work / f"{g.name}.ranges.json")
                 out.past_absmax[g.name] = dict(stats.past_absmax)
@@ -154,12 +156,29 @@ def calibrate(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: Run
     return out
 
 
-def _calibration_runs(graphs: list[GraphSpec], prompts: int) -> dict[str, list[tuple[int, str]]]:
+def _calibration_runs(graphs: list[GraphSpec], prompts: int, verify_head: str | None = None
+                      ) -> dict[str, list[tuple[int, str]]]:
     """Graph name -> the (prompt, phase) runs it is called in: chunked -> prefill graphs and the
-    head, one token a step -> decode graphs and the head."""
-    return {g.name: [(i, ph) for i in range(prompts) for ph in ("chunked", "decode")
-                     if (ph, g.role) not in (("chunked", "decode"), ("decode", "prefill"))]
-            for g in graphs}
+    head, one token a step -> decode graphs and the head, k tokens a step -> the verify graphs
+    and the verify head (the text prompt only: a verify step drafts text)."""
+    def phases(g: GraphSpec, i: int) -> tuple[str, ...]:
+        if g.role == "verify" or g.name == verify_head:
+            return ("verify",) if i == 0 else ()
+        return {"prefill": ("chunked",), "decode": ("decode",)}.get(g.role, ("chunked", "decode"))
+
+    return {g.name: [(i, ph) for i in range(prompts) for ph in phases(g, i)] for g in graphs}
+
+
+def _verify_steps(engine: Engine, ids: list[int]) -> None:
+    """Teacher-forced verify steps over the text, every row accepted: an AR-N chunk first (the
+    steps read a filled cache), then k tokens a step up to the decode steps' count of rows."""
+    T, N = engine.verify_len, engine.prefill_len
+    engine.prefill(ids[:N])
+    end = min(len(ids), N + CALIB_DECODE_STEPS, engine.context)
+    for p in range(N, end - T + 1, T):
+        v = engine.verify(ids[p:p + T])
+        v.logits(0)  # the verify head, where the target has one
+        v.accept(T)
 
 
 def _calibration_backend(prepack: bool = True) -> Backend:
