@@ -215,7 +215,8 @@ def cmd_deploy(a) -> int:
     from .deploy import deploy
 
     return deploy(a.bundle, a.qairt, prompt=a.prompt, serial=a.serial, dry_run=a.dry_run,
-                  arch=a.arch, device_dir=a.device_dir, chat=a.chat)
+                  arch=a.arch, device_dir=a.device_dir, chat=a.chat, images=a.image,
+                  audios=a.audio, max_new_tokens=a.n)
 
 
 def cmd_targets(a) -> int:
@@ -400,6 +401,14 @@ def _deploy_parser(sub: argparse._SubParsersAction) -> None:
                     help="run this prompt on the phone and stream the answer (default: push only)")
     dp.add_argument("--chat", action="store_true",
                     help="wrap --prompt as a user turn in the bundle's chat template")
+    dp.add_argument("-n", "--max-new-tokens", dest="n", type=int, default=None,
+                    help="tokens to generate (default: the bundle's Genie config's)")
+    dp.add_argument("--image", action="append", default=None, metavar="FILE",
+                    help="an image in --prompt (repeatable): run through the bundle's Genie "
+                         "pipeline by QAIRT's genie-app (docs/deploy.md)")
+    dp.add_argument("--audio", action="append", default=None, metavar="FILE",
+                    help="refused: genie-app scripts name no audio-encoder input (audio runs "
+                         "with hexforge run --backend genie)")
     dp.add_argument("--serial", default=None, help="the phone's adb serial (adb devices)")
     dp.add_argument("--arch", default=None,
                     help="the phone's Hexagon arch, e.g. v81: checked against its SoC; needed "

@@ -12,6 +12,8 @@ needs, pushed to an Android phone with adb, the prompt run there by QAIRT's ``ge
            after the push: a file still different is pushed once more, then named
     run    cd DIR; LD_LIBRARY_PATH=DIR ADSP_LIBRARY_PATH=DIR ./genie-t2t-run -c genie_config.json
            -p "$(cat prompt.txt)"  — its output streamed here
+           with --image: the bundle's Genie pipeline, by QAIRT's genie-app and a script of the
+           request (hexforge/genie_app.py): ./genie-app -s request.script
 
 ``--dry-run`` prints every adb command instead of running it (the phone is not asked anything:
 every file is shown pushed). docs/deploy.md has the file list and its sources.
@@ -40,17 +42,19 @@ GENIE_PREFIX = "genie-"
 DEVICE_ROOT = "/data/local/tmp/hexforge"
 RUNNER = "genie-t2t-run"
 PROMPT_FILE = "prompt.txt"
+REQUEST_CONFIG = "request_config.json"  # genie_config.json with this request's -n
 ANDROID_LIB = "lib/aarch64-android"
 SHA_BATCH = 40  # file names per sha256sum call (a shell line stays short)
 QUERY_TIMEOUT_S = 120
 
 
-def qairt_files(arch: int) -> list[str]:
+def qairt_files(arch: int, runner: str = RUNNER) -> list[str]:
     """What a phone needs from QAIRT_HOME beside a Genie folder, relative to it: QAIRT's
-    ``genie-t2t-run``, the Android libraries Genie opens for the HTP (Genie itself, the HTP backend,
-    QNN's system library for the binaries' metadata, the backend-extensions library that reads
-    htp_backend_ext_config.json, the arch's stub) and the arch's Hexagon skel."""
-    return [f"bin/aarch64-android/{RUNNER}",
+    ``genie-t2t-run`` (``genie-app`` for a pipeline), the Android libraries Genie opens for the
+    HTP (Genie itself, the HTP backend, QNN's system library for the binaries' metadata, the
+    backend-extensions library that reads htp_backend_ext_config.json, the arch's stub) and the
+    arch's Hexagon skel."""
+    return [f"bin/aarch64-android/{runner}",
             *(f"{ANDROID_LIB}/{n}" for n in (
                 "libGenie.so", "libQnnHtp.so", "libQnnSystem.so",
                 "libQnnHtpNetRunExtensions.so", f"libQnnHtpV{arch}Stub.so")),
@@ -144,14 +148,15 @@ def _bundle_sdk(folder: Path, arch: int) -> str | None:
     return t.qnn_sdk if t else None
 
 
-def local_plan(folder: Path, arch: int, qairt: Path, say: Callable[[str], None]) -> list[Push]:
+def local_plan(folder: Path, arch: int, qairt: Path, say: Callable[[str], None],
+               runner: str = RUNNER) -> list[Push]:
     """Everything checked without the phone; -> the files to put in the phone's folder."""
     from .runtime.genie_checks import check_folder
 
     config = check_folder(folder)
     if not qairt.is_dir():
         raise BackendError(f"--qairt {qairt} is not a folder (a QAIRT SDK: QAIRT_HOME)")
-    missing = [rel for rel in qairt_files(arch) if not (qairt / rel).is_file()]
+    missing = [rel for rel in qairt_files(arch, runner) if not (qairt / rel).is_file()]
     if missing:
         raise BackendError(f"QAIRT {qairt} lacks what a v{arch} phone needs: "
                            f"{', '.join(missing)}")
@@ -170,7 +175,7 @@ def local_plan(folder: Path, arch: int, qairt: Path, say: Callable[[str], None])
         if p.is_dir():
             raise BundleError(f"{folder.name}/{p.name} is a folder: a Genie folder is flat")
         pushes.append(Push(p.name, p, records.get(p.name) or _sha256(p)))
-    for rel in qairt_files(arch):
+    for rel in qairt_files(arch, runner):
         pushes.append(Push(Path(rel).name, qairt / rel, _sha256(qairt / rel)))
     names = [p.name for p in pushes]
     clash = sorted({n for n in names if names.count(n) > 1})
@@ -370,18 +375,48 @@ def device_folder(bundle: Path) -> str:
     return f"{DEVICE_ROOT}/{name}"
 
 
+def scripted_request(bundle: Path, folder: Path, prompt: str, chat: bool,
+                     images: list[str], max_new_tokens: int | None = None):
+    """The prompt with its images as a genie-app script (hexforge/genie_app.py) for the Genie
+    pipeline of ``folder``; every refusal (no pipeline, an image that does not decode) here,
+    before the phone gets a file."""
+    from .genie_app import script_request
+    from .runtime.genie_pipeline import PIPELINE, GeniePipelineModel
+    from .runtime.options import GenerationOptions
+
+    if not (folder / PIPELINE).is_file():
+        raise BundleError(f"{folder.name}/ has no Genie pipeline ({PIPELINE}): --image needs a "
+                          "bundle whose image tower was built as a Genie node (--genie on a "
+                          "model with vision)")
+    model = GeniePipelineModel(bundle, folder.name.removeprefix(GENIE_PREFIX))
+    ids = model.chat_ids([{"role": "user", "content": prompt}]) if chat else prompt
+    return script_request(model, ids, GenerationOptions(images=list(images),
+                                                        max_new_tokens=max_new_tokens))
+
+
 def deploy(bundle: str | Path, qairt: str | Path, prompt: str | None = None,
            serial: str | None = None, dry_run: bool = False, arch: str | None = None,
-           device_dir: str | None = None, chat: bool = False,
+           device_dir: str | None = None, chat: bool = False, images: list[str] | None = None,
+           audios: list[str] | None = None, max_new_tokens: int | None = None,
            say: Callable[[str], None] | None = None, out: TextIO | None = None) -> int:
     """The whole deploy (module doc). ``say``: progress lines (default stderr) and, under
-    --dry-run, the commands (default stdout); ``out``: genie-t2t-run's output, as it comes."""
+    --dry-run, the commands (default stdout); ``out``: the runner's output, as it comes.
+    ``images``: run the prompt with them through the bundle's Genie pipeline (genie-app);
+    ``max_new_tokens``: the answer's length (default: the bundle's Genie config's)."""
+    from .genie_app import APP, AUDIO_REFUSED, SCRIPT
     from .runtime.model import parse_arch
 
     bundle, qairt = Path(bundle), Path(qairt)
     out = out or sys.stdout
     say = say or ((lambda m: print(m, file=out)) if dry_run
                   else (lambda m: print(m, file=sys.stderr)))
+    if audios:
+        raise RequestError(AUDIO_REFUSED)
+    if images and prompt is None:
+        raise RequestError("--image needs --prompt: the image is a part of the prompt run")
+    if max_new_tokens is not None and (prompt is None or max_new_tokens < 1):
+        raise RequestError("-n needs --prompt and at least 1 token")
+    runner = APP if images else RUNNER
     stated = parse_arch(arch)
     folders = genie_folders(bundle)
     if stated is not None and stated not in folders:
@@ -395,7 +430,7 @@ def deploy(bundle: str | Path, qairt: str | Path, prompt: str | None = None,
         raise RequestError(f"the bundle has Genie folders for several arches "
                            f"({', '.join(f.name for f in folders.values())}): --dry-run asks the "
                            "phone nothing, so say which with --arch")
-    plan = None if chosen is None else local_plan(folders[chosen], chosen, qairt, say)
+    plan = None if chosen is None else local_plan(folders[chosen], chosen, qairt, say, runner)
     adb = Adb(serial, dry_run, say)
     adb.serial = pick_serial(adb, serial)
     on_phone = phone_arch(adb, stated, say)
@@ -405,24 +440,45 @@ def deploy(bundle: str | Path, qairt: str | Path, prompt: str | None = None,
                            f"--target v{on_phone} --genie")
     if on_phone is not None and on_phone != chosen:
         chosen = on_phone
-        plan = local_plan(folders[chosen], chosen, qairt, say)
+        plan = local_plan(folders[chosen], chosen, qairt, say, runner)
     folder = folders[chosen]
     where = device_dir or device_folder(bundle)
+    request = (scripted_request(bundle, folder, prompt, chat, images, max_new_tokens)
+               if images else None)
+    config_name = "genie_config.json"
     with tempfile.TemporaryDirectory() as tmp:
         files = list(plan)
-        if prompt is not None:
+        if request is not None:
+            files += [Push(p.name, p, _sha256(p)) for p in request.write(Path(tmp))]
+            if dry_run:  # its temp files are gone when the commands are read
+                say(f"# {SCRIPT} (pushed from a temp file with its {len(request.files)} "
+                    "request files):\n" + "".join(f"#   {ln}\n" for ln in
+                                                   request.script.splitlines()).rstrip())
+        elif prompt is not None:
             p = Path(tmp) / PROMPT_FILE
             config = json.loads((folder / "genie_config.json").read_text())  # checked above
             p.write_text(render_prompt(bundle, folder, config, prompt, chat))
             files.append(Push(PROMPT_FILE, p, _sha256(p)))
             if dry_run:  # its temp file is gone when the commands are read
                 say(f"# {PROMPT_FILE} (pushed from a temp file) holds {p.read_text()!r}")
+            if max_new_tokens is not None:  # the folder's config, this answer's length
+                config["dialog"]["max-num-tokens"] = max_new_tokens
+                config_name = REQUEST_CONFIG
+                c = Path(tmp) / REQUEST_CONFIG
+                c.write_text(json.dumps(config, indent=1) + "\n")
+                files.append(Push(REQUEST_CONFIG, c, _sha256(c)))
         n = push(adb, where, files, say)
         if not dry_run:
             say(f"phone {where}: {len(files)} files match the bundle's SHA-256 ({n} pushed)")
-        adb.shell(f"chmod 755 {shlex.quote(where + '/' + RUNNER)}")
-        run = (f"cd {shlex.quote(where)} && LD_LIBRARY_PATH={shlex.quote(where)} "
-               f"ADSP_LIBRARY_PATH={shlex.quote(where)} ./{RUNNER} -c genie_config.json")
+        adb.shell(f"chmod 755 {shlex.quote(where + '/' + runner)}")
+        env = (f"cd {shlex.quote(where)} && LD_LIBRARY_PATH={shlex.quote(where)} "
+               f"ADSP_LIBRARY_PATH={shlex.quote(where)}")
+        if request is not None:
+            code = adb.stream(f"{env} ./{APP} -s {SCRIPT}", out)
+            if code:
+                raise BackendError(f"{APP} exited with {code} on the phone (its output is above)")
+            return 0
+        run = f"{env} ./{RUNNER} -c {config_name}"
         if prompt is None:
             say(f"pushed; to run: adb{' -s ' + adb.serial if adb.serial else ''} shell "
                 f"{shlex.quote(run + ' -p ' + shlex.quote('your prompt'))}")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -280,3 +282,70 @@ def real_hf(real_gguf):
         return models[name]
 
     return get
+
+
+# ---- hexforge deploy: adb and QAIRT stand-ins (plumbing: no phone) ----------------------------
+HERE = Path(__file__).resolve().parent
+DEVICE_DIR = "/data/local/tmp/hexforge/b"
+
+
+@pytest.fixture
+def qairt(tmp_path):
+    """A QAIRT SDK stand-in: QAIRT's layout and version file; genie-t2t-run and genie-app run
+    the wheel's libGenie (tests/genie_t2t_standin.py, genie_app_standin.py), the libraries are
+    placeholders."""
+    from hexforge.deploy import qairt_files
+
+    root = tmp_path / "qairt"
+    for rel in qairt_files(81) + qairt_files(81, "genie-app"):
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(f"placeholder for QAIRT's {p.name}\n".encode() * 64)
+    for runner, standin in (("genie-t2t-run", "genie_t2t_standin.py"),
+                            ("genie-app", "genie_app_standin.py")):
+        (root / "bin" / "aarch64-android" / runner).write_text(
+            "#!/bin/sh\n# the pushed placeholders are not x86 libraries\n"
+            "unset LD_LIBRARY_PATH ADSP_LIBRARY_PATH\n"
+            f'exec {sys.executable} {HERE / standin} "$@"\n')
+    (root / "sdk.yaml").write_text("name: qairt\nversion: 2.51.0.260929\n")
+    return root
+
+
+class Phone:
+    """The adb stand-in's state: its calls, the phone's folder, what goes wrong on a push."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.set(soc="SM8850")
+
+    def set(self, **cfg) -> None:
+        path = self.root / "phone.json"
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        path.write_text(json.dumps(old | cfg))
+
+    def calls(self) -> list[list[str]]:
+        log = self.root / "calls.jsonl"
+        lines = log.read_text().splitlines() if log.is_file() else []
+        return [json.loads(line) for line in lines]
+
+    def clear(self) -> None:
+        (self.root / "calls.jsonl").unlink(missing_ok=True)
+
+    def pushed(self) -> list[str]:
+        return [Path(c[c.index("push") + 2]).name for c in self.calls() if "push" in c]
+
+    def folder(self) -> Path:
+        return self.root / "phone" / DEVICE_DIR.lstrip("/")
+
+
+@pytest.fixture
+def phone(tmp_path, monkeypatch):
+    root = tmp_path / "adb"
+    (root / "bin").mkdir(parents=True)
+    adb = root / "bin" / "adb"
+    adb.write_text(f'#!/bin/sh\nexec {sys.executable} {HERE / "adb_standin.py"} "$@"\n')
+    adb.chmod(0o755)
+    (root / "bin" / "genie-t2t-run").unlink(missing_ok=True)
+    monkeypatch.setenv("PATH", f"{root / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("ADB_STANDIN", str(root))
+    return Phone(root)

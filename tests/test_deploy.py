@@ -7,10 +7,7 @@ the pushed folder."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,70 +15,10 @@ import pytest
 from hexforge.cli import main
 from hexforge.deploy import qairt_files
 
-HERE = Path(__file__).resolve().parent
-DEVICE_DIR = "/data/local/tmp/hexforge/b"
-
 
 @pytest.fixture(scope="module")
 def genie_bundle(htp_bundle):
     return htp_bundle("llama", "fp16", genie=True)
-
-
-@pytest.fixture
-def qairt(tmp_path):
-    """A QAIRT SDK stand-in: QAIRT's layout and version file; genie-t2t-run runs the wheel's
-    libGenie (tests/genie_t2t_standin.py), the libraries are placeholders."""
-    root = tmp_path / "qairt"
-    for rel in qairt_files(81):
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(f"placeholder for QAIRT's {p.name}\n".encode() * 64)
-    runner = root / "bin" / "aarch64-android" / "genie-t2t-run"
-    runner.write_text("#!/bin/sh\n# the pushed placeholders are not x86 libraries\n"
-                      "unset LD_LIBRARY_PATH ADSP_LIBRARY_PATH\n"
-                      f'exec {sys.executable} {HERE / "genie_t2t_standin.py"} "$@"\n')
-    (root / "sdk.yaml").write_text("name: qairt\nversion: 2.51.0.260929\n")
-    return root
-
-
-class Phone:
-    """The adb stand-in's state: its calls, the phone's folder, what goes wrong on a push."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.set(soc="SM8850")
-
-    def set(self, **cfg) -> None:
-        path = self.root / "phone.json"
-        old = json.loads(path.read_text()) if path.is_file() else {}
-        path.write_text(json.dumps(old | cfg))
-
-    def calls(self) -> list[list[str]]:
-        log = self.root / "calls.jsonl"
-        lines = log.read_text().splitlines() if log.is_file() else []
-        return [json.loads(line) for line in lines]
-
-    def clear(self) -> None:
-        (self.root / "calls.jsonl").unlink(missing_ok=True)
-
-    def pushed(self) -> list[str]:
-        return [Path(c[c.index("push") + 2]).name for c in self.calls() if "push" in c]
-
-    def folder(self) -> Path:
-        return self.root / "phone" / DEVICE_DIR.lstrip("/")
-
-
-@pytest.fixture
-def phone(tmp_path, monkeypatch):
-    root = tmp_path / "adb"
-    (root / "bin").mkdir(parents=True)
-    adb = root / "bin" / "adb"
-    adb.write_text(f'#!/bin/sh\nexec {sys.executable} {HERE / "adb_standin.py"} "$@"\n')
-    adb.chmod(0o755)
-    (root / "bin" / "genie-t2t-run").unlink(missing_ok=True)
-    monkeypatch.setenv("PATH", f"{root / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("ADB_STANDIN", str(root))
-    return Phone(root)
 
 
 @pytest.fixture
@@ -252,3 +189,16 @@ def test_chat_wraps_the_prompt_in_the_template_less_the_bos_genie_prepends(bundl
                 if line.startswith("# prompt.txt"))
     # the tiny template renders "<s>user\nHi</s>\n<s>assistant\n"; Genie's bos-token 1 is <s>
     assert held.endswith(repr("user\nHi</s>\n<s>assistant\n"))
+
+
+def test_an_image_needs_a_bundle_with_a_genie_pipeline(bundle_copy, qairt, phone, capsys,
+                                                       tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "x.png")
+    assert deploy(bundle_copy, qairt, "--prompt", "Hi", "--image", str(tmp_path / "x.png")) == 2
+    err = capsys.readouterr().err
+    assert "genie-v81/ has no Genie pipeline" in err and err.count("\n") == 1
+    assert phone.pushed() == []
+    assert deploy(bundle_copy, qairt, "--image", str(tmp_path / "x.png")) == 2
+    assert "--image needs --prompt" in capsys.readouterr().err

@@ -10,6 +10,7 @@ and, for Qwen3-VL, the tensors it fed the decoder (dump-tensors) against hexforg
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -154,3 +155,44 @@ def test_regression_an_audio_file_reads_after_a_qnn_session(gemma4, media):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "20800"
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen3_vl"])
+def test_deploy_runs_an_image_prompt_on_the_phone_through_genie_app(family, request, media, qairt,
+                                                                    phone, tmp_path, capfd):
+    """``hexforge deploy --image``: the request as a genie-app script (hexforge/genie_app.py),
+    pushed beside the Genie folder and QAIRT's genie-app by the adb stand-in; the genie-app
+    stand-in runs the script through libGenie on the simulator, in the pushed folder: the tokens
+    --backend genie gives for that prompt and image (plumbing: a tiny random model)."""
+    from hexforge.cli import main
+    from hexforge.runtime.genie_pipeline import open_genie
+
+    bundle = request.getfixturevalue(family)
+    b = tmp_path / "b"
+    shutil.copytree(bundle, b)
+    photo = str(media / "photo.png")
+    assert main(["deploy", str(b), "--qairt", str(qairt), "--prompt", "Describe it.",
+                 "--image", photo, "-n", "8"]) == 0
+    assert "[BEGIN]: " in capfd.readouterr().out
+    got = json.loads((phone.folder() / "standin-tokens.json").read_text())
+    model = open_genie(bundle)
+    try:
+        want = model.generate("Describe it.", images=[photo], max_new_tokens=8).token_ids
+    finally:
+        model.close()
+    assert got == want and len(want) == 8
+    script = (phone.folder() / "request.script").read_text().splitlines()
+    assert script[-1] == "pipeline execute pipeline"
+    assert any(ln.startswith("node set image imageEncoder GENIE_NODE_IMAGE_ENCODER_IMAGE_INPUT ")
+               for ln in script)
+    assert "genie-app" in phone.pushed() and "genie-t2t-run" not in phone.pushed()
+
+
+def test_deploy_refuses_audio_before_asking_the_phone(gemma4, media, qairt, phone, capsys):
+    from hexforge.cli import main
+
+    assert main(["deploy", str(gemma4), "--qairt", str(qairt), "--prompt", "Hi",
+                 "--audio", str(media / "speech.wav")]) == 2
+    err = capsys.readouterr().err
+    assert "genie-app names no audio-encoder input" in err and err.count("\n") == 1
+    assert phone.calls() == []

@@ -320,33 +320,39 @@ class GeniePipelineModel(GenieModel):
                                f"tokenize back to its ids (Genie tokenizes it again): {text!r}")
         return text
 
-    def _pipelines_for(self, segments, max_new: int, temperature, top_k, top_p, seed,
-                       ignore_eos: bool) -> dict[str, Pipeline]:
-        """The nodes for this request (an image node's vision-param is the image's grid), in
-        pipelines: "textGenerator"'s holds the generator and the encoders connected to it, each
-        host-routed encoder has its own (keyed by its node)."""
+    def request_configs(self, segments, max_new: int, temperature, top_k, top_p, seed,
+                        ignore_eos: bool, on_phone: bool = False) -> dict[str, dict]:
+        """Node name -> its config for this request (the generator's sampler and length; an
+        image node's vision-param is the image's grid). Here (x86) the files are absolute
+        paths and the generator does not poll; ``on_phone``: paths as the bundle has them
+        (relative to the folder genie-app runs in) and the bundle's polling."""
         spec = self.pipeline_spec
+
+        def paths(cfg: dict) -> dict:
+            return json.loads(json.dumps(cfg)) if on_phone else node_paths(cfg, self.folder)
+
         tg = json.loads((self.folder / spec["nodes"]["textGenerator"]).read_text())
-        d = absolute_paths({"dialog": tg["text-generator"]}, self.folder)["dialog"]
+        d = (json.loads(json.dumps(tg["text-generator"])) if on_phone
+             else absolute_paths({"dialog": tg["text-generator"]}, self.folder)["dialog"])
         d["context"]["bos-token"] = -1  # the host's rows carry the BOS
         if ignore_eos:  # as GenieModel: a -1 pad would reach the graph's gather
             d["context"].setdefault("pad-token", self.eos[0] if self.eos else 0)
             d["context"]["eos-token"] = -1
         d["sampler"] = sampler_config(temperature, top_k, top_p, seed)
         d["max-num-tokens"] = max_new
-        d["engine"]["backend"]["QnnHtp"]["poll"] = False  # the x86 simulator needs the core
-        if self.dump_tensors is not None:
-            d["debug"] = {"path": str(self.dump_tensors), "dump-tensors": True}
+        if not on_phone:
+            d["engine"]["backend"]["QnnHtp"]["poll"] = False  # the x86 simulator needs the core
+            if self.dump_tensors is not None:
+                d["debug"] = {"path": str(self.dump_tensors), "dump-tensors": True}
         text = spec["text"]
         configs = {"textGenerator": {"text-generator": d},
-                   text["node"]: node_paths(json.loads(
-                       (self.folder / spec["nodes"][text["node"]]).read_text()), self.folder)}
+                   text["node"]: paths(json.loads(
+                       (self.folder / spec["nodes"][text["node"]]).read_text()))}
         for seg in segments:
             if seg[0] == "text":
                 continue
             media = spec["media"][seg[0]]
-            cfg = node_paths(json.loads((self.folder / spec["nodes"][media["node"]]).read_text()),
-                             self.folder)
+            cfg = paths(json.loads((self.folder / spec["nodes"][media["node"]]).read_text()))
             model = next(iter(cfg.values()))["engine"]["model"]
             if "vision-param" in model and "image_position_ids" in seg[2]:
                 h, w = patch_grid(seg[2]["image_position_ids"])
@@ -356,6 +362,16 @@ class GeniePipelineModel(GenieModel):
                 raise RequestError("--backend genie: images of different grids in one prompt "
                                    "need one node each; give one image per request")
             configs[media["node"]] = cfg
+        return configs
+
+    def _pipelines_for(self, segments, max_new: int, temperature, top_k, top_p, seed,
+                       ignore_eos: bool) -> dict[str, Pipeline]:
+        """The nodes for this request (``request_configs``), in pipelines: "textGenerator"'s
+        holds the generator and the encoders connected to it, each host-routed encoder has its
+        own (keyed by its node)."""
+        spec = self.pipeline_spec
+        configs = self.request_configs(segments, max_new, temperature, top_k, top_p, seed,
+                                       ignore_eos)
         key = json.dumps(configs, sort_keys=True)
         if self._made is not None and self._made[0] == key:
             for pipe in self._made[1].values():
@@ -387,6 +403,14 @@ class GeniePipelineModel(GenieModel):
         self._made = (key, pipes, log)
         return pipes
 
+    def prepare(self, prompt: str | list[int], o: GenerationOptions):
+        """-> (the request, the prompt's ids with each placeholder expanded, its segments in
+        order: ("text", text) | (modality, spec, feeds, rows)), every item decoded and checked."""
+        r = self.request(prompt, o, media=MEDIA_OPTIONS)
+        ids, segments = self._segments(r.ids, o.images, o.audios)
+        check_request(ids, r.max_new, self.n_vocab, self.context)
+        return r, ids, segments
+
     def iterate(self, prompt: str | list[int], o: GenerationOptions | None = None
                 ) -> Iterator[Piece | Done]:
         """As ``GenieModel.iterate``; a request with images / audio runs the pipeline."""
@@ -395,10 +419,8 @@ class GeniePipelineModel(GenieModel):
             yield from super().iterate(prompt, o)
             return
         t0 = time.perf_counter()
-        r = self.request(prompt, o, media=MEDIA_OPTIONS)
-        ids, segments = self._segments(r.ids, o.images, o.audios)
+        r, ids, segments = self.prepare(prompt, o)
         max_new, ignore_eos = r.max_new, r.ignore_eos
-        check_request(ids, max_new, self.n_vocab, self.context)
         pipes = self._pipelines_for(segments, max_new, r.temperature, r.top_k, r.top_p, r.seed,
                                     ignore_eos)
         pipe = pipes["textGenerator"]
@@ -412,9 +434,8 @@ class GeniePipelineModel(GenieModel):
             media = spec["media"][modality]
             node_pipe = pipes.get(media["node"], pipe)
             node_pipe.rows.clear()
-            for host_key, io in media["inputs"].items():
-                node_pipe.nodes[media["node"]].set_data(io, _in_range(
-                    feeds[host_key], media["fixed_point"].get(host_key), host_key))
+            for io, value in media_feeds(media, feeds):
+                node_pipe.nodes[media["node"]].set_data(io, value)
             if media["rows"] == "host":  # the node's first n rows, where the prompt has them
                 node_pipe.execute()
                 if not node_pipe.rows or node_pipe.rows[-1].shape[0] < n:
@@ -478,6 +499,13 @@ class GeniePipelineModel(GenieModel):
             log.close()
             self._made = None
         super().close()
+
+
+def media_feeds(media: dict, feeds: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
+    """(node IO, float32 array) per input of a media node (genie_pipeline.json's ``media``
+    entry), each checked inside its fixed-point range: what GenieNode_setData is given."""
+    return [(io, _in_range(feeds[key], media["fixed_point"].get(key), key))
+            for key, io in media["inputs"].items()]
 
 
 def _in_range(value: np.ndarray, bounds: list[float] | None, name: str) -> np.ndarray:
