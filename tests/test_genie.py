@@ -176,3 +176,29 @@ def test_regression_a_renamed_graph_name_kept_its_length_with_no_room_for_filler
             assert len(new) == len(old) and new.startswith(readable) and new.endswith(suffix)
             filler = new[len(readable):len(new) - len(suffix)]
             assert keep or not any(c.isdigit() for c in filler)
+
+
+def test_regression_no_htp_memory_for_the_contexts_is_one_line(genie_bundle, monkeypatch):
+    """Gemma-4-E2B's unshared fp16 Genie folder (6 contexts, 9.1 GB) made libGenie on x86 fail
+    with "Failed to find available PD ..." in a wall of log lines; hexforge says it in one line,
+    with the folder's bytes. (The failure is libGenie's, replayed here: a tiny bundle fits.)"""
+    from hexforge.errors import BundleError
+    from hexforge.runtime import genie
+    from hexforge.runtime.genie_model import GenieModel
+
+    line = ("<E> Failed to find available PD for contextId 3 on deviceId 0 coreId 0with context "
+            "size estimate 1329467904")
+
+    def no_room(*_a, **_k):
+        raise genie.GenieError("GenieDialog_create", -1, ["<W> other", line])
+
+    monkeypatch.setattr(genie, "Dialog", no_room)
+    model = GenieModel(genie_bundle)
+    with pytest.raises(BundleError) as e:
+        model.generate(prompt_ids(9), max_new_tokens=2)
+    msg = str(e.value)
+    assert "\n" not in msg and "no HTP memory for its 2 context binaries" in msg
+    assert genie.NO_PD in msg
+    # the x86 room: under the measured load nothing is said, over it the build and run say why
+    assert genie.x86_room_note(genie.X86_PD_LOADED_BYTES) is None
+    assert "one HTP process domain" in genie.x86_room_note(genie.X86_PD_REFUSED_BYTES)

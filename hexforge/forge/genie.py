@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from ..errors import BuildError
+from ..runtime.genie import x86_room_note
 
 
 def graph_name(seq_len: int, context: int, split: int = 0, splits: int = 1) -> str:
@@ -180,8 +181,12 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
         write_bundle_files(folder, manifest, bins, root / manifest.tokenizer.dir / "tokenizer.json",
                            soc, target.htp_arch, spec, root / "host.safetensors", lut,
                            weight_sharing=opts.share_weights)
+        total = sum(b.stat().st_size for b in bins)
         log(f"[{target.name}] Genie bundle {folder.name}/ ({len(bins)} context binaries, "
-            f"{len(paths)} split(s))")
+            f"{total / 1e9:.2f} GB, {len(paths)} split(s))")
+        note = None if opts.share_weights else x86_room_note(total)
+        if note:
+            log(f"[{target.name}] note: {note}")
         out[target.name] = folder
     return out
 

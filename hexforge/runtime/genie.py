@@ -36,6 +36,26 @@ ACTION_ABORT = 1  # GenieDialog_Action_t
 LOG_ERROR, LOG_WARN, LOG_INFO, LOG_VERBOSE = 1, 2, 3, 4
 LOG_LEVELS = {"error": LOG_ERROR, "warn": LOG_WARN, "info": LOG_INFO, "verbose": LOG_VERBOSE}
 
+# libGenie on x86 (QNN 2.51) places every context of a dialog in one HTP process domain, whose
+# room was measured with Gemma-4-E2B's fp16 binaries: contexts of 3.26 GB in all loaded, 3.86 GB
+# did not ("Failed to find available PD for contextId N ... with context size estimate B", QNN
+# error 1002). A device has its own budget (and a weight-shared split is one context, not two).
+X86_PD_LOADED_BYTES = 3_262_312_448
+X86_PD_REFUSED_BYTES = 3_855_380_480
+NO_PD = "Failed to find available PD"
+
+
+def x86_room_note(total_bytes: int) -> str | None:
+    """What a Genie folder of ``total_bytes`` of unshared context binaries meets in the x86
+    simulator's libGenie, when it is over the measured room; None when under it."""
+    if total_bytes <= X86_PD_LOADED_BYTES:
+        return None
+    return (f"its context binaries are {total_bytes / 1e9:.2f} GB in all: libGenie on x86 places "
+            f"a dialog's contexts in one HTP process domain ({X86_PD_LOADED_BYTES / 1e9:.2f} GB "
+            f"of them loaded, {X86_PD_REFUSED_BYTES / 1e9:.2f} GB did not), so --backend genie "
+            "may not load it here; fewer bytes (--quant w8-fp16) or a device")
+
+
 _handle = ctypes.c_void_p
 # void (*)(const GenieLog_Handle_t, const char* fmt, GenieLog_Level_t, uint64_t, va_list).
 # A va_list argument reaches a callee as a pointer on x86-64 SysV, AArch64 (a struct over 16 bytes

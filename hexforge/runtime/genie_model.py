@@ -102,6 +102,16 @@ def _refuse_shared_weights_off_device(folder: Path, config: dict) -> None:
                               "which load on a Snapdragon device only, not in the x86 simulator")
 
 
+def _no_room(folder: Path, config: dict) -> str:
+    """The one-line error for a Genie folder whose contexts libGenie found no HTP memory for."""
+    bins = config["dialog"]["engine"]["model"].get("binary", {}).get("ctx-bins", [])
+    total = sum((folder / b).stat().st_size for b in bins if (folder / b).is_file())
+    why = genie.x86_room_note(total) if platform.machine().lower() not in ("aarch64", "arm64") \
+        else None
+    return (f"{folder.name}: libGenie found no HTP memory for its {len(bins)} context binaries "
+            f"({total / 1e9:.2f} GB; \"{genie.NO_PD}\")" + (f": {why}" if why else ""))
+
+
 def genie_result(tokenizer, tokens: list[int], prompt_tokens: int, finish: str, t0: float,
                  t_first: float | None, backend: str) -> GenerationResult:
     """A Genie request's result from its tokens and clock readings (perf_counter: the start,
@@ -163,7 +173,12 @@ class GenieModel(GenerationMethods):
         key = json.dumps(cfg, sort_keys=True)
         if self._dialog is None or key != self._made_for:
             self.close()
-            self._dialog = genie.Dialog(cfg, log_level=self.log_level)
+            try:
+                self._dialog = genie.Dialog(cfg, log_level=self.log_level)
+            except genie.GenieError as e:
+                if any(genie.NO_PD in ln for ln in e.log):  # no HTP memory for a context
+                    raise BundleError(_no_room(self.folder, self.config)) from e
+                raise
             self._made_for = key
         else:
             self._dialog.reset()
