@@ -787,6 +787,28 @@ def test_check_13_context_oom_is_reported_with_sizes_and_the_process_lives(htp_c
     assert len(r.token_ids) == 2  # the same process goes on
 
 
+
+def test_regression_a_target_over_the_simulators_room_is_not_told_to_shrink_its_shards(
+        htp_copy, monkeypatch):
+    """Gemma-4-E2B w8-fp16 (v81: 4 contexts of 1.0-1.4 GB, 4.9 GB in all) failed on qnn-sim at
+    its fourth context with QNN 1002 and was told to rebuild with a smaller --max-shard-bytes:
+    each context fit, their sum did not (the x86 simulator holds a process's contexts in one
+    HTP process domain). The error now says that. (The failure is replayed: a tiny bundle fits.)"""
+    import onnxruntime as ort
+
+    from hexforge.runtime import backends, genie
+
+    def oom(*a, **k):
+        raise RuntimeError("contextCreateFromBinary failed. Error: QNN_COMMON_ERROR_MEM_ALLOC")
+
+    monkeypatch.setattr(ort, "InferenceSession", oom)
+    monkeypatch.setattr(backends, "X86_PD_LOADED_BYTES", 1)  # this tiny target is over "the room"
+    with pytest.raises(BackendError) as e:
+        hexforge.load(htp_copy, backend="qnn-sim")
+    msg = str(e.value)
+    assert "\n" not in msg and "one HTP process domain" in msg and "--max-shard-bytes" not in msg
+    assert f"{genie.X86_PD_REFUSED_BYTES / 1e9:.2f} GB did not" in msg
+
 # ---- 14 ------------------------------------------------------------------------------------------
 def _add_cpu_only_node(ctx: Path) -> None:
     """Append a Trilu (not claimed by the HTP) after the EPContext node of a compiled graph."""

@@ -23,6 +23,7 @@ from ..errors import BackendError, BundleError
 from ..manifest import GraphSpec, TargetSpec, confine
 from . import qnn
 from .bound import BoundSession
+from .genie import X86_PD_LOADED_BYTES, X86_PD_REFUSED_BYTES
 
 BACKENDS = ("cpu", "qnn", "qnn-sim", "auto")
 
@@ -236,7 +237,9 @@ class Backend:
             with qnn.native_stdout_to_stderr():
                 sess = ort.InferenceSession(str(path), so)
         except Exception as e:
-            err = explain_qnn_error(e, graph.file, bin_path, graph.bytes, spec.max_context_bytes)
+            err = explain_qnn_error(e, graph.file, bin_path, graph.bytes, spec.max_context_bytes,
+                                    target_bytes=None if self.name != "qnn-sim" else sum(
+                                        g.bytes for g in target.graphs if g.role != "verify"))
             if FALLBACK_DISABLED in str(e):  # load it once more, split allowed, to name the nodes
                 so = qnn.session_options(opts, record, allow_cpu_fallback=True)
                 try:
@@ -275,9 +278,11 @@ def describe_split(sess) -> str | None:
 
 def explain_qnn_error(e: Exception, what: str, bin_path: Path | None = None,
                       graph_bytes: int | None = None, ceiling: int | None = None,
-                      out_dir: Path | None = None) -> BackendError:
+                      out_dir: Path | None = None, target_bytes: int | None = None) -> BackendError:
     """out_dir: where a compile writes its context binary (a failed write is most often a full
-    disk, which the EP reports only as "Failed to write context cache file")."""
+    disk, which the EP reports only as "Failed to write context cache file"). target_bytes: the
+    graphs a simulator session opens in all (every context of a process shares one HTP process
+    domain there: a target over its room fails at some context however small each is)."""
     msg = str(e)
     if out_dir is not None and "Failed to write context" in msg:
         free = shutil.disk_usage(out_dir).free
@@ -291,6 +296,13 @@ def explain_qnn_error(e: Exception, what: str, bin_path: Path | None = None,
                  f"graph + weights {graph_bytes:,} B" if graph_bytes else "",
                  f"target ceiling {ceiling:,} B per context" if ceiling else ""]
         detail = "; ".join(x for x in sizes if x)
+        if target_bytes and target_bytes > X86_PD_LOADED_BYTES:
+            return BackendError(f"{what}: the HTP ran out of memory creating the context (QNN 1002 "
+                                f"/ 0x3ea): this target's graphs are {target_bytes / 1e9:.2f} GB in "
+                                "all, and the x86 simulator holds every context a process opens in "
+                                f"one HTP process domain ({X86_PD_LOADED_BYTES / 1e9:.2f} GB of "
+                                f"contexts loaded, {X86_PD_REFUSED_BYTES / 1e9:.2f} GB did not): run "
+                                "it on a device (--backend qnn) or build it with fewer bytes")
         return BackendError(f"{what}: the HTP ran out of memory creating the context (QNN 1002 / "
                             f"0x3ea{'; ' + detail if detail else ''}); rebuild with a smaller "
                             "--max-shard-bytes so each context fits")
