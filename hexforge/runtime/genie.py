@@ -54,7 +54,7 @@ def x86_room_note(total_bytes: int) -> str | None:
     return (f"its context binaries are {total_bytes / 1e9:.2f} GB in all: libGenie on x86 places "
             f"a dialog's contexts in one HTP process domain ({X86_PD_LOADED_BYTES / 1e9:.2f} GB "
             f"of them loaded, {X86_PD_REFUSED_BYTES / 1e9:.2f} GB did not), so --backend genie "
-            "may not load it here; fewer bytes (--quant w8-fp16) or a device")
+            "may not load it here; a device has its own room")
 
 
 _handle = ctypes.c_void_p
