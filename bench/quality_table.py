@@ -8,6 +8,7 @@ int4 HF's own fake-quant round-to-nearest floor at the same block.
 
     python bench/quality_table.py --work W smollm2:cpu:fp32 smollm2:v81:w8-fp16 gemma3:v81:fp16
     python bench/quality_table.py --work W --all
+    python bench/quality_table.py --work W --context 1024 --kv-values u8 smollm2:v81:fp16
 
 A failed gate still prints its row (from the report the build keeps beside the output).
 ``--cpu-twin``: HTP targets are built without the oracle and their quantized graphs (what was
@@ -77,17 +78,19 @@ def cpu_twin(bundle: Path, name: str, target: str, tokens: int, work: Path) -> d
     return r
 
 
-def row(spec: str, work: Path, context: int, tokens: int, twin: bool = False) -> str:
+def row(spec: str, work: Path, context: int, tokens: int, twin: bool = False,
+        kv_values: str = "fp16") -> str:
     from hexforge.errors import ParityGateError
     from hexforge.forge.htp.recipes import canonical
     from hexforge.forge.pipeline import BuildOptions, build
 
     name, target, prec = spec.split(":")
-    out = work / spec.replace(":", "-")
+    out = work / (spec.replace(":", "-") + ("" if kv_values == "fp16" else f"-kv{kv_values}"))
     twin = twin and target != "cpu"
+    htp = {} if kv_values == "fp16" else {"kv_values": kv_values}
     opts = BuildOptions(targets=target, context=context, prefill_len=64, verify_tokens=tokens,
                         verify=not twin, keep_work=twin,
-                        **({"cpu_weights": prec} if target == "cpu" else {"quant": prec}))
+                        **({"cpu_weights": prec} if target == "cpu" else {"quant": prec, **htp}))
     t = time.perf_counter()
     if twin:
         build(gguf(name, work), out, opts, log=lambda m: None)
@@ -103,6 +106,7 @@ def row(spec: str, work: Path, context: int, tokens: int, twin: bool = False) ->
     x, g = r["text"], r["greedy"]
     prec = canonical(prec)
     fl = f"{floor(name, FLOOR_BLOCK[prec], work):.4f}" if prec in FLOOR_BLOCK else ""
+    prec += "" if kv_values == "fp16" else f", --kv-values {kv_values}"
     return (f"| {name} | {target} | {prec} | {x['kl_mean']:.4g} / {x['kl_p99']:.4g} | "
             f"{x['top1']:.3f} | {x['ppl']:.3f} ({x['ppl_hf']:.3f}) | "
             f"{g['matching_prefix']}/{g['new_tokens']} | {fl} | "
@@ -119,6 +123,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16, help="the oracle's teacher-forced/greedy tokens")
     ap.add_argument("--cpu-twin", action="store_true", help="HTP targets: judge their compiled-from "
                     "graphs on the CPU EP (no simulator)")
+    ap.add_argument("--kv-values", default="fp16", choices=("fp16", "u8"),
+                    help="HTP targets: build --kv-values")
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -126,7 +132,7 @@ def main() -> None:
           "RTN floor KL | gate | build |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for spec in (ALL if a.all else a.specs):
-        print(row(spec, work, a.context, a.tokens, a.cpu_twin), flush=True)
+        print(row(spec, work, a.context, a.tokens, a.cpu_twin, a.kv_values), flush=True)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: npu_esti
 
 def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work: Path,
                     log=print, optrace: str | None = None, options: dict | None = None,
-                    keep: bool = False, baseline: bool = False, kv_u8: bool = False) -> dict:
+                    keep: bool = False, baseline: bool = False, kv_values: str = "fp16") -> dict:
     options = options or {}
     from npu_estimate import MODELS, gguf, optrace_report
 
@@ -44,7 +44,7 @@ def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work
     from hexforge.forge.checkpoint import read_checkpoint
     from hexforge.forge.graphs import export_float, plan_target
     from hexforge.forge.htp.compile import compile_options
-    from hexforge.forge.htp.kvcast import fp16_kv, u8_kv
+    from hexforge.forge.htp.kvcast import fp16_kv, u8_value_state, u8_values
     from hexforge.forge.htp.recipes import get_recipe
     from hexforge.forge.htp.stage import fp16_scale, weight_only
     from hexforge.forge.pipeline import BuildOptions
@@ -78,9 +78,9 @@ def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work
                                 fp16_residual_scale=fp16_scale(fam, peak, log),
                                 keys_transposed=not baseline)  # baseline: keys as rows
     state = fam.state_spec(args, context)
-    if kv_u8:  # speed only: the scales' values do not change a graph's time (a build calibrates)
-        graphs = u8_kv(root, graphs, state, {s.name: 8.0 for s in state})
-    elif not baseline:
+    if kv_values == "u8" and not baseline:  # the build's --kv-values u8
+        graphs, state = u8_values(root, graphs), u8_value_state(state)
+    if not baseline:
         graphs = fp16_kv(root, graphs, state)
     if recipe.weight_only:
         weight_only(plan, root / "g", recipe, args.vocab_size)
@@ -117,13 +117,14 @@ def main() -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--keep", action="store_true", help="keep the graphs (W/levers-*/g/)")
     p.add_argument("--baseline", action="store_true", help="the graphs before the levers")
-    p.add_argument("--kv-u8", action="store_true", help="the KV cache as uint8 (--kv-bits 8)")
+    p.add_argument("--kv-values", default="fp16", choices=("fp16", "u8"),
+                   help="the value cache's form (build --kv-values)")
     a = p.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     est = graphs_estimate(a.model, a.quant, a.context, a.prefill_len, work,
                           lambda m: print(m, file=sys.stderr), a.optrace,
-                          dict(o.split("=", 1) for o in a.option), a.keep, a.baseline, a.kv_u8)
+                          dict(o.split("=", 1) for o in a.option), a.keep, a.baseline, a.kv_values)
     from hexforge.estimate_bundle import estimate_line
 
     print(estimate_line(est))

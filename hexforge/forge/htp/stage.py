@@ -36,7 +36,7 @@ from ..oracle_backend import OracleCpuBackend
 from ..progress import stage
 from . import compile as compiler  # through the module: tests swap compiler.compile_graph
 from .calibstats import GraphStats, HessianStore
-from .kvcast import fp16_kv
+from .kvcast import fp16_kv, u8_value_state, u8_values
 from .qdq import quantize_graph
 from .recipes import COMPILED_SUFFIX, QuantRecipe
 
@@ -215,6 +215,9 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
     activations carry it scaled into fp16's range where the family can (``fp16_scale``)."""
     recipe = opts.recipe
     scale = fp16_scale(fam, residual_peak, log) if recipe.activations is None else None
+    u8_v = opts.kv_values == "u8"  # validate(): only with fp16 activations
+    if u8_v:  # the value caches' row scales are state too, carried like the rows
+        manifest.state = u8_value_state(manifest.state)
     sdk = qnn.sdk_version()
     prepared: dict[tuple, tuple[list[GraphSpec], RunPlan, Path]] = {}
     specs: dict[str, TargetSpec] = {}
@@ -229,6 +232,8 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
             graphs, plan = export_float(fam, hf, args, shards, opts, root, rel, log,
                                         fp16_residual_scale=scale)
             if recipe.activations is None:  # half the cache's DDR bytes a step (kvcast.py)
+                if u8_v:  # before fp16_kv: it rewrites float32 I/O only
+                    graphs = u8_values(root, graphs)
                 graphs = fp16_kv(root, graphs, manifest.state)
             srcs = root / rel
             if not opts.verify:  # each compiled graph's check call, while the float graphs exist
