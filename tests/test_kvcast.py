@@ -9,8 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from hexforge.forge.htp.kvcast import (V8_STEPS, V8_ZERO, fp16_kv_graph, u8_value_state,
-                                       u8_values_graph)
+from hexforge.forge.htp.kvcast import V8_STEPS, V8_ZERO, fp16_kv_graph, u8_value_state, u8_values_graph
 from hexforge.manifest import GraphSpec, StateSpec, TensorSpec
 
 BINDS = {"state:L0.k", "new:L0.k", "state:L0.v", "new:L0.v"}
@@ -72,7 +71,7 @@ def test_u8_value_rows_carry_a_scale_each_and_compute_what_the_float_graph_did(t
     q = rng.uniform(-0.5, 0.5, (1, 2, 8, 4)).astype(np.float32)
     path = tmp_path / "g.onnx"
     spec = _graph(path, "v")
-    want_score, want_new = _run(path, {"past.L0.v": rows, "q": q})
+    _, want_new = _run(path, {"past.L0.v": rows, "q": q})
     out = u8_values_graph(path, spec)
     assert [(t.name, t.bind, t.dtype, t.shape) for t in out.inputs] == [
         ("past.L0.v", "state:L0.v", "uint8", [1, 2, 8, 4]), ("q", "input:q", "float32", [1, 2, 8, 4]),
