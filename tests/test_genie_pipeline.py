@@ -196,3 +196,33 @@ def test_deploy_refuses_audio_before_asking_the_phone(gemma4, media, qairt, phon
     err = capsys.readouterr().err
     assert "genie-app names no audio-encoder input" in err and err.count("\n") == 1
     assert phone.calls() == []
+
+
+def test_genie_nodes_export_from_a_bf16_checkpoint(gemma4, ckpt, tmp_path):
+    """Regression (real-size Gemma-4-E4B, a bf16 checkpoint): the conformer's node computed its
+    relative-position keys from the bf16 weights against fp32 inputs as it was built, outside
+    the fp32 context its export had ("expected m1 and m2 to have the same dtype"); the tiny
+    fixtures are fp32, so only the real size showed it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hexforge.families import encoder_families, load_family
+    from hexforge.forge.checkpoint import read_checkpoint
+    from hexforge.forge.genie_pipeline import export_nodes
+    from hexforge.manifest import load_manifest
+
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(ckpt("gemma4_mm"), bf16)
+    for f in bf16.glob("*.safetensors"):  # the checkpoint as real ones are stored
+        save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v
+                   for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    c = read_checkpoint(bf16)
+    fam = load_family(c.model_type).FAMILY
+    hf = fam.load_hf(c.dir)
+    assert next(hf.parameters()).dtype == torch.bfloat16
+    m = load_manifest(gemma4)
+    nodes = export_nodes(encoder_families(m.hf_config), m.encoders, hf, fam,
+                         fam.Args.from_config(c.config), m, gemma4, tmp_path / "nodes", "torchscript",
+                         lambda line: None)
+    assert set(nodes) == {"image", "audio"}
+    assert all(path.is_file() for _, path in nodes.values())

@@ -138,10 +138,10 @@ def test_u8_value_cache_on_the_simulator_follows_hf_as_closely_as_the_graphs_do(
     assert r["text"]["kl_mean"] < 1e-5 and r["teacher_forced"]["kl_mean"] < 1e-5
 
 
-def test_u8_values_need_an_htp_target_with_fp16_activations(ckpt, tmp_path):
-    for target, quant in (("cpu", "w8-fp16"), ("v81", "w8-u16")):
+def test_u8_values_need_an_htp_target_and_fp16(ckpt, tmp_path):
+    for target, quant in (("cpu", "fp16"), ("v81", "w8-fp16"), ("v81", "w8-u16")):
         r = subprocess.run([sys.executable, "-m", "hexforge", "build", str(ckpt("llama")), "-o",
                             str(tmp_path / "out"), "--target", target, "--quant", quant,
                             "--kv-values", "u8"], capture_output=True, text=True, timeout=300)
-        assert r.returncode == 2 and "--kv-values u8 needs an HTP --target with an fp16-" in r.stderr
+        assert r.returncode == 2 and "--kv-values u8 needs an HTP --target and --quant fp16" in r.stderr
         assert r.stderr.count("\n") == 1 and not any(tmp_path.iterdir())

@@ -178,14 +178,17 @@ def export_nodes(encoders: list, specs: list, hf, fam, args, manifest, root: Pat
     out = {}
     work.mkdir(parents=True, exist_ok=True)
     for enc, spec in zip(encoders, specs, strict=True):
-        try:
-            form = enc.genie_node(hf, spec, tail)
-        except UnsupportedModelError as e:
-            log(f"[genie] {spec.modality} left out of the Genie pipeline: {e}")
-            continue
-        path = work / f"{form.role}.onnx"
         t = time.perf_counter()
+        # built in fp32 too, not only exported: a tower's module computes tables from the HF
+        # weights as it is made (the conformer's relative-position keys), which a bf16
+        # checkpoint's weights would refuse against fp32 inputs (regression: real-size E4B)
         with fam.float32(hf):
+            try:
+                form = enc.genie_node(hf, spec, tail)
+            except UnsupportedModelError as e:
+                log(f"[genie] {spec.modality} left out of the Genie pipeline: {e}")
+                continue
+            path = work / f"{form.role}.onnx"
             export_module(form.module, path, exporter)
         share_weights([path], f"{form.role}.weights")
         quantize_inputs(path, form.fixed_point)

@@ -108,9 +108,9 @@ class BuildOptions:
         "on k rows, so --prompt-lookup verifies k rows at about a decode step's cost; without "
         "them it verifies through the AR-N prefill graphs")] = False
     kv_values: Annotated[str, Flag(
-        "HTP, fp16-activation recipes (fp16, w8-fp16, w4-fp16): the KV cache's values as fp16, or "
-        "u8 (8 bits with a scale per row, computed in the graph: a quarter fewer cache bytes a "
-        "step; keys stay fp16). Measured cost: docs/htp.md", choices=_kv_values)] = "fp16"
+        "HTP, --quant fp16: the KV cache's values as fp16, or u8 (8 bits with a scale per row, "
+        "computed in the graph: a quarter fewer cache bytes a step; keys stay fp16). Measured "
+        "speed and quality: docs/htp.md", choices=_kv_values)] = "fp16"
     max_shard_bytes: Annotated[int | dict[str, int] | None, Flag(
         "per-graph weight ceiling (default: the target's per-context ceiling, less 4 %% on HTP "
         "targets for the binary's overhead): 1.8G, or cpu=3G,v81=1.8G", parse=shard_bytes,
@@ -192,10 +192,13 @@ class BuildOptions:
             raise BuildError(f"--verify-len must be in [0, --context), got {self.verify_len}")
         if self.htp_verify and not (htp and self.verify_len):
             raise BuildError("--htp-verify needs an HTP --target and --verify-len > 0")
-        if self.kv_values != "fp16" and not (htp and self.recipe.activations is None):
-            raise BuildError(f"--kv-values {self.kv_values} needs an HTP --target with an fp16-"
-                             "activation --quant (fp16, w8-fp16, w4-fp16): the fixed-point "
-                             "recipes keep their calibrated cache")
+        if self.kv_values != "fp16" and not (htp and self.recipe.name == "fp16"):
+            # weight-only recipes' decode is bound by the vector units that dequantize their
+            # weights, not by DDR: the values' dequantization made them slower under Hextimate
+            # (SmolLM2 w8-fp16 2,093 -> 2,249 us, w4-fp16 1,837 -> 2,469; docs/htp.md)
+            raise BuildError(f"--kv-values {self.kv_values} needs an HTP --target and --quant "
+                             "fp16 (the weight-only recipes' decode is vector-bound: 8-bit values "
+                             "make it slower; fixed-point ones keep their calibrated cache)")
         if self.genie and not htp:
             raise BuildError("--genie needs an HTP --target (e.g. v81)")
         if self.estimate and not htp:
