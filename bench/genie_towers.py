@@ -4,11 +4,12 @@ under ``--backend qnn-sim`` (issue 61): do libGenie's node rows equal hexforge's
     python bench/genie_towers.py gemma-4-e4b WORK [--image X.png] [--audio X.wav] [--json FILE]
     python bench/genie_towers.py qwen3-vl-2b WORK [--image X.png]
 
-The bundle is bench/realsize.py's cut of the model's first decoder layer with its towers whole
+The bundle is bench/realsize.py's cut of the model's first decoder layer(s) with its towers whole
 (random weights conditioned like a trained model's: the towers' graphs do not depend on the
 decoder's depth), fp16, v81, ``--device-only --genie`` — made under WORK unless it is there:
 
-    python bench/realsize.py MODEL WORK --layers 1 --quant fp16 --device-only --genie
+    python bench/realsize.py MODEL WORK --layers N --quant fp16 --device-only --genie --targets v81
+    (N: 1; Qwen3-VL 3, the layers its deepstack features enter)
 
 Per item: the host preprocessing once (runtime/vision.py, runtime/audio.py: what every backend
 feeds its towers), then (a) the bundle's tower graph on the HTP simulator through onnxruntime's
@@ -36,7 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-MODELS = {"gemma-4-e4b": ("image", "audio"), "qwen3-vl-2b": ("image",)}
+# model -> (its towers, the decoder layers of the cut: Qwen3-VL's decoder takes its 3 deepstack
+# features in its first 3 layers)
+MODELS = {"gemma-4-e4b": (("image", "audio"), 1), "qwen3-vl-2b": (("image",), 3)}
 GATE_COS = 0.999
 
 
@@ -71,10 +74,12 @@ def make_media(folder: Path) -> tuple[Path, Path]:
 def bundle_of(model: str, work: Path) -> Path:
     """bench/realsize.py's one-layer fp16 Genie bundle of ``model`` under ``work`` (made here
     if it is not there)."""
-    bundle = work / f"{model}-L1-fp16"
+    layers = MODELS[model][1]
+    bundle = work / f"{model}-L{layers}-fp16"
     if not (bundle / "manifest.json").is_file():
         subprocess.run([sys.executable, str(Path(__file__).parent / "realsize.py"), model,
-                        str(work), "--layers", "1", "--quant", "fp16", "--device-only", "--genie"],
+                        str(work), "--layers", str(layers), "--quant", "fp16", "--device-only",
+                        "--genie", "--targets", "v81"],
                        check=True)
     return bundle
 
@@ -165,7 +170,7 @@ def main() -> None:
     items = {"image": a.image or str(image), "audio": a.audio or str(audio)}
     bundle = Path(a.bundle) if a.bundle else bundle_of(a.model, work)
     out = {"model": a.model, "bundle": str(bundle)}
-    for modality in MODELS[a.model]:
+    for modality in MODELS[a.model][0]:
         spec, feeds, n = preprocess(bundle, modality, items[modality])
         t = time.perf_counter()
         want = qnn_sim_rows(bundle, spec, feeds, n)

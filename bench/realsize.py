@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--genie", action="store_true", help="also the Genie bundle (build --genie)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--layers", type=int, default=None, help="build a cut of the first N layers")
+    ap.add_argument("--targets", default=None, help="instead of the model's own (e.g. v81)")
     a = ap.parse_args()
 
     from hexforge.forge.pipeline import BuildOptions
@@ -76,7 +77,7 @@ def main() -> None:
         made = {"wall_s": round(time.perf_counter() - t, 1),
                 "peak_rss_gb": round(status_kb("VmHWM") / 2**20, 2)}
         print(f"checkpoint {ckpt}: {made}", file=sys.stderr)
-    opts = BuildOptions(targets=spec["targets"],
+    opts = BuildOptions(targets=a.targets or spec["targets"],
                         quant=a.quant, context=a.context, prefill_len=a.prefill_len,
                         verify=False, share_weights=a.share_weights, device_only=a.device_only,
                         genie=a.genie,
