@@ -245,28 +245,8 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
                     f"blocks of {recipe.block_size}, fp16 activations "
                     f"({time.perf_counter() - t:.1f}s)")
             if recipe.activations:
-                t = time.perf_counter()
-                text = calibration_text(opts.calib)
-                with fam.float32_forward(hf):  # the towers run on the media prompts
-                    cal = calibrate(root, manifest, graphs, plan, recipe, text, hf,
-                                    work=srcs / "calib", log=log, encoders=encoders)
-                gc.collect()  # the float engine's sessions and weight maps, before quantizing
-                what = f"quantize {recipe.name}" + (" (GPTQ)" if recipe.gptq else "")
-                with stage(what, len(graphs)) as advance:
-                    for g in graphs:
-                        tq = time.perf_counter()
-                        quantize_graph(root / g.file, srcs / f"{g.name}.qdq.onnx",
-                                       cal.ranges[g.name], cal.past_absmax[g.name],
-                                       cal.absmax[g.name], recipe, g.role, cal.hessians)
-                        log(f"  quantized {g.name} ({time.perf_counter() - tq:.1f}s)")
-                        advance()
-                rtn, kept = cal.hessians.gptq_kept
-                if rtn + kept:
-                    log(f"  GPTQ kept for {kept} of {rtn + kept} weights (the others lost to round "
-                        "to nearest on held-out calibration rows)")
-                shutil.rmtree(srcs / "calib", ignore_errors=True)
-                log(f"[{target.name}] calibrated + quantized {recipe.name} "
-                    f"({time.perf_counter() - t:.1f}s)")
+                _calibrate_and_quantize(fam, hf, root, manifest, graphs, plan, recipe, opts,
+                                        srcs, encoders, target, log)
             if recipe.weight_bits and not opts.keep_work:  # the quantized graphs are compiled:
                 _drop_float_graphs(srcs)  # the float ones go before the binaries come (disk peak)
             prepared[key] = (graphs, plan, srcs)
@@ -306,6 +286,35 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
     if not opts.keep_work:
         _drop_float_graphs(root / "_work")  # fp16's, the compiles' sources, are done with now
     return specs, qdq, estimates
+
+
+def _calibrate_and_quantize(fam, hf, root: Path, manifest: Manifest, graphs: list[GraphSpec],
+                            plan: RunPlan, recipe: QuantRecipe, opts, srcs: Path,
+                            encoders: list[GraphSpec], target: Target, log) -> None:
+    """The float graphs' activation ranges from the calibration text (and the towers' media
+    prompts), then each graph's QDQ twin ``srcs/<name>.qdq.onnx`` beside it."""
+    t = time.perf_counter()
+    text = calibration_text(opts.calib)
+    with fam.float32_forward(hf):  # the towers run on the media prompts
+        cal = calibrate(root, manifest, graphs, plan, recipe, text, hf,
+                        work=srcs / "calib", log=log, encoders=encoders)
+    gc.collect()  # the float engine's sessions and weight maps, before quantizing
+    what = f"quantize {recipe.name}" + (" (GPTQ)" if recipe.gptq else "")
+    with stage(what, len(graphs)) as advance:
+        for g in graphs:
+            tq = time.perf_counter()
+            quantize_graph(root / g.file, srcs / f"{g.name}.qdq.onnx",
+                           cal.ranges[g.name], cal.past_absmax[g.name],
+                           cal.absmax[g.name], recipe, g.role, cal.hessians)
+            log(f"  quantized {g.name} ({time.perf_counter() - tq:.1f}s)")
+            advance()
+    rtn, kept = cal.hessians.gptq_kept
+    if rtn + kept:
+        log(f"  GPTQ kept for {kept} of {rtn + kept} weights (the others lost to round "
+            "to nearest on held-out calibration rows)")
+    shutil.rmtree(srcs / "calib", ignore_errors=True)
+    log(f"[{target.name}] calibrated + quantized {recipe.name} "
+        f"({time.perf_counter() - t:.1f}s)")
 
 
 def _estimate(spec: TargetSpec, srcs: Path, recipe: QuantRecipe, manifest: Manifest, log) -> dict:
