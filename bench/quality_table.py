@@ -23,6 +23,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 MODELS = ("smollm2", "gemma3")
 ALL = [f"{m}:cpu:{w}" for m in MODELS for w in ("fp32", "int8", "int4", "int4-b128")] + [
@@ -42,18 +43,45 @@ def gguf(name: str, work: Path) -> Path:
     return out if out.is_file() else g.assemble(out)
 
 
-def floor(name: str, block: int, work: Path) -> float:
-    """HF's KL with its decoder Linear weights rounded to nearest int4 in ``block``s."""
+class HFReference(NamedTuple):
+    """A real model's HF oracle on the held-out text: its logits ``ref`` for ``ids``."""
+    model_type: str
+    fam: object
+    hf: object
+    tok: object
+    ids: list[int]
+    ref: object
+
+
+def hf_reference(name: str, work: Path, tokens: int) -> HFReference:
+    """``name`` (smollm2 / gemma3) loaded by transformers from its GGUF, and its fp32 logits on
+    the first ``tokens`` of the held-out text."""
     from hexforge.families import load_family
     from hexforge.forge.checkpoint import read_checkpoint
-    from hexforge.forge.quality import EVAL_TEXT, eval_ids, fake_quant_floor, hf_logits
+    from hexforge.forge.quality import EVAL_TEXT, eval_ids, hf_logits
     from hexforge.runtime.text import TextTokenizer
 
     ck = read_checkpoint(gguf(name, work))
     fam = load_family(ck.model_type).FAMILY
     hf = fam.load_hf(ck.dir)
-    ids = eval_ids(TextTokenizer(ck.dir), EVAL_TEXT, 256)
-    return fake_quant_floor(hf, 4, block, ids, hf_logits(hf, ids), fam.reference_layers(hf))["kl_mean"]
+    tok = TextTokenizer(ck.dir)
+    ids = eval_ids(tok, EVAL_TEXT, tokens)
+    return HFReference(ck.model_type, fam, hf, tok, ids, hf_logits(hf, ids))
+
+
+def references(work: Path, tokens: int):
+    """(name, HFReference) of each real model, the GGUFs assembled under ``work``."""
+    work.mkdir(parents=True, exist_ok=True)
+    for name in MODELS:
+        yield name, hf_reference(name, work, tokens)
+
+
+def floor(name: str, block: int, work: Path) -> float:
+    """HF's KL with its decoder Linear weights rounded to nearest int4 in ``block``s."""
+    from hexforge.forge.quality import fake_quant_floor
+
+    r = hf_reference(name, work, 256)
+    return fake_quant_floor(r.hf, 4, block, r.ids, r.ref, r.fam.reference_layers(r.hf))["kl_mean"]
 
 
 def cpu_twin(bundle: Path, name: str, target: str, tokens: int, work: Path) -> dict:

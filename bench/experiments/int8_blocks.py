@@ -22,24 +22,14 @@ def main() -> None:
     ap.add_argument("--work", default="int8-blocks-work", help="where Gemma-3's GGUF is assembled")
     a = ap.parse_args()
 
-    from quality_table import gguf
+    from quality_table import references
 
-    from hexforge.families import load_family
-    from hexforge.forge.checkpoint import read_checkpoint
-    from hexforge.forge.quality import EVAL_TEXT, eval_ids, fake_quant_floor, hf_logits
-    from hexforge.runtime.text import TextTokenizer
+    from hexforge.forge.quality import fake_quant_floor
 
-    work = Path(a.work)
-    work.mkdir(parents=True, exist_ok=True)
     print("| model | int8 block | bits a weight | KL mean | KL p99 | top-1 |\n|---|---|---|---|---|---|")
-    for name in ("smollm2", "gemma3"):
-        ck = read_checkpoint(gguf(name, work))
-        fam = load_family(ck.model_type).FAMILY
-        hf = fam.load_hf(ck.dir)
-        ids = eval_ids(TextTokenizer(ck.dir), EVAL_TEXT, 256)
-        ref = hf_logits(hf, ids)
+    for name, m in references(Path(a.work), 256):
         for block in (32, 64, 128, None):
-            r = fake_quant_floor(hf, 8, block, ids, ref, fam.reference_layers(hf))
+            r = fake_quant_floor(m.hf, 8, block, m.ids, m.ref, m.fam.reference_layers(m.hf))
             bits = 8 + 16 / block if block else 8.0
             print(f"| {name} | {block or 'per channel'} | {bits:.3g} | {r['kl_mean']:.3g} | "
                   f"{r['kl_p99']:.3g} | {r['top1']:.3f} |", flush=True)

@@ -84,27 +84,17 @@ def main() -> None:
     ap.add_argument("--work", default="kv-8bit-work", help="where Gemma-3's GGUF is assembled")
     a = ap.parse_args()
 
-    from quality_table import gguf
+    from quality_table import references
 
-    from hexforge.families import load_family
     from hexforge.forge.calib import CALIB_TEXT
-    from hexforge.forge.checkpoint import read_checkpoint
-    from hexforge.forge.quality import EVAL_TEXT, compare, eval_ids, hf_logits
-    from hexforge.runtime.text import TextTokenizer
+    from hexforge.forge.quality import compare, hf_logits
 
-    work = Path(a.work)
-    work.mkdir(parents=True, exist_ok=True)
     print("| model | 8-bit cache | KL mean | KL p99 | top-1 |\n|---|---|---|---|---|")
-    for name in ("smollm2", "gemma3"):
-        ck = read_checkpoint(gguf(name, work))
-        fam = load_family(ck.model_type).FAMILY
-        hf = fam.load_hf(ck.dir)
-        tok = TextTokenizer(ck.dir)
-        ids = eval_ids(tok, EVAL_TEXT, 512)
-        ref = hf_logits(hf, ids)
-        fq = FakeQuantKV(hf, ck.model_type)
+    for name, m in references(Path(a.work), 512):
+        hf, ids, ref = m.hf, m.ids, m.ref
+        fq = FakeQuantKV(hf, m.model_type)
         fq.calibrating = True
-        hf_logits(hf, tok.encode(CALIB_TEXT)[:1024])
+        hf_logits(hf, m.tok.encode(CALIB_TEXT)[:1024])
         fq.calibrating = False
         for form, how in FORMS.items():
             fq.form = how

@@ -10,7 +10,8 @@ number for the docs is then the real build's (bench/npu_estimate.py).
 ``--optrace GRAPH``: that graph's per-op breakdown as well (bench/npu_estimate.py
 ``optrace_report``). ``--baseline``: the graphs as hexforge made them before the levers of
 docs/htp.md "Speed on the NPU" (fp32 KV cache, keys as rows, the compiler's default
-finalization), the "before" of each ratio. ``--option``: a QNN EP provider option for the estimates (e.g.
+finalization), the "before" of each ratio. ``--block-size``: a weight-only recipe's
+blocks along K. ``--option``: a QNN EP provider option for the estimates (e.g.
 ``htp_graph_finalization_optimization_mode=3``), to try the compiler's own levers.
 
 The stages mirror the build's for an fp16-activation recipe: the norms' prescales and the
@@ -25,6 +26,7 @@ import json
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: npu_estimate's gguf()
@@ -32,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: npu_esti
 
 def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work: Path,
                     log=print, optrace: str | None = None, options: dict | None = None,
-                    keep: bool = False, baseline: bool = False, kv_values: str = "fp16") -> dict:
+                    keep: bool = False, baseline: bool = False, kv_values: str = "fp16",
+                    block_size: int | None = None) -> dict:
     options = options or {}
     from npu_estimate import MODELS, gguf, optrace_report
 
@@ -53,6 +56,8 @@ def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work
     from hexforge.targets import TARGETS
 
     recipe = get_recipe(quant)
+    if block_size:  # a weight-only recipe's blocks along K (its scales: one per block)
+        recipe = replace(recipe, block_size=block_size)
     if recipe.activations is not None:
         raise SystemExit("fixed-point recipes calibrate first: use a build (bench/npu_estimate.py)")
     # a real model by name, or a checkpoint folder (bench/realsize.py's random-weight ones at
@@ -119,12 +124,15 @@ def main() -> None:
     p.add_argument("--baseline", action="store_true", help="the graphs before the levers")
     p.add_argument("--kv-values", default="fp16", choices=("fp16", "u8"),
                    help="the value cache's form (build --kv-values)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="w8-fp16 / w4-fp16: the weights' block length along K (the recipe's: 32)")
     a = p.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     est = graphs_estimate(a.model, a.quant, a.context, a.prefill_len, work,
                           lambda m: print(m, file=sys.stderr), a.optrace,
-                          dict(o.split("=", 1) for o in a.option), a.keep, a.baseline, a.kv_values)
+                          dict(o.split("=", 1) for o in a.option), a.keep, a.baseline, a.kv_values,
+                          a.block_size)
     from hexforge.estimate_bundle import estimate_line
 
     print(estimate_line(est))
