@@ -61,13 +61,18 @@ def from_config(cls, config: dict):
 class GenieRope:
     """One of Genie's positional-encoding entries: Genie computes the tables itself, cos / sin of
     position * 1 / theta^(2i / (2 dim)) for i < dim (with ``scaling`` applied), into the inputs
-    ``<prefix>position_ids_cos`` / ``_sin`` [1, 1, AR, dim]."""
+    ``<prefix>position_ids_cos`` / ``_sin`` [1, 1, AR, dim]. Genie reads ``rope-theta`` as an
+    integer (truncated: its dump of theta 31.62 gave 31^(-i/4)), so theta must be whole.
+
+    ``used``: the graph reads only the first ``used`` frequencies and rotates no more (Gemma-4's
+    proportional rope: HF's inv_freq is zero past them); None: all ``dim``."""
 
     prefix: str  # "" for the default rope, else a cache group's prefix
     dim: int  # Genie's rope-dim: the frequencies, half the rotated dims
     theta: float
     scaling: dict | None = None  # Genie's rope-scaling block (llama3, linear), as it spells it
     rope: str = "default"  # the host recipe's rope (RopeSpec.name) it stands for
+    used: int | None = None  # the frequencies the graph reads (the first ones)
 
 
 @dataclass(frozen=True)

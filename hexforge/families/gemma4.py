@@ -205,8 +205,10 @@ class Gemma4Family(DecoderFamily):
         prefix is its group's); with PLE, Genie gathers [embedding | per-layer inputs] rows.
 
         The full layers' proportional rope (Gemma-4: the first m = 25 % of each half rotates,
-        inv_freq_i = theta^(-2i / D)) is Genie's default rope over m frequencies with theta' =
-        theta^(2m / D), the same numbers; the graph pads the rest with cos 1 / sin 0."""
+        inv_freq_i = theta^(-2i / D)) is Genie's default rope over all D / 2 frequencies with
+        HF's theta, of which the graph reads the first m and pads the rest with cos 1 / sin 0.
+        (Not m frequencies at theta' = theta^(2m / D): E2B's 1e6^(1/4) = 31.62, and Genie
+        truncates rope-theta to an integer, ``genie_verify.genie_inv_freq``.)"""
         import numpy as np
 
         from .base import GenieCache, GenieRope, GenieSpec, genie_rope_scaling
@@ -220,12 +222,14 @@ class Gemma4Family(DecoderFamily):
             m = int(np.count_nonzero(inv))
             D = args.head_dims[args.layer_types.index(t)]
             p = dict(params.get(t) or {})
-            theta = float(p.get("rope_theta", 10000.0)) ** (2 * m / D)
+            dim = m
             if p.get("rope_type") == "proportional":
-                p["rope_type"] = "default"
+                p["rope_type"], dim = "default", D // 2
             prefix = GENIE_GROUP[t]
-            ropes.append(GenieRope(prefix="" if t == FULL else prefix, dim=m, theta=theta,
-                                   scaling=genie_rope_scaling(p), rope=GROUP[t]))
+            ropes.append(GenieRope(prefix="" if t == FULL else prefix, dim=dim,
+                                   theta=float(p.get("rope_theta", 10000.0)),
+                                   scaling=genie_rope_scaling(p), rope=GROUP[t],
+                                   used=m if m < dim else None))
             caches.append(GenieCache(prefix, D))
         P = args.hidden_size_per_layer_input
         lut = ((("embed_tokens", float(tm.embed_tokens.embed_scale)),
@@ -235,7 +239,7 @@ class Gemma4Family(DecoderFamily):
     def genie_step(self, hf, args: Args, host, layers: tuple[int, int], seq_len: int,
                    context: int, residual_scale: float):
         spec = self.genie_spec(hf, args)
-        dims = {FULL if r.prefix == "" else SLIDING: r.dim for r in spec.ropes}
+        dims = {FULL if r.prefix == "" else SLIDING: (r.dim, r.used or r.dim) for r in spec.ropes}
         return GemmaGenieStep(self, hf, args, host, layers, seq_len, context, residual_scale,
                               dims)
 
@@ -545,7 +549,8 @@ class GemmaGenieStep(nn.Module):
     perlayer-embedding ("lut") left per_layer_inputs zero, and given one it refuses token ids."""
 
     def __init__(self, fam: Gemma4Family, hf, args: Args, host, layers: tuple[int, int],
-                 seq_len: int, context: int, residual_scale: float, rope_dims: dict[str, int]):
+                 seq_len: int, context: int, residual_scale: float,
+                 rope_dims: dict[str, tuple[int, int]]):
         super().__init__()
         from .genieio import (
             INPUT_IDS,
@@ -595,11 +600,12 @@ class GemmaGenieStep(nn.Module):
             outs += [(n, f"shared:L{d}") for n in shared_names(d)]
         self.io = GraphIO(inputs=ins, outputs=outs)
 
-    def _rope_width(self, t: str) -> tuple[int, int]:
-        """(Genie's rope-dim, the head's half width) of layer type t."""
+    def _rope_width(self, t: str) -> tuple[int, int, int]:
+        """(Genie's rope-dim, the frequencies the layers rotate, the head's half width) of layer
+        type t."""
         a = self.args
         i = a.layer_types.index(t)
-        return self.rope_dims[t], a.head_dims[i] // 2
+        return (*self.rope_dims[t], a.head_dims[i] // 2)
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         from .genieio import genie_kv_shapes
@@ -613,7 +619,7 @@ class GemmaGenieStep(nn.Module):
             out.append(torch.zeros(1, T, dtype=torch.int32))
         out.append(torch.zeros(1, 1, T, S + T))
         for t in self.types:
-            R, _ = self._rope_width(t)
+            R, _, _ = self._rope_width(t)
             out += [torch.ones(1, 1, T, R), torch.zeros(1, 1, T, R)]
         for i in self.shard.own:
             ks, vs = genie_kv_shapes(a.kv_heads[i], a.head_dims[i], a.head_dims[i], S)
@@ -639,8 +645,9 @@ class GemmaGenieStep(nn.Module):
         ropes = {}
         for t in self.types:
             c, s_ = rest.pop(0), rest.pop(0)
-            _, half = self._rope_width(t)
-            ropes[t] = (full_rope(pad_rope(c, half, 1.0)), full_rope(pad_rope(s_, half, 0.0)))
+            _, used, half = self._rope_width(t)  # [1, 1, AR, R] -> the first `used`, padded
+            ropes[t] = (full_rope(pad_rope(c[..., :used], half, 1.0)),
+                        full_rope(pad_rope(s_[..., :used], half, 0.0)))
         for t in self.types:
             shard_in += list(ropes[t])
         for t in self.types:

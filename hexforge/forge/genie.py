@@ -231,12 +231,13 @@ def check_ropes(spec, host_file: Path) -> None:
         for rope in spec.ropes:
             want = f.get_tensor(f"rope.{rope.rope}.inv_freq").astype(np.float64)
             got = genie_inv_freq(rope_block(rope))
-            n = len(got)
-            if n > len(want) or not np.allclose(got, want[:n], rtol=1e-5, atol=0) or (
+            n = rope.used or len(got)  # the graph reads the first n; HF rotates no more
+            if n > len(want) or not np.allclose(got[:n], want[:n], rtol=1e-5, atol=0) or (
                     np.abs(want[n:]) > 0).any():
+                whole = "" if rope.theta == int(rope.theta) else " (Genie reads theta as an integer)"
                 raise BuildError(f"--genie: Genie's rope {rope.prefix or 'default'} (theta "
                                  f"{rope.theta}, dim {rope.dim}) is not HF's "
-                                 f"rope.{rope.rope} inv_freq")
+                                 f"rope.{rope.rope} inv_freq{whole}")
 
 
 def _weight_only(paths: list[Path], recipe, vocab_size: int, split: int, splits: int

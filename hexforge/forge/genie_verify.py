@@ -37,9 +37,15 @@ LUT_TYPES = {"float32": np.float32, "ufixed16": np.uint16}  # an embedding LUT's
 
 def genie_inv_freq(positional_encoding: dict) -> np.ndarray:
     """inv_freq [rope-dim] as Genie computes it from one positional-encoding entry (the rope
-    types ``families.base.genie_rope_scaling`` writes: default, linear, llama3)."""
+    types ``families.base.genie_rope_scaling`` writes: default, linear, llama3).
+
+    libGenie 1.21 reads ``rope-theta`` as an integer: given 31.622776 (Gemma-4's proportional
+    rope as a default one over its 25 %) its dumped position_ids_cos / _sin are the angles of
+    31^(-i/4), not 31.62^(-i/4) (regression: tiny Gemma-4 seeds 1-3 and the published E2B left
+    qnn-sim's tokens), so the oracle truncates it as Genie does and a fractional theta fails
+    ``genie.check_ropes`` at build time."""
     half = int(positional_encoding["rope-dim"])
-    theta = float(positional_encoding["rope-theta"])
+    theta = float(int(positional_encoding["rope-theta"]))
     inv = 1.0 / theta ** (np.arange(half, dtype=np.float64) * 2 / (2 * half))
     scaling = positional_encoding.get("rope-scaling")
     if scaling is None:
