@@ -18,12 +18,16 @@ rests on (QNN 2.51 / onnxruntime-qnn 2.7.0, docs/htp.md "Speed on the NPU: Hexti
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
+import os
 import re
 import tempfile
+import threading
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -92,16 +96,19 @@ def estimate_graph(src: Path, arch: int, soc: Soc, fp16: bool, level: str = "bas
     """Finalize ``src`` (an ONNX graph the HTP target compiles: float, weight-only or QDQ) for
     ``soc`` with CPU fallback disabled, as the build compiles it (``options``: the compile's
     extra QNN EP options, forge/htp/compile.compile_options), and read its estimate.
-    ``level`` "optrace" with ``trace_dir``: the profile CSV and the per-op timeline QNN writes
-    beside it (``profile_qnn.log``) are kept there; otherwise both go with a temp dir."""
+    ``level`` "optrace" with ``trace_dir``: the profile CSV, the per-op timeline QNN writes
+    beside it (``profile_qnn.log``) and the graph's ``<graph>_schematic.bin`` (the op map that
+    qnn-profile-viewer reads with the timeline) are kept there; otherwise all go with a temp
+    dir."""
     import onnxruntime as ort
 
     from .forge.memory import release_heap
     from .runtime import qnn
     from .runtime.backends import explain_qnn_error
 
+    src = Path(src).absolute()  # the session may be made from another working folder
     with tempfile.TemporaryDirectory(prefix="hextimate-") as tmp:
-        folder = Path(trace_dir) if trace_dir is not None else Path(tmp)
+        folder = (Path(trace_dir) if trace_dir is not None else Path(tmp)).absolute()
         folder.mkdir(parents=True, exist_ok=True)
         prof = folder / "profile.csv"
         for stale in (prof, folder / "profile_qnn.log"):
@@ -109,7 +116,7 @@ def estimate_graph(src: Path, arch: int, soc: Soc, fp16: bool, level: str = "bas
         opts = qnn.provider_options(arch, soc.soc_model, fp16) | (options or {})
         opts |= {"profiling_level": level, "profiling_file_path": str(prof)}
         try:
-            with qnn.native_stdout_to_stderr():
+            with qnn.native_stdout_to_stderr(), _working_folder(folder, level == "optrace"):
                 sess = ort.InferenceSession(str(src), qnn.session_options(opts, {}))
             del sess
         except Exception as e:
@@ -123,6 +130,29 @@ def estimate_graph(src: Path, arch: int, soc: Soc, fp16: bool, level: str = "bas
             return parse_profile(prof.read_text())
         except HexforgeError as e:
             raise BackendError(f"{src.name} on {soc.name}: {e}") from None
+
+
+_chdir_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _working_folder(folder: Path, move: bool) -> Iterator[None]:
+    """Inside, the process works in ``folder`` (when ``move``). An optrace profile's graph
+    finalize writes ``<graph>_schematic.bin`` into the working folder, whatever
+    ``profiling_file_path`` says, and the QNN EP has no option to name another (measured:
+    onnxruntime-qnn 2.7.0; the basic and detailed levels, compiles and simulator runs write
+    nothing there): a 19.6 MB one, from a run in the repository's root, was committed (issue
+    78). The working folder is the process's: one move at a time, paths made absolute before."""
+    if not move:
+        yield
+        return
+    with _chdir_lock:
+        back = os.getcwd()
+        os.chdir(folder)
+        try:
+            yield
+        finally:
+            os.chdir(back)
 
 
 def optrace(log: Path) -> dict:

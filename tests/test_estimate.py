@@ -84,6 +84,36 @@ def test_a_phone_soc_gives_no_estimate_in_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_regression_an_optrace_estimate_wrote_its_schematic_into_the_working_folder(
+        tmp_path, monkeypatch):
+    """QNN writes an optrace profile's <graph>_schematic.bin into the working folder, whatever
+    profiling_file_path says: a 19.6 MB one, from bench/npu_estimate.py --optrace run in the
+    repository's root, was committed (issue 78). It goes to the trace folder now (to the temp dir
+    without one); the other levels, a compile and a simulator run leave nothing there either."""
+    import onnxruntime as ort
+
+    from hexforge.forge.htp.compile import compile_graph
+    from hexforge.runtime import qnn
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    src = matmul_graph(Path("..") / "mm.onnx", 256, 256)  # relative: read from the cwd named
+    trace = tmp_path / "trace"
+    estimate_graph(src, 81, V81.estimator, True, level="optrace", trace_dir=trace)
+    assert len(list(trace.glob("*_schematic.bin"))) == 1 and (trace / "profile_qnn.log").is_file()
+    for level in ("optrace", "detailed", "basic"):
+        estimate_graph(src, 81, V81.estimator, True, level=level)
+    ctx = compile_graph(src.absolute(), tmp_path / "mm.ctx.onnx", 81, V81.default_soc.soc_model,
+                        True)["ctx"]
+    so = qnn.session_options(qnn.provider_options(81, V81.default_soc.soc_model, True), {})
+    with qnn.native_stdout_to_stderr():
+        sess = ort.InferenceSession(str(ctx), so)
+        sess.run(None, {"x": np.ones((1, 1, 256), np.float32)})
+    del sess
+    assert Path.cwd() == cwd and not list(cwd.iterdir()), sorted(p.name for p in cwd.iterdir())
+
+
 def hexforge(*args):
     return subprocess.run([sys.executable, "-m", "hexforge", *map(str, args)],
                           capture_output=True, text=True, timeout=600)
