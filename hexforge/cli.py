@@ -1,5 +1,5 @@
 """The one entry point: ``hexforge build | run | chat | serve | inspect | estimate | verify |
-targets | demo | bench``.
+deploy | targets | demo | bench``.
 
 Every HexforgeError becomes one line on stderr and exit code 2; a failed oracle is exit code 1.
 """
@@ -97,19 +97,27 @@ def _sampling(a) -> dict:
                 ignore_eos=a.ignore_eos, stop=a.stop, prompt_lookup=a.prompt_lookup)
 
 
+CHAT_QUIT = ("/quit", "/exit")  # either leaves `hexforge chat`; the banner names both
+
+
+def chat_banner(modalities: list[str]) -> str:
+    """The line ``hexforge chat`` starts with: every command its loop takes."""
+    attach = [f"/{m} PATH" for m in modalities]
+    return ("hexforge chat: " + (f"{' / '.join(attach)} goes with your next message, "
+                                 if attach else "")
+            + f"/reset clears the conversation, {' or '.join(CHAT_QUIT)} (or Ctrl-D) leaves")
+
+
 def cmd_chat(a) -> int:
-    """Interactive terminal chat: streams replies, keeps the state between turns; /reset, /quit,
-    and /image PATH, /audio PATH (bundles with those encoders) for the next message."""
+    """Interactive terminal chat: streams replies, keeps the state between turns; /reset, /quit
+    (or /exit), and /image PATH, /audio PATH (bundles with those encoders) for the next message."""
     from . import load
 
     model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target)
     _say_draft_cap(model, a.prompt_lookup)
     session = model.session(system=a.system)
     kw = _sampling(a)
-    attach = [f"/{e.modality} PATH" for e in model.manifest.encoders]
-    print("hexforge chat: " + (f"{' / '.join(attach)} goes with your next message, "
-                               if attach else "") +
-          "/reset clears the conversation, /quit (or Ctrl-D) leaves", file=sys.stderr)
+    print(chat_banner([e.modality for e in model.manifest.encoders]), file=sys.stderr)
     media: dict[str, list[str]] = {}  # "images" / "audios" for the next message
     while True:
         try:
@@ -117,7 +125,7 @@ def cmd_chat(a) -> int:
         except EOFError:
             print(file=sys.stderr)
             return 0
-        if line.strip() in ("/quit", "/exit"):
+        if line.strip() in CHAT_QUIT:
             return 0
         if line.strip() == "/reset":
             session.reset()
@@ -270,11 +278,17 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kw)
 
 
+def description() -> str:
+    """``--help``'s description: the module docstring's first paragraph, whole (its first line
+    alone stopped mid-list), without the reST quotes."""
+    return " ".join(__doc__.split("\n\n")[0].replace("``", "").split())
+
+
 def parser() -> argparse.ArgumentParser:
     """hexforge's command line: each subcommand's flags made by its own function below."""
     from . import __version__
 
-    p = _Parser(prog="hexforge", description=__doc__.splitlines()[0])
+    p = _Parser(prog="hexforge", description=description())
     p.add_argument("--version", action="version", version=f"hexforge {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     for add in (_build_parser, _run_parser, _chat_parser, _serve_parser, _inspect_parser,

@@ -337,3 +337,50 @@ def test_a_command_whose_extra_is_not_installed_names_it_in_one_line(bundle, ckp
     assert (f"hexforge {argv[0]} needs the {extra} extra ({blocked} is not installed): "
             f'pip install "hexforge[{extra}]"') in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_demo_prints_a_slow_rate_with_its_digits():
+    """The demo's simulator line read "decode 0 tok/s" (0.42 tok/s through ``:.0f``): a rate
+    under 10 keeps two significant digits, a larger one stays whole."""
+    from hexforge.demo import rate
+
+    assert [rate(v) for v in (0.42, 0.0421, 3.456, 57.4, 1234.5, 0.0)] == [
+        "0.42", "0.042", "3.5", "57", "1234", "0"]
+
+
+def test_help_states_the_whole_description():
+    """``hexforge --help`` printed the docstring's first line alone: "hexforge build | run | chat
+    | ... | verify |", cut mid-list. The description is the whole first paragraph, naming every
+    subcommand."""
+    import argparse
+
+    from hexforge.cli import parser
+
+    p = parser()
+    text = p.format_help()
+    description = " ".join(text.split("\n\n")[1].split())  # after the usage block
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    assert description.startswith("The one entry point: hexforge ") and description.endswith(".")
+    named = description.removeprefix("The one entry point: hexforge ").removesuffix(".")
+    assert named.split(" | ") == list(sub.choices), description
+
+
+def test_chat_banner_names_both_ways_out_and_both_leave(monkeypatch, capsys):
+    """The chat banner named /quit, though /exit leaves too: it names both, from the tuple the
+    loop checks, and each ends the chat (a stand-in model: no bundle is built)."""
+    from types import SimpleNamespace
+
+    import hexforge
+    from hexforge import cli
+
+    model = SimpleNamespace(engine=SimpleNamespace(verify_len=8),
+                            manifest=SimpleNamespace(encoders=[]),
+                            session=lambda system=None: SimpleNamespace())
+    monkeypatch.setattr(hexforge, "load", lambda *a, **kw: model)
+    assert set(cli.CHAT_QUIT) == {"/quit", "/exit"}
+    for word in cli.CHAT_QUIT:
+        lines = iter([word, "never read"])
+        monkeypatch.setattr("builtins.input", lambda prompt="", lines=lines: next(lines))
+        assert cli.main(["chat", "BUNDLE"]) == 0
+        assert "/quit or /exit (or Ctrl-D) leaves" in capsys.readouterr().err.splitlines()[0]
+        assert next(lines) == "never read"  # it left at the word, reading no more
