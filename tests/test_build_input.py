@@ -71,6 +71,56 @@ def test_context_past_the_models_positions_is_one_line_exit_2(ckpt, tmp_path):
     nothing_left(tmp_path)
 
 
+def test_the_default_context_fits_a_model_trained_on_fewer_positions(tmp_path, monkeypatch,
+                                                                      capsys):
+    """A model of 512 positions built with no --context was refused: "give --context 512 or
+    less", for a flag the user never typed. The default is lowered to the model's positions with
+    a note in the log (the build stopped here at its memory check, before any export); a
+    --context the user gives past them, 2048 as well, is refused as before."""
+    from hexforge import cli
+    from hexforge.forge import pipeline
+    from hexforge.forge.options import DEFAULT_CONTEXT, BuildOptions
+    from hexforge.tiny import make_tiny_checkpoint
+
+    short = make_tiny_checkpoint("llama", tmp_path / "ckpt", max_position_embeddings=512)
+    assert BuildOptions().context is DEFAULT_CONTEXT == 2048
+
+    class Stop(Exception):
+        pass
+
+    seen: list = []
+
+    def stop(fam, hf, args, targets, opts):
+        seen.append(opts)
+        raise Stop
+
+    monkeypatch.setattr(pipeline, "check_memory", stop)
+    with pytest.raises(Stop):
+        cli.main(["build", str(short), "-o", str(tmp_path / "out")])
+    assert seen[0].context == 512
+    notes = [line for line in capsys.readouterr().err.splitlines() if "--context" in line]
+    assert notes == ["note: --context 512: this model's max_position_embeddings (the positions "
+                     "it was trained on), below the default 2,048"], notes
+
+    line = one_line(hexforge("build", short, "-o", tmp_path / "out", "--context", "2048"))
+    assert "--context 2,048 is past this model's max_position_embeddings 512" in line
+    assert "give --context 512 or less" in line
+    nothing_left(tmp_path)
+
+
+def test_a_bundle_given_to_build_is_named_as_a_bundle(tmp_path):
+    """``hexforge build BUNDLE`` said "has no config.json; is it a HF checkpoint directory?": it
+    says the folder is a hexforge bundle (it has manifest.json) and what to do with one."""
+    b = tmp_path / "smol.bundle"
+    b.mkdir()
+    (b / "manifest.json").write_text("{}")
+    line = one_line(hexforge("build", b, "-o", tmp_path / "out"))
+    assert f"{b} is a hexforge bundle (it has manifest.json), not a checkpoint" in line, line
+    assert f"hexforge run {b} PROMPT" in line and f"hexforge inspect {b}" in line
+    assert "config.json" not in line
+    nothing_left(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def long_ckpt(tmp_path_factory) -> Path:
     """A tiny llama that claims 2^30 positions: its caches at that context (1.6 TB in fp32) fit

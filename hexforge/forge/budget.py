@@ -20,10 +20,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 from ..errors import BuildError
 from ..targets import Target
 from . import memory
 from .graphs import plan_target
+from .options import BuildOptions, DefaultContext
 
 
 def max_positions(config: dict) -> int | None:
@@ -31,6 +35,23 @@ def max_positions(config: dict) -> int | None:
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     value = text.get("max_position_embeddings")
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def fit_context(config: dict, opts: BuildOptions, log: Callable[[str], None]) -> BuildOptions:
+    """The options with --context's default lowered to the positions the model was trained on
+    where they are fewer, and a line in the log saying so: a user who gave no --context gets a
+    bundle, not a refusal naming a flag they never typed. A --context the user gave is kept as
+    given (check_positions refuses it past the positions)."""
+    if not isinstance(opts.context, DefaultContext):
+        return opts
+    positions = max_positions(config)
+    if positions is None or positions >= opts.context:  # a plain int from here on
+        return dataclasses.replace(opts, context=int(opts.context))
+    log(f"note: --context {positions:,}: this model's max_position_embeddings (the positions it "
+        f"was trained on), below the default {opts.context:,}")
+    fitted = dataclasses.replace(opts, context=positions)
+    fitted.validate()  # the checks against the context (--verify-len), at the one it now has
+    return fitted
 
 
 def check_positions(config: dict, context: int) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..manifest import MANIFEST_NAME
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -56,6 +57,11 @@ def read_checkpoint(path: str | Path, log=None) -> Checkpoint:
     if not d.is_dir():
         raise CheckpointError(f"{d} is not a directory (expected a local HF checkpoint dir, a hub "
                               "id ORG/NAME or a .gguf file)")
+    if (d / MANIFEST_NAME).is_file():  # built already: "no config.json" sent people looking for one
+        raise CheckpointError(f"{d} is a hexforge bundle (it has {MANIFEST_NAME}), not a checkpoint "
+                              f"to build from: run it (hexforge run {d} PROMPT, hexforge chat {d}) "
+                              f"or look inside (hexforge inspect {d}); build from the HF checkpoint "
+                              "it was made from")
     if not (d / "config.json").is_file():
         raise CheckpointError(f"{d} has no config.json; is it a HF checkpoint directory?")
     config = _read_json(d / "config.json")

@@ -71,6 +71,16 @@ def _kv_values() -> tuple[str, ...]:
     return ("fp16", "u8")
 
 
+class DefaultContext(int):
+    """--context's default when nobody gave one: an int like any other to the code that reads it,
+    which tells the build it may lower it to the positions a smaller model was trained on (2048
+    was refused for those, naming a flag the user never typed); a --context given on the command
+    line or in code is a plain int and is refused past them (forge/budget.py: fit_context)."""
+
+
+DEFAULT_CONTEXT = DefaultContext(2048)
+
+
 @dataclass(frozen=True)
 class Flag:
     """How a BuildOptions field is given on the command line."""
@@ -96,8 +106,9 @@ class BuildOptions:
                                "w4a16-qdq-rtn: their old names, accepted as aliases; the cpu "
                                "target: see --cpu-weights", choices=_recipes)] = "w8-fp16"
     context: Annotated[int, Flag("max tokens (prompt + generated); at most the model's "
-                                 "max_position_embeddings, and the build's memory grows with it "
-                                 "(checked before any work)")] = 2048
+                                 "max_position_embeddings (left out: lowered to them where they "
+                                 "are fewer, said in the log), and the build's memory grows "
+                                 "with it (checked before any work)")] = DEFAULT_CONTEXT
     prefill_len: Annotated[int, Flag("N of the AR-N prefill graph (tokens a prefill call "
                                      "takes)")] = 64
     verify_len: Annotated[int, Flag("k of the cpu target's AR-k verify graph (run "

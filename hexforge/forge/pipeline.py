@@ -46,7 +46,7 @@ from ..manifest import (
     save_manifest,
 )
 from ..targets import Target, parse_targets
-from .budget import check_memory, check_positions
+from .budget import check_memory, check_positions, fit_context
 from .checkpoint import Checkpoint, read_checkpoint
 from .encoders import (
     calibrate_encoder_norms,
@@ -140,6 +140,7 @@ class _Source:
     args: Any  # the family's Args (its HF config fields)
     targets: list[Target]
     encoders: list[EncoderFamily]  # vision / audio towers of a multimodal checkpoint
+    opts: BuildOptions  # as asked, --context's default fitted to the model (budget.fit_context)
 
     @property
     def htp_targets(self) -> list[Target]:
@@ -176,6 +177,7 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions 
     out = Path(output).absolute()
     remove_stale(out.parent)  # temp dirs of builds killed here earlier (the OOM killer runs no except)
     src = _check_source(checkpoint, out, opts, log)
+    opts = src.opts  # the context's default fitted to the model: what every stage reads
     t = time.perf_counter()
     hf = src.fam.load_hf(src.ckpt.dir)  # as stored (mapped): seconds, and what the memory check reads
     timings = {"load_hf_s": time.perf_counter() - t}
@@ -229,6 +231,7 @@ def _check_source(checkpoint: str | Path, out: Path, opts: BuildOptions, log: Lo
     fam.check_config(ckpt.config)
     args = fam.Args.from_config(ckpt.config)
     fam.check_supported(args)
+    opts = fit_context(ckpt.config, opts, log)  # before anything reads the context
     if opts.genie:
         from .genie import check_options
 
@@ -238,7 +241,7 @@ def _check_source(checkpoint: str | Path, out: Path, opts: BuildOptions, log: Lo
     _check_encoder_options(encoders, opts)
     if out.exists() and not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
         raise BuildError(f"{out} exists and is not a hexforge bundle; refusing to replace it")
-    return _Source(checkpoint, ckpt, fam, args, targets, encoders)
+    return _Source(checkpoint, ckpt, fam, args, targets, encoders, opts)
 
 
 def _encoder_specs(b: _Build) -> list[EncoderSpec]:
