@@ -127,6 +127,54 @@ def test_genie_rope_from_its_config_equals_hfs(scaling):
     np.testing.assert_allclose(genie_inv_freq(rope_block(rope)), want.double().numpy(), rtol=1e-6)
 
 
+def test_regression_genie_reads_rope_theta_as_an_integer(tmp_path):
+    """Gemma-4's proportional rope was written as m frequencies at theta^(2m / D) (E2B: 1e6^(1/4)
+    = 31.62); libGenie's dumped position_ids_cos / _sin were the angles of 31^(-i/4): it
+    truncates rope-theta. The oracle computes Genie's rope as Genie does, so such a config is
+    refused at build time (check_ropes), and Gemma-4 writes Genie's rope over all D / 2
+    frequencies at HF's integer theta, the graph reading the first m."""
+    from safetensors.numpy import save_file
+
+    from hexforge.families.base import GenieRope, GenieSpec
+    from hexforge.forge.genie import check_ropes
+    from hexforge.forge.genie_bundle import rope_block
+    from hexforge.forge.genie_verify import genie_inv_freq
+
+    theta = 1e6 ** 0.25
+    np.testing.assert_allclose(genie_inv_freq(rope_block(GenieRope("", 4, theta))),
+                               31.0 ** (-np.arange(4) / 4), rtol=1e-9)
+    D, m = 32, 4  # head 32, the first 4 of 16 frequencies rotate (HF zero-fills the rest)
+    hf = np.zeros(D // 2)
+    hf[:m] = 1e6 ** (-2 * np.arange(m) / D)
+    host = tmp_path / "host.safetensors"
+    save_file({"rope.full.inv_freq": hf.astype(np.float32)}, str(host))
+    old = GenieRope("", m, 1e6 ** (2 * m / D), rope="full")  # 1e6^(1/4): fractional
+    with pytest.raises(BuildError, match="integer"):
+        check_ropes(GenieSpec(caches=(), ropes=(old,)), host)
+    check_ropes(GenieSpec(caches=(), ropes=(GenieRope("", D // 2, 1e6, rope="full", used=m),)),
+                host)
+
+
+def test_regression_a_prompt_past_genies_prefill_is_refused_not_an_empty_answer(genie_bundle):
+    """libGenie 1.21 takes at most CL - N + 1 prompt tokens through AR-N graphs: past that it
+    logged "Context Size was exceeded." and returned no token and no error (CL 128, AR-16: 113
+    tokens answer, 114 did not), where qnn-sim answers. Refused in one line before the query;
+    the longest prompt it takes still answers."""
+    from hexforge.errors import RequestError
+    from hexforge.runtime.genie_model import GenieModel
+    from tests.conftest import HTP_CONTEXT, HTP_N
+
+    most = HTP_CONTEXT - HTP_N + 1
+    model = GenieModel(genie_bundle)
+    try:
+        assert len(model.generate(prompt_ids(most), max_new_tokens=4,
+                                  ignore_eos=True).token_ids) == 4
+        with pytest.raises(RequestError, match=f"{most} at most"):
+            model.generate(prompt_ids(most + 1), max_new_tokens=4, ignore_eos=True)
+    finally:
+        model.close()
+
+
 def test_qnn_sessions_still_work_after_genie_in_one_process(genie_bundle):
     """libGenie loaded RTLD_GLOBAL made every later QNN EP session of the process segfault."""
     import hexforge

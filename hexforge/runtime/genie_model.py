@@ -24,7 +24,7 @@ from pathlib import Path
 from ..errors import BundleError, RequestError
 from ..manifest import GenerationDefaults, load_manifest
 from . import genie
-from .genie_checks import check_folder
+from .genie_checks import check_folder, check_prompt_fits
 from .options import (
     Done,
     GenerationMethods,
@@ -209,6 +209,7 @@ class GenieModel(GenerationMethods):
         t0 = time.perf_counter()
         r = self.request(prompt, o or GenerationOptions())
         check_request(r.ids, r.max_new, self.n_vocab, self.context)  # integrity: before libGenie
+        check_prompt_fits(len(r.ids), self.config)
         dialog = self._dialog_for(r.temperature, r.top_k, r.top_p, r.seed, r.ignore_eos)
         detok = self.tokenizer.detokenizer()
         tokens: list[int] = []

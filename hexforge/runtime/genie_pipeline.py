@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import BundleError, RequestError
 from . import genie
+from .genie_checks import check_prompt_fits
 from .genie_model import GenieModel, absolute_paths, genie_result, sampler_config
 from .options import Done, GenerationOptions, Piece, check_request
 
@@ -409,6 +410,7 @@ class GeniePipelineModel(GenieModel):
         r = self.request(prompt, o, media=MEDIA_OPTIONS)
         ids, segments = self._segments(r.ids, o.images, o.audios)
         check_request(ids, r.max_new, self.n_vocab, self.context)
+        check_prompt_fits(len(ids), self.config)
         return r, ids, segments
 
     def iterate(self, prompt: str | list[int], o: GenerationOptions | None = None

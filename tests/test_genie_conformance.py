@@ -1,0 +1,41 @@
+"""Genie conformance across each family's configuration space, not one fixture a family: the
+fixed matrix of bench/genie_conformance.py (several tiny configurations per family: head dims and
+KV heads, windows shorter and longer than the prompt, rotary fractions and M-RoPE sections, tied
+and untied heads, KV-sharing counts, per-layer inputs or none, splits, a non-square image), each
+built with --genie and asked prompts around the prefill length and the longest one Genie's
+prefill takes: libGenie's greedy tokens equal qnn-sim's on the same bundle. Plumbing on random
+weights (both run the same weights); bench/genie_conformance.py draws new configurations at
+random for longer runs."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "genie_conformance.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("genie_conformance", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = _bench()
+
+
+@pytest.mark.parametrize("variant", BENCH.MATRIX, ids=[v.name for v in BENCH.MATRIX])
+def test_genie_equals_qnn_sim_on_each_configuration(variant, tmp_path):
+    bundle = BENCH.build_variant(variant, tmp_path)
+    assert BENCH.compare(bundle, variant, tmp_path) == []
+
+
+def test_the_matrix_covers_each_genie_family_several_times():
+    from collections import Counter
+
+    per = Counter(v.family if v.family != "qwen3" else "llama" for v in BENCH.MATRIX)
+    assert all(per[f] >= 2 for f in ("llama", "gemma3", "gemma4", "qwen3_5")), per
+    assert per["qwen3_vl"] >= 1
