@@ -73,6 +73,14 @@ def _targets(m: Manifest, genie: list[str]) -> list[str]:
     return [*out, ""]
 
 
+def _geniex(root: Path, m: Manifest, genie: list[str]) -> list[str]:
+    """Per Genie folder, whether GenieX's QAIRT plugin can load it (forge/geniex.py)."""
+    from .forge.geniex import card_line
+
+    folders = [root / g for g in genie if (root / g / "genie_config.json").is_file()]
+    return [*(f"`{f.name}/`: {card_line(f, m.model_type)}" for f in folders), ""] if folders else []
+
+
 def _modalities(m: Manifest, report: dict) -> list[str]:
     out = ["## Modalities", "", "| modality | how | status |", "|---|---|---|",
            "| text | tokens in, text out | every target" + (" (judged by the oracle)" if report
@@ -198,7 +206,8 @@ def render(root: Path, m: Manifest, name: str, source: str | None = None,
         *_front_matter(m, base_model, genie), f"# {name}", "",
         f"A hexforge {m.hexforge_version} bundle of {what}"
         + (f", built from `{source}`" if source else "") + ": " + _what_it_holds(m, genie), ""]
-    lines += _modalities(m, report) + _targets(m, genie) + _quality(report)
+    lines += _modalities(m, report) + _targets(m, genie) + _geniex(root, m, genie)
+    lines += _quality(report)
     lines += _commands(m, name, genie) + _files(root, m)
     return "\n".join(lines)
 

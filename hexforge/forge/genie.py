@@ -128,6 +128,7 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
     rows into a uint16 ``inputs_embeds``); False keeps it float32, for a bundle whose media
     nodes hand the decoder float rows (forge/genie_pipeline.py). -> {target name: folder}."""
     from .genie_bundle import folder_name, lut_encoding, write_bundle_files
+    from .geniex import write_geniex_files
     from .graphs import plan_target
 
     recipe = opts.recipe
@@ -181,6 +182,9 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
         write_bundle_files(folder, manifest, bins, root / manifest.tokenizer.dir / "tokenizer.json",
                            soc, target.htp_arch, spec, root / "host.safetensors", lut,
                            weight_sharing=opts.share_weights)
+        # GenieX's metadata.json beside Genie's files, from the graphs the binaries hold
+        write_geniex_files(folder, manifest.model_type, [p for split in paths for p in split],
+                           root / manifest.tokenizer.dir)
         total = sum(b.stat().st_size for b in bins)
         log(f"[{target.name}] Genie bundle {folder.name}/ ({len(bins)} context binaries, "
             f"{total / 1e9:.2f} GB, {len(paths)} split(s))")

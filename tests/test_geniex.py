@@ -1,0 +1,258 @@
+"""GenieX's metadata.json (forge/geniex.py) against the rules Qualcomm's geniex-qairt-plugin
+applies when it loads a bundle, as read from its source at ``geniex.PLUGIN_COMMIT``:
+
+  models/dispatch.h                 model_id prefix -> factory (LLM / VLM), "_ssd" suffix
+  core/src/llm/llm_spec_loader.cpp  model_files keys, shapes -> hidden / KV heads / head dim /
+                                    vocab / layers, ctx-bins, genie_config.json's fields
+  core/src/llm/llm_model.cpp        two ARs, graph sort, KV layouts, attention mask size
+  core/src/llm/input_provider.cpp   input_ids int32, rope rows, inputs_embeds
+  core/src/graph.cpp                the dtypes Graph::write / read convert
+  core/src/pipeline/llm_pipeline.cpp  tokenizer_config.json with a chat_template
+
+Nothing here runs GenieX: a folder meeting these rules is not proven to load.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from hexforge.forge import geniex
+from hexforge.manifest import load_manifest
+
+# dtypes Graph::write(float*) / read(float*) convert, plus int32 (input_ids, memcpy)
+WRITABLE = {"float32", "float16", "uint16", "uint8", "int32"}
+SPECIAL = {"attention_mask", "position_ids", "position_ids_cos", "position_ids_sin"}
+
+
+@pytest.fixture(scope="module")
+def llama_genie(htp_bundle):
+    return htp_bundle("llama", "fp16", genie=True)
+
+
+@pytest.fixture(scope="module")
+def vl_genie(htp_bundle):
+    return htp_bundle("qwen3_vl", "fp16", genie=True, verify=False)
+
+
+def dispatch(model_id: str) -> tuple[str, str] | None:
+    """models/dispatch.h: (LLM | VLM, factory) for a model_id, in its order."""
+    if model_id.endswith("_ssd"):
+        return "LLM", "llama3_2_3b_ssd"
+    for kind, prefix, factory in (("VLM", "qwen2_5_vl_", "qwen2_5_vl"),
+                                  ("VLM", "qwen3_vl_", "qwen3_vl"),
+                                  ("LLM", "qwen3_", "qwen3"), ("LLM", "qwen2_5_", "qwen2_5"),
+                                  ("LLM", "falcon_v3_", "falcon3"), ("LLM", "llama_v3_", "llama3"),
+                                  ("LLM", "phi_3_5_", "phi3_5")):
+        if model_id.startswith(prefix):
+            return kind, factory
+    return None
+
+
+def is_special(name: str) -> bool:
+    """llm_utils.cpp isSpecialTensor: the named ones, or "key"/"value" ending _in / _out."""
+    kv = name.endswith(("_in", "_out")) and ("key" in name or "value" in name)
+    return name in SPECIAL or kv
+
+
+def first_plain(tensors: dict) -> tuple[str, list[int]] | None:
+    """The first non-special tensor in key order (the loader's json is a std::map: sorted)."""
+    return next(((k, v["shape"]) for k, v in sorted(tensors.items()) if not is_special(k)), None)
+
+
+def check_tensor(name: str, t: dict) -> None:
+    assert set(t) >= {"shape", "dtype", "quantization_parameters"}, name
+    assert all(isinstance(d, int) and d > 0 for d in t["shape"]), name
+    assert t["dtype"] in WRITABLE, (name, t["dtype"])
+    q = t["quantization_parameters"]
+    if t["dtype"].startswith("uint"):  # UFIXED_POINT: scale-offset encoding
+        assert q is not None and q["scale"] > 0 and isinstance(q["zero_point"], int), name
+    else:
+        assert q is None, name
+
+
+def check_graph(name: str, io: dict, kv_heads: int, head_dim: int) -> set[int]:
+    """One graph's names, layouts and dtypes as LLMModel reads and writes them; -> its layers."""
+    m = geniex.GRAPH_NAME.fullmatch(name)
+    ar, cl = int(m.group(2)), int(m.group(3))
+    ins, outs = io["inputs"], io["outputs"]
+    for k, t in (*ins.items(), *outs.items()):
+        check_tensor(k, t)
+    # get_attention_mask: seq_len x (kv_len + seq_len) floats, kv_len = CL - AR
+    assert ins["attention_mask"]["shape"] == [1, 1, ar, cl]
+    for r in ("position_ids_cos", "position_ids_sin"):  # rows = elements / (head_dim / 2)
+        assert ins[r]["shape"] == [1, 1, ar, head_dim // 2]
+    layers = set()
+    for k in ins:
+        if (p := re.fullmatch(r"past_(key|value)_(\d+)_in", k)) is None:
+            continue
+        layer = int(p.group(2))
+        layers.add(layer)
+        key = p.group(1) == "key"  # copyKV / reshapeKV: key [H,1,D,kv], value [H,1,kv,D]
+        want_in = [kv_heads, 1, head_dim, cl - ar] if key else [kv_heads, 1, cl - ar, head_dim]
+        want_out = [kv_heads, 1, head_dim, ar] if key else [kv_heads, 1, ar, head_dim]
+        out = outs[f"past_{p.group(1)}_{layer}_out"]
+        assert ins[k]["shape"] == want_in and out["shape"] == want_out, k
+        assert out["dtype"] == ins[k]["dtype"], k  # one element size for the strided copy
+    return layers
+
+
+def check_shards(files: dict) -> tuple[int, int]:
+    """parseQAIRTMetadata + LLMModel::onInitialized on the model_files keys; -> (shards, CLs)."""
+    parts = {}
+    for name in files:
+        m = geniex.GRAPH_NAME.fullmatch(name)
+        assert m is not None, f"{name}: not [phase_]ar<N>_cl<C>_<i>_of_<n>"
+        parts[name] = tuple(int(g) for g in m.groups()[1:])
+    totals = {t for _, _, _, t in parts.values()}
+    assert len(totals) == 1
+    (total,) = totals
+    assert {s for _, _, s, _ in parts.values()} == set(range(1, total + 1))
+    ars = sorted({a for a, _, _, _ in parts.values()})
+    assert len(ars) == 2 and ars[0] == 1  # phase 0 = the largest AR, every other AR decodes
+    cls = {c for _, c, _, _ in parts.values()}
+    assert len(parts) == 2 * total * len(cls)  # graphIndex covers phase x shard x CL
+    return total, len(cls)
+
+
+def check_bundle(folder: Path) -> dict:
+    """Every loader rule against the folder's metadata.json; -> what the loader infers."""
+    meta = json.loads((folder / geniex.METADATA).read_text())
+    assert isinstance(meta["model_id"], str) and isinstance(meta["model_files"], dict)
+    files = meta["model_files"]
+    total, _ = check_shards(files)
+    reps: dict[int, dict] = {}  # per shard the first graph in key order (try_emplace)
+    for n in sorted(files):
+        reps.setdefault(int(geniex.GRAPH_NAME.fullmatch(n).group(4)), files[n])
+    key = next(t for k, t in sorted(reps[1]["inputs"].items()) if k.startswith("past_key_"))
+    kv_heads, head_dim = key["shape"][0], key["shape"][2]  # past_key_*.shape[0], [2]
+    layers: list[set[int]] = [set() for _ in range(total)]
+    for name, io in files.items():
+        s = int(geniex.GRAPH_NAME.fullmatch(name).group(4))
+        got = check_graph(name, io, kv_heads, head_dim)
+        assert not layers[s - 1] or layers[s - 1] == got  # one layer range per shard
+        layers[s - 1] |= got
+    flat = sorted(x for ls in layers for x in ls)
+    for ls in layers:  # "non-contiguous KV layer indices" is refused
+        assert ls == set(range(min(ls), max(ls) + 1))
+    by_shard: dict[int, set[frozenset]] = {}
+    for name, io in files.items():  # QnnApi shares a buffer by tensor name across graphs
+        s = int(geniex.GRAPH_NAME.fullmatch(name).group(4))
+        by_shard.setdefault(s, set()).add(frozenset(io["inputs"]) | frozenset(io["outputs"]))
+        assert s < total or "logits" in io["outputs"]  # readLastLogits: the last shard's
+    assert all(len(v) == 1 for v in by_shard.values())  # AR-N and AR-1 take the same names
+    plain_in = first_plain(reps[1]["inputs"])
+    plain_out = first_plain(reps[1]["outputs"])
+    hidden_from = plain_in if plain_in and len(plain_in[1]) >= 3 else plain_out
+    assert (hidden_from[0], hidden_from[1][-1]) == geniex.loader_hidden(reps[1])
+    return {"model_id": meta["model_id"], "kv_heads": kv_heads, "head_dim": head_dim,
+            "layers": flat[-1] + 1 if flat else 0, "flat_layers": flat,
+            "vocab": reps[total]["outputs"]["logits"]["shape"][-1],
+            "hidden": hidden_from[1][-1], "first_input": plain_in[0] if plain_in else None,
+            "shard1_inputs": set(reps[1]["inputs"]), "meta": meta}
+
+
+def check_genie_config(folder: Path, manifest) -> dict:
+    """parseGenieConfig / modelConfigFromDirectory: what they read from genie_config.json."""
+    cfg = json.loads((folder / "genie_config.json").read_text())
+    dialog = cfg["dialog"]
+    assert dialog["type"] == "basic"
+    assert dialog["context"]["size"] == manifest.context
+    eos = dialog["context"]["eos-token"]
+    assert isinstance(eos, int) or (isinstance(eos, list) and all(isinstance(e, int) for e in eos))
+    pe = dialog["engine"]["model"]["positional-encoding"]
+    assert isinstance(pe, dict) and isinstance(pe["rope-theta"], (int, float))
+    kind = (pe.get("rope-scaling") or {}).get("rope-type", "default")
+    assert kind in geniex.ROPE_TYPES
+    bins = dialog["engine"]["model"]["binary"]["ctx-bins"]  # bundle_dir / entry, in order
+    assert bins and all(Path(b).name == b and (folder / b).is_file() for b in bins)
+    assert {"temp", "top-k", "top-p"} <= set(dialog["sampler"])
+    assert (folder / "tokenizer.json").is_file()
+    tok = json.loads((folder / geniex.TOKENIZER_CONFIG).read_text())
+    assert isinstance(tok["chat_template"], str) and tok["chat_template"].strip()
+    return cfg
+
+
+def test_llama_genie_folder_meets_the_plugins_loader_rules(llama_genie):
+    folder, manifest = llama_genie / "genie-v81", load_manifest(llama_genie)
+    cfg = check_genie_config(folder, manifest)
+    got = check_bundle(folder)
+    assert dispatch(got["model_id"]) == ("LLM", "llama3")
+    assert got["meta"]["genie"] == {"supports_vision": False}
+    assert got["first_input"] == "input_ids"  # makeEmbeddingProvider: TokenIdInputProvider
+    inputs = got["meta"]["model_files"]["prompt_ar16_cl128_1_of_1"]["inputs"]
+    assert inputs["input_ids"] == {"shape": [1, 16], "dtype": "int32",
+                                   "quantization_parameters": None}
+    assert got["flat_layers"] == list(range(manifest.num_layers))
+    kv = manifest.hf_config["num_key_value_heads"]
+    assert (got["kv_heads"], got["head_dim"], got["vocab"]) == (
+        kv, manifest.hidden_size // manifest.hf_config["num_attention_heads"],
+        manifest.vocab_size)
+    # the rope the plugin computes: head_dim / 2 frequencies, Genie's rope-dim
+    assert got["head_dim"] == 2 * cfg["dialog"]["engine"]["model"]["positional-encoding"][
+        "rope-dim"]
+    # one split, input_ids: the loader takes hidden size from logits (unused on this path)
+    assert got["hidden"] == manifest.vocab_size
+
+
+def test_qwen3_vl_genie_folder_meets_the_plugins_loader_rules(vl_genie):
+    folder, manifest = vl_genie / "genie-v81", load_manifest(vl_genie)
+    cfg = check_genie_config(folder, manifest)
+    got = check_bundle(folder)
+    assert dispatch(got["model_id"]) == ("VLM", "qwen3_vl")
+    assert got["meta"]["genie"] == {"supports_vision": True}
+    assert "inputs_embeds" in got["shard1_inputs"]  # PrecomputedEmbeddingProvider's name
+    assert got["meta"]["model_files"]["prompt_ar16_cl128_1_of_1"]["inputs"]["inputs_embeds"][
+        "shape"] == [1, 16, manifest.hidden_size]
+    blockers = " ".join(got["meta"]["hexforge"]["blockers"])
+    # the loader's hidden size: the first non-special shard-1 tensor of rank >= 3 in key order;
+    # deepstack_visual_embeds_0 [S, H] sorts first and is rank 2, so it falls to logits
+    if got["hidden"] != manifest.hidden_size:
+        assert "infers the hidden size" in blockers
+    assert got["vocab"] == manifest.vocab_size
+    assert got["flat_layers"] == list(range(manifest.num_layers))
+    scaling = cfg["dialog"]["engine"]["model"]["positional-encoding"]["rope-scaling"]
+    assert scaling["rope-type"] == "qwen3vl-mrope"
+    assert sum(scaling["mrope-section"]) == got["head_dim"] // 2  # sums to head_dim / 2
+    assert "vision_encoder.bin" in blockers and "embedding_weights.raw" in blockers
+
+
+def test_the_graph_names_inside_the_binaries_are_what_the_plugin_refuses(llama_genie):
+    """LLMModel::onInitialized matches the loaded QNN graph names, not metadata.json's keys:
+    hexforge's length-keeping rename (forge/ctxname.py) leaves a filler the rule refuses,
+    which metadata.json's blockers and the model card say."""
+    folder = llama_genie / "genie-v81"
+    data = (folder / "prompt_ar16_cl128_1_of_1.bin").read_bytes()
+    names = set(re.findall(rb"prompt_ar16_cl128_\w*?_1_of_1", data))
+    assert names
+    assert not any(geniex.GRAPH_NAME.fullmatch(n.decode()) for n in names)
+    meta = json.loads((folder / geniex.METADATA).read_text())
+    assert "graph names" in meta["hexforge"]["blockers"][0]
+    card = (llama_genie / "README.md").read_text()
+    assert "GenieX" in card and "not loadable as built" in card
+
+
+def _config(**model) -> dict:
+    return {"dialog": {"engine": {"backend": {"QnnHtp": {"kv-dim": 16}},
+                                  "model": {"positional-encoding": {"rope-dim": 8,
+                                                                    "rope-theta": 1e4},
+                                            **model}}}}
+
+
+def test_families_the_plugin_cannot_take_get_no_metadata(tmp_path):
+    """qwen3_5 (linear-attention state), gemma (not dispatched; several ropes) and ropes the
+    loader would compute otherwise are refused: no metadata.json, the reason on the card."""
+    assert "linear-attention" in geniex.refusal("qwen3_5", _config(**{"linear-attention": True}))
+    assert "dispatcher" in geniex.refusal("gemma3_text", _config())
+    assert "dispatcher" in geniex.refusal("gemma4", _config())
+    assert "rope-scaling" in geniex.refusal("llama", _config(**{"positional-encoding": {
+        "rope-dim": 8, "rope-theta": 1e4, "rope-scaling": {"rope-type": "linear"}}}))
+    assert "several ropes" in geniex.refusal("qwen3", _config(**{"positional-encoding": [{}]}))
+    assert geniex.refusal("llama", _config()) is None
+    (tmp_path / "genie_config.json").write_text(json.dumps(_config(**{"linear-attention": True})))
+    assert geniex.write_geniex_files(tmp_path, "qwen3_5", [], tmp_path) is None
+    assert not (tmp_path / geniex.METADATA).exists()
+    assert geniex.card_line(tmp_path, "qwen3_5").startswith("GenieX: not loadable (its layers")
