@@ -222,6 +222,17 @@ def cmd_verify(a) -> int:
 def cmd_deploy(a) -> int:
     from .deploy import deploy
 
+    if a.runtime == "geniex":
+        from .deploy_geniex import deploy_geniex
+
+        if a.qairt is not None:  # GenieX brings its own QNN libraries (deploy_geniex.py)
+            raise RequestError("--qairt with --runtime geniex: GenieX's QNN libraries come "
+                               "from --geniex DIR")
+        return deploy_geniex(a.bundle, a.geniex, prompt=a.prompt, serial=a.serial,
+                             dry_run=a.dry_run, arch=a.arch, device_dir=a.device_dir,
+                             chat=a.chat, images=a.image, audios=a.audio, max_new_tokens=a.n)
+    if a.geniex is not None:
+        raise RequestError("--geniex needs --runtime geniex")
     return deploy(a.bundle, a.qairt, prompt=a.prompt, serial=a.serial, dry_run=a.dry_run,
                   arch=a.arch, device_dir=a.device_dir, chat=a.chat, images=a.image,
                   audios=a.audio, max_new_tokens=a.n)
@@ -409,8 +420,15 @@ def _deploy_parser(sub: argparse._SubParsersAction) -> None:
     dp = sub.add_parser("deploy", help="push a bundle's Genie folder and QAIRT's files to an "
                         "Android phone with adb, and run a prompt there (docs/deploy.md)")
     dp.add_argument("bundle", help="a bundle built with --genie (or its genie-v<arch> folder)")
-    dp.add_argument("--qairt", required=True, metavar="QAIRT_HOME",
-                    help="a QAIRT SDK: genie-t2t-run, the Android libraries, the arch's skel")
+    dp.add_argument("--qairt", default=None, metavar="QAIRT_HOME",
+                    help="a QAIRT SDK: genie-t2t-run, the Android libraries, the arch's skel "
+                         "(needed with --runtime genie)")
+    dp.add_argument("--runtime", choices=("genie", "geniex"), default="genie",
+                    help="run the prompt with QAIRT's genie-t2t-run (genie) or GenieX's "
+                         "geniex infer through its QAIRT plugin (geniex; docs/deploy.md)")
+    dp.add_argument("--geniex", default=None, metavar="DIR",
+                    help="with --runtime geniex: GenieX's Android files, a geniex binary built "
+                         "for Android beside (or in bin/ above) its lib/ tree")
     dp.add_argument("--prompt", default=None,
                     help="run this prompt on the phone and stream the answer (default: push only)")
     dp.add_argument("--chat", action="store_true",

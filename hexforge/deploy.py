@@ -17,6 +17,8 @@ needs, pushed to an Android phone with adb, the prompt run there by QAIRT's ``ge
 
 ``--dry-run`` prints every adb command instead of running it (the phone is not asked anything:
 every file is shown pushed). docs/deploy.md has the file list and its sources.
+``--runtime geniex`` (deploy_geniex.py) pushes the same folder the same way, with GenieX's files
+in place of QAIRT's, and runs ``geniex infer``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TextIO, TypeVar
 
 from .errors import BackendError, BundleError, RequestError
 from .manifest import MANIFEST_NAME
@@ -46,6 +48,7 @@ REQUEST_CONFIG = "request_config.json"  # genie_config.json with this request's 
 ANDROID_LIB = "lib/aarch64-android"
 SHA_BATCH = 40  # file names per sha256sum call (a shell line stays short)
 QUERY_TIMEOUT_S = 120
+T = TypeVar("T")
 
 
 def qairt_files(arch: int, runner: str = RUNNER) -> list[str]:
@@ -148,12 +151,26 @@ def _bundle_sdk(folder: Path, arch: int) -> str | None:
     return t.qnn_sdk if t else None
 
 
-def local_plan(folder: Path, arch: int, qairt: Path, say: Callable[[str], None],
-               runner: str = RUNNER) -> list[Push]:
-    """Everything checked without the phone; -> the files to put in the phone's folder."""
+def folder_pushes(folder: Path) -> tuple[dict, list[Push]]:
+    """The Genie folder judged as libGenie would (runtime/genie_checks.py) and its files as
+    pushes (their digests the manifest's where it lists them); -> (genie_config.json, pushes).
+    Both runtimes push the folder as it is: GenieX's QAIRT plugin reads the same files."""
     from .runtime.genie_checks import check_folder
 
     config = check_folder(folder)
+    records = _recorded_digests(folder)
+    pushes = []
+    for p in sorted(folder.iterdir()):
+        if p.is_dir():
+            raise BundleError(f"{folder.name}/{p.name} is a folder: a Genie folder is flat")
+        pushes.append(Push(p.name, p, records.get(p.name) or _sha256(p)))
+    return config, pushes
+
+
+def local_plan(folder: Path, arch: int, qairt: Path, say: Callable[[str], None],
+               runner: str = RUNNER) -> list[Push]:
+    """Everything checked without the phone; -> the files to put in the phone's folder."""
+    config, pushes = folder_pushes(folder)
     if not qairt.is_dir():
         raise BackendError(f"--qairt {qairt} is not a folder (a QAIRT SDK: QAIRT_HOME)")
     missing = [rel for rel in qairt_files(arch, runner) if not (qairt / rel).is_file()]
@@ -169,12 +186,6 @@ def local_plan(folder: Path, arch: int, qairt: Path, say: Callable[[str], None],
         raise BackendError(f"QAIRT {have} at {qairt} is older than QNN {need}, which compiled "
                            f"{folder.name}/'s binaries: a phone's libQnnHtp refuses newer "
                            f"binaries; use QAIRT {need} or newer")
-    records = _recorded_digests(folder)
-    pushes = []
-    for p in sorted(folder.iterdir()):
-        if p.is_dir():
-            raise BundleError(f"{folder.name}/{p.name} is a folder: a Genie folder is flat")
-        pushes.append(Push(p.name, p, records.get(p.name) or _sha256(p)))
     for rel in qairt_files(arch, runner):
         pushes.append(Push(Path(rel).name, qairt / rel, _sha256(qairt / rel)))
     names = [p.name for p in pushes]
@@ -394,7 +405,37 @@ def scripted_request(bundle: Path, folder: Path, prompt: str, chat: bool,
                                                         max_new_tokens=max_new_tokens))
 
 
-def deploy(bundle: str | Path, qairt: str | Path, prompt: str | None = None,
+def pick_folder(folders: dict[int, Path], stated: int | None, serial: str | None,
+                dry_run: bool, say: Callable[[str], None], plan: Callable[[Path, int], T]
+                ) -> tuple[Adb, int, T]:
+    """The Genie folder the phone gets, and ``plan(folder, arch)`` of it: the folder is planned
+    (every local check) before adb is run, so a bundle or SDK refusal asks the phone nothing;
+    then the phone's SoC picks among several arches (planned again when it picks another).
+    -> (the adb of the phone, its arch, the plan)."""
+    names = ", ".join(f.name for f in folders.values())
+    if stated is not None and stated not in folders:
+        raise BackendError(f"the bundle has no Genie folder for v{stated} (it has {names})")
+    chosen = stated if stated is not None else (next(iter(folders)) if len(folders) == 1
+                                                else None)
+    if dry_run and chosen is None:
+        raise RequestError(f"the bundle has Genie folders for several arches ({names}): "
+                           "--dry-run asks the phone nothing, so say which with --arch")
+    planned = None if chosen is None else plan(folders[chosen], chosen)
+    adb = Adb(serial, dry_run, say)
+    adb.serial = pick_serial(adb, serial)
+    on_phone = phone_arch(adb, stated, say)
+    if on_phone is not None and on_phone not in folders:
+        raise BackendError(f"the phone is Hexagon v{on_phone} but the bundle's Genie folders are "
+                           f"{names}: rebuild with --target v{on_phone} --genie")
+    if on_phone is not None and on_phone != chosen:
+        chosen = on_phone
+        planned = plan(folders[chosen], chosen)
+    # a dry run with one folder, or a phone that said its arch: both set chosen and planned
+    assert chosen is not None and planned is not None
+    return adb, chosen, planned
+
+
+def deploy(bundle: str | Path, qairt: str | Path | None, prompt: str | None = None,
            serial: str | None = None, dry_run: bool = False, arch: str | None = None,
            device_dir: str | None = None, chat: bool = False, images: list[str] | None = None,
            audios: list[str] | None = None, max_new_tokens: int | None = None,
@@ -406,7 +447,7 @@ def deploy(bundle: str | Path, qairt: str | Path, prompt: str | None = None,
     from .genie_app import APP, AUDIO_REFUSED, SCRIPT
     from .runtime.model import parse_arch
 
-    bundle, qairt = Path(bundle), Path(qairt)
+    bundle = Path(bundle)
     out = out or sys.stdout
     say = say or ((lambda m: print(m, file=out)) if dry_run
                   else (lambda m: print(m, file=sys.stderr)))
@@ -416,31 +457,16 @@ def deploy(bundle: str | Path, qairt: str | Path, prompt: str | None = None,
         raise RequestError("--image needs --prompt: the image is a part of the prompt run")
     if max_new_tokens is not None and (prompt is None or max_new_tokens < 1):
         raise RequestError("-n needs --prompt and at least 1 token")
+    if qairt is None:  # optional on the command line: --runtime geniex takes GenieX's instead
+        raise RequestError("--qairt QAIRT_HOME is needed: genie-t2t-run and the Android "
+                           "libraries come from a QAIRT SDK")
+    qairt = Path(qairt)
     runner = APP if images else RUNNER
-    stated = parse_arch(arch)
-    folders = genie_folders(bundle)
-    if stated is not None and stated not in folders:
-        raise BackendError(f"the bundle has no Genie folder for v{stated} (it has "
-                           f"{', '.join(f.name for f in folders.values())})")
     if prompt is not None:
         _chat_template(bundle, prompt, chat)  # an empty prompt, --chat without a template: now
-    chosen = stated if stated is not None else (next(iter(folders)) if len(folders) == 1
-                                                else None)
-    if dry_run and chosen is None:
-        raise RequestError(f"the bundle has Genie folders for several arches "
-                           f"({', '.join(f.name for f in folders.values())}): --dry-run asks the "
-                           "phone nothing, so say which with --arch")
-    plan = None if chosen is None else local_plan(folders[chosen], chosen, qairt, say, runner)
-    adb = Adb(serial, dry_run, say)
-    adb.serial = pick_serial(adb, serial)
-    on_phone = phone_arch(adb, stated, say)
-    if on_phone is not None and on_phone not in folders:
-        raise BackendError(f"the phone is Hexagon v{on_phone} but the bundle's Genie folders are "
-                           f"{', '.join(f.name for f in folders.values())}: rebuild with "
-                           f"--target v{on_phone} --genie")
-    if on_phone is not None and on_phone != chosen:
-        chosen = on_phone
-        plan = local_plan(folders[chosen], chosen, qairt, say, runner)
+    folders = genie_folders(bundle)
+    adb, chosen, plan = pick_folder(folders, parse_arch(arch), serial, dry_run, say,
+                                    lambda f, a: local_plan(f, a, qairt, say, runner))
     folder = folders[chosen]
     where = device_dir or device_folder(bundle)
     request = (scripted_request(bundle, folder, prompt, chat, images, max_new_tokens)

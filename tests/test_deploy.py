@@ -202,3 +202,126 @@ def test_an_image_needs_a_bundle_with_a_genie_pipeline(bundle_copy, qairt, phone
     assert phone.pushed() == []
     assert deploy(bundle_copy, qairt, "--image", str(tmp_path / "x.png")) == 2
     assert "--image needs --prompt" in capsys.readouterr().err
+
+
+# ---- --runtime geniex (hexforge/deploy_geniex.py): GenieX's CLI in place of genie-t2t-run ----
+
+GENIEX_STANDIN = """#!/bin/sh
+# the geniex stand-in: says what it was asked and where the SDK would look for its plugin
+echo "geniex-standin: $*"
+echo "plugin: $(ls "$GENIEX_PLUGIN_PATH"/qairt/libgeniex_plugin.so)"
+"""
+
+
+@pytest.fixture
+def geniex(tmp_path):
+    """GenieX's Android files as --geniex takes them (the CLI package's layout: the SDK's lib/
+    contents beside ``geniex``), the libraries placeholders, ``geniex`` a shell stand-in."""
+    from hexforge.deploy_geniex import geniex_files
+
+    root = tmp_path / "geniex"
+    extra = ["qairt/libgeniex_vlm.so", "qairt/htp-files/libQnnHtpPrepare.so"]
+    for rel in geniex_files(81) + extra:
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(f"placeholder for GenieX's {p.name}\n".encode() * 64)
+    (root / "geniex").write_text(GENIEX_STANDIN)
+    return root
+
+
+def deploy_gx(bundle: Path, geniex_dir: Path, *extra: str) -> int:
+    return main(["deploy", str(bundle), "--runtime", "geniex", "--geniex", str(geniex_dir),
+                 *extra])
+
+
+def test_geniex_dry_run_pushes_metadata_and_geniex_and_runs_geniex_infer(bundle_copy, geniex,
+                                                                         phone, capsys):
+    import shlex
+
+    from hexforge.deploy_geniex import GENIEX_DEVICE_DIR
+
+    assert deploy_gx(bundle_copy, geniex, "--dry-run", "--prompt", "It's \"Hi\" $(x)",
+                     "--serial", "X", "-n", "7") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert phone.calls() == []
+    where = "/data/local/tmp/hexforge/b"
+    pushes = [shlex.split(line)[4:] for line in out if line.startswith("adb -s X push ")]
+    assert [str(bundle_copy / "genie-v81" / "metadata.json"), f"{where}/metadata.json"] in pushes
+    assert [str(geniex / "geniex"), f"{GENIEX_DEVICE_DIR}/geniex"] in pushes
+    assert [str(geniex / "qairt/libgeniex_plugin.so"),
+            f"{GENIEX_DEVICE_DIR}/qairt/libgeniex_plugin.so"] in pushes
+    assert [str(geniex / "qairt/htp-files/libQnnHtp.so"),
+            f"{GENIEX_DEVICE_DIR}/libQnnHtp.so"] in pushes  # flat: the plugin opens it there
+    assert len(pushes) == len(list((bundle_copy / "genie-v81").iterdir())) + 11
+    assert not any(p[0].endswith("genie-t2t-run") for p in pushes)  # no QAIRT file
+    pull, infer = (shlex.split(shlex.split(line)[-1]) for line in out[-2:])
+    assert pull[pull.index("./geniex"):][:5] == ["./geniex", "pull", "hexforge/b",
+                                                 "--local-path", where]
+    run = infer[infer.index("./geniex"):]
+    assert run[:3] == ["./geniex", "infer", "hexforge/b"]
+    assert run[-4:] == ["--max-tokens", "7", "-p", "It's \"Hi\" $(x)"]  # the plain prompt
+    assert f"GENIEX_PLUGIN_PATH={GENIEX_DEVICE_DIR}" in infer
+
+
+def test_geniex_pushes_to_the_phone_and_a_second_deploy_pushes_nothing(bundle_copy, geniex,
+                                                                       phone, capfd):
+    from hexforge.deploy_geniex import GENIEX_DEVICE_DIR
+
+    assert deploy_gx(bundle_copy, geniex, "--prompt", "Hi") == 0
+    out = capfd.readouterr().out
+    assert "geniex-standin: pull hexforge/b --local-path /data/local/tmp/hexforge/b" in \
+        out.replace(str(phone.root / "phone"), "")
+    assert "geniex-standin: infer hexforge/b" in out and "-p Hi" in out
+    assert "/qairt/libgeniex_plugin.so" in out.split("plugin: ", 1)[1]
+    gx = phone.root / "phone" / GENIEX_DEVICE_DIR.lstrip("/")
+    assert (gx / "qairt" / "libgeniex_plugin.so").read_bytes() == \
+        (geniex / "qairt" / "libgeniex_plugin.so").read_bytes()
+    assert (gx / "libQnnHtpV81Skel.so").is_file() and (gx / "libgeniex.so").is_file()
+    assert (phone.folder() / "metadata.json").read_bytes() == \
+        (bundle_copy / "genie-v81" / "metadata.json").read_bytes()
+    phone.clear()
+    assert deploy_gx(bundle_copy, geniex) == 0
+    assert phone.pushed() == []
+
+
+@pytest.mark.parametrize("card", [False, True])
+def test_geniex_refuses_a_folder_without_metadata_json_in_one_line(bundle_copy, geniex, phone,
+                                                                   capsys, card):
+    (bundle_copy / "genie-v81" / "metadata.json").unlink()
+    why = "the plugin's dispatcher has no model_id prefix for gemma3"
+    if card:  # the card's reason, as modelcard.py writes it for a family GenieX cannot take
+        readme = bundle_copy / "README.md"
+        readme.write_text(readme.read_text() + f"\n`genie-v81/`: GenieX: not loadable ({why}).\n")
+    assert deploy_gx(bundle_copy, geniex, "--prompt", "Hi") == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "hexforge: error: genie-v81/ has no metadata.json: the model is not loadable by GenieX (")
+    assert (why in lines[0]) == card and ("qwen3" in lines[0]) != card
+    assert phone.calls() == []
+
+
+@pytest.mark.parametrize("gone", ["qairt/libgeniex_plugin.so", "geniex",
+                                  "qairt/htp-files/libQnnHtpV81Skel.so"])
+def test_geniex_refuses_a_geniex_folder_missing_a_file_in_one_line(bundle_copy, geniex, phone,
+                                                                   capsys, gone):
+    (geniex / gone).unlink()
+    assert deploy_gx(bundle_copy, geniex, "--prompt", "Hi") == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith(f"hexforge: error: GenieX {geniex} lacks what a v81 phone needs: "
+                                f"{gone}"), lines[-1]
+    assert "Traceback" not in "".join(lines) and phone.calls() == []
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--runtime", "geniex"], "--runtime geniex needs --geniex DIR"),
+    (["--runtime", "geniex", "--geniex", "G", "--chat", "--prompt", "Hi"],
+     "GenieX applies tokenizer_config.json's chat template itself"),
+    (["--runtime", "geniex", "--geniex", "G", "--qairt", "Q"], "--qairt with --runtime geniex"),
+    (["--geniex", "G"], "--geniex needs --runtime geniex"),
+    ([], "--qairt QAIRT_HOME is needed"),
+])
+def test_deploy_options_that_do_not_go_together_are_refused_in_one_line(tmp_path, capsys, args,
+                                                                        words):
+    assert main(["deploy", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
