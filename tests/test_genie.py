@@ -175,6 +175,24 @@ def test_regression_a_prompt_past_genies_prefill_is_refused_not_an_empty_answer(
         model.close()
 
 
+def test_regression_ignore_eos_with_a_lut_gives_genie_a_row_it_can_read(tmp_path):
+    """Genie reads its eos-token's row of an embedding LUT: the -1 that turned EOS off made
+    libGenie read before the table and segfault (tiny Qwen3.5 and Gemma-3 LUT bundles, every
+    run). The build writes one row past the vocabulary and --ignore-eos names it; a LUT without
+    it is refused in one line, and a bundle without a LUT keeps -1."""
+    from hexforge.errors import RequestError
+    from hexforge.runtime.genie_model import never_eos
+
+    V, W = 10, 4
+    (tmp_path / "lut.u16").write_bytes(np.zeros((V + 1, W), np.uint16).tobytes())
+    (tmp_path / "old.u16").write_bytes(np.zeros((V, W), np.uint16).tobytes())
+    emb = {"type": "lut", "size": W, "datatype": "ufixed16"}
+    assert never_eos({"embedding": emb | {"lut-path": "lut.u16"}}, tmp_path, V) == V
+    with pytest.raises(RequestError, match="ignore-eos"):
+        never_eos({"embedding": emb | {"lut-path": "old.u16"}}, tmp_path, V)
+    assert never_eos({}, tmp_path, V) == -1
+
+
 def test_qnn_sessions_still_work_after_genie_in_one_process(genie_bundle):
     """libGenie loaded RTLD_GLOBAL made every later QNN EP session of the process segfault."""
     import hexforge

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from tests.conftest import prompt_ids
+from tests.conftest import first_difference_is_a_tie, prompt_ids
 
 # family -> the build's options: splits where the family has something to pass between them
 FAMILIES = {
@@ -46,6 +46,10 @@ def _dialog_log(folder) -> list[str]:
 
 
 def test_genie_tokens_equal_qnn_sim_for_every_family(genie_family):
+    """Equal greedy tokens, up to a tie: Genie runs its own binaries (and, for the families
+    with Genie's 16-bit embedding LUT, rows rounded unlike the target's fp16 gather), so a pick
+    where qnn-sim's top-2 fp16 logits tie may flip (the tiny Gemma-3: margin 0.0005 at its 10th
+    token) and the tokens after it are not compared."""
     import hexforge
     from hexforge.runtime.genie_model import GenieModel
 
@@ -57,22 +61,27 @@ def test_genie_tokens_equal_qnn_sim_for_every_family(genie_family):
         ids, max_new_tokens=12, ignore_eos=ignore).token_ids
     model = GenieModel(bundle)
     try:
-        assert model.generate(ids, max_new_tokens=12, ignore_eos=ignore).token_ids == want
+        got = model.generate(ids, max_new_tokens=12, ignore_eos=ignore).token_ids
     finally:
         model.close()
+    assert got == want or first_difference_is_a_tie(bundle, ids, got, want), (got, want)
 
 
-def test_ignore_eos_with_an_embedding_lut_is_refused_not_a_segfault(htp_bundle):
-    """Genie reads the eos-token's row of an embedding LUT; -1 (how EOS is turned off) made
-    libGenie read before the table and segfault."""
-    from hexforge.errors import RequestError
+def test_ignore_eos_with_an_embedding_lut_pads_with_a_real_row_not_a_segfault(htp_bundle):
+    """Genie pads the last prompt chunk with pad-token, which falls back to eos-token: -1 (how
+    EOS is turned off) made libGenie read the LUT's row before the table and segfault, so
+    --ignore-eos was refused with a LUT. With pad-token set to a real row it runs: qnn-sim's
+    tokens, EOS or not."""
+    import hexforge
     from hexforge.runtime.genie_model import GenieModel
 
     bundle = htp_bundle("gemma4", "fp16", genie=True, **FAMILIES["gemma4"])
+    ids = prompt_ids(9)  # one chunk, 7 pad rows
+    want = hexforge.load(bundle, backend="qnn-sim").generate(
+        ids, max_new_tokens=6, ignore_eos=True).token_ids
     model = GenieModel(bundle)
     try:
-        with pytest.raises(RequestError, match="ignore-eos is not available"):
-            model.generate(prompt_ids(9), max_new_tokens=4, ignore_eos=True)
+        assert model.generate(ids, max_new_tokens=6, ignore_eos=True).token_ids == want
     finally:
         model.close()
 

@@ -220,19 +220,22 @@ def test_qwen3_vl_genie_folder_meets_the_plugins_loader_rules(vl_genie):
     assert "vision_encoder.bin" in blockers and "embedding_weights.raw" in blockers
 
 
-def test_the_graph_names_inside_the_binaries_are_what_the_plugin_refuses(llama_genie):
+def test_the_graph_names_inside_the_binaries_are_what_the_plugin_takes(llama_genie):
     """LLMModel::onInitialized matches the loaded QNN graph names, not metadata.json's keys:
-    hexforge's length-keeping rename (forge/ctxname.py) leaves a filler the rule refuses,
-    which metadata.json's blockers and the model card say."""
+    hexforge's length-keeping rename (forge/ctxname.py) fills with letters after the phase
+    (``prompt<letters>_ar16_cl128_1_of_1``), which the rule takes whole; the first form, digits
+    between CL and the split (``prompt_ar16_cl128_<digits>_1_of_1``), it refused."""
     folder = llama_genie / "genie-v81"
-    data = (folder / "prompt_ar16_cl128_1_of_1.bin").read_bytes()
-    names = set(re.findall(rb"prompt_ar16_cl128_\w*?_1_of_1", data))
-    assert names
-    assert not any(geniex.GRAPH_NAME.fullmatch(n.decode()) for n in names)
+    for binary in ("prompt_ar16_cl128_1_of_1.bin", "token_ar1_cl128_1_of_1.bin"):
+        data = (folder / binary).read_bytes()
+        names = set(re.findall(rb"(?:prompt|token)[a-z]*_ar\d+_cl128_\w*?_of_1", data))
+        assert names
+        assert all(geniex.GRAPH_NAME.fullmatch(n.decode()) for n in names), names
+    assert not geniex.GRAPH_NAME.fullmatch("prompt_ar16_cl128_12345xxx_1_of_1")
     meta = json.loads((folder / geniex.METADATA).read_text())
-    assert "graph names" in meta["hexforge"]["blockers"][0]
+    assert meta["hexforge"]["blockers"] == []
     card = (llama_genie / "README.md").read_text()
-    assert "GenieX" in card and "not loadable as built" in card
+    assert "GenieX" in card and "loadable by its rules" in card
 
 
 def _config(**model) -> dict:

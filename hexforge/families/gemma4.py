@@ -232,8 +232,9 @@ class Gemma4Family(DecoderFamily):
                                    used=m if m < dim else None))
             caches.append(GenieCache(prefix, D))
         P = args.hidden_size_per_layer_input
-        lut = ((("embed_tokens", float(tm.embed_tokens.embed_scale)),
-                ("embed_tokens_per_layer", math.sqrt(P))) if P else ())
+        lut = (("embed_tokens", float(tm.embed_tokens.embed_scale)),)  # once in the folder
+        if P:
+            lut += (("embed_tokens_per_layer", math.sqrt(P)),)
         return GenieSpec(caches=tuple(caches), ropes=tuple(ropes), lut=lut)
 
     def genie_step(self, hf, args: Args, host, layers: tuple[int, int], seq_len: int,
@@ -532,9 +533,9 @@ class GemmaGenieStep(nn.Module):
     """Layers [a, b) of Gemma-3 / Gemma-4 text in Genie's I/O contract (``genieio``), around the
     family's own static shard (``Gemma4Shard``, sliding layers unringed)::
 
-        input_ids | residual_a ─┐  Gemma-3: the first split gathers from input_ids
+        inputs_embeds | residual_a ─┐  Genie's LUT rows: Gemma-3 [1,AR,H] into the first split;
         inputs_embeds ──────────┼─▶ Gemma4Shard ─▶ logits (softcap) | residual_b
-          [1,AR,H+L*P]          │    Gemma-4: Genie's LUT rows [embedding | per-layer inputs],
+          [1,AR,H+L*P]          │    Gemma-4: [embedding | per-layer inputs],
         attention_mask ─────────┤    every split (+ shared_key/value_<d> out of a donor's
           └ window_mask ─▶ sliding layers          split for sharers in later splits)
         position_ids_*     full layers' rope, proportional: padded with cos 1 / sin 0
@@ -553,11 +554,9 @@ class GemmaGenieStep(nn.Module):
                  rope_dims: dict[str, tuple[int, int]]):
         super().__init__()
         from .genieio import (
-            INPUT_IDS,
             INPUTS_EMBEDS,
             LOGITS,
             MASK,
-            TokenGather,
             kv_names,
             residual_name,
             rope_names,
@@ -572,8 +571,6 @@ class GemmaGenieStep(nn.Module):
         self.shard = Gemma4Shard(fam, hf, args, layers, seq_len, self.S, form, rings=False)
         self.head = fam.head_module(hf, args, form) if self.last else None
         self.ple = bool(args.hidden_size_per_layer_input)
-        self.entry = (TokenGather(fam.text_model(hf).embed_tokens.weight, host.embed.scale)
-                      if self.first and not self.ple else None)
         self.types = self.shard.types
         sh = self.shard
         # donors here whose sharers come in later splits: their [cache | new] rows go out
@@ -583,7 +580,7 @@ class GemmaGenieStep(nn.Module):
         if self.ple:
             ins.append((INPUTS_EMBEDS, "embed"))
         elif self.first:
-            ins.append((INPUT_IDS, "tokens"))
+            ins.append((INPUTS_EMBEDS, "tokens"))
         ins.append((MASK, "mask"))
         for t in self.types:
             ins += [(n, "rope") for n in rope_names("" if t == FULL else GENIE_GROUP[t])]
@@ -616,7 +613,7 @@ class GemmaGenieStep(nn.Module):
             out.append(torch.randn(1, T, a.hidden_size
                                    + a.num_hidden_layers * a.hidden_size_per_layer_input))
         elif self.first:
-            out.append(torch.zeros(1, T, dtype=torch.int32))
+            out.append(torch.randn(1, T, a.hidden_size))
         out.append(torch.zeros(1, 1, T, S + T))
         for t in self.types:
             R, _, _ = self._rope_width(t)
@@ -640,7 +637,7 @@ class GemmaGenieStep(nn.Module):
             # (the shard scales its hidden to 1/s itself; the PLE projection reads HF's)
             shard_in = [embed if self.first else hidden, embed, ple]
         else:
-            shard_in = [self.entry(rest.pop(0)) if self.first else hidden]
+            shard_in = [rest.pop(0) if self.first else hidden]  # the LUT's rows, split 1
         mask = rest.pop(0)
         ropes = {}
         for t in self.types:

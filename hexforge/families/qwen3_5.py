@@ -170,10 +170,13 @@ class Qwen35Family(DecoderFamily):
     # ---- Genie --------------------------------------------------------------------------------
     def genie_spec(self, hf, args: Args):
         """The default spec (the full layers' cache and rope), plus Genie's linear-attention
-        state for the GatedDeltaNet layers."""
+        state for the GatedDeltaNet layers and the token embedding as Genie's LUT (16-bit rows,
+        once in the folder: gathered in the graph, Qwen3.5-4B's 248,320 x 2,560 table sat in
+        every context in fp32, 2.5 GB each)."""
         import dataclasses
 
-        return dataclasses.replace(super().genie_spec(hf, args), linear_attention=True)
+        return dataclasses.replace(super().genie_spec(hf, args), linear_attention=True,
+                                   lut=(("embed_tokens", 1.0),))
 
     def genie_step(self, hf, args: Args, host, layers: tuple[int, int], seq_len: int,
                    context: int, residual_scale: float):
@@ -444,7 +447,7 @@ class Qwen35GenieStep(nn.Module):
     """Layers [a, b) of Qwen3.5 text in Genie's I/O contract (``genieio``) around the family's
     static shard::
 
-        input_ids | residual_a ─▶ Qwen35Shard ─▶ logits | residual_b
+        inputs_embeds | residual_a ─▶ Qwen35Shard ─▶ logits | residual_b
         attention_mask ──┬─▶ full layers (past_key/value_<L>, Genie's default cache group)
                          └─▶ valid rows, tail one-hot ─▶ linear layers' pad handling
         position_ids_*       the full layers' partial rope (the rotated dims' frequencies)
@@ -458,7 +461,7 @@ class Qwen35GenieStep(nn.Module):
     def __init__(self, fam: Qwen35Family, hf, args: Args, host, layers: tuple[int, int],
                  seq_len: int, context: int, residual_scale: float):
         super().__init__()
-        from .genieio import INPUT_IDS, LOGITS, MASK, TokenGather, kv_names, residual_name, rope_names
+        from .genieio import INPUTS_EMBEDS, LOGITS, MASK, kv_names, residual_name, rope_names
 
         a, b = layers
         self.args, self.T, self.S = args, seq_len, context - seq_len
@@ -466,13 +469,11 @@ class Qwen35GenieStep(nn.Module):
         form = fp16(residual_scale)
         self.shard = Qwen35Shard(fam, hf, args, layers, seq_len, self.S, form)
         self.head = fam.head_module(hf, args, form) if self.last else None
-        self.entry = (TokenGather(fam.text_model(hf).embed_tokens.weight, host.embed.scale)
-                      if self.first else None)
         sh = self.shard
         # the mask: the full layers' and, in a prompt chunk, the pad rows' (a decode step of
         # linear layers alone reads none: the exporter drops an input no node reads)
         self.masked = sh.has_full or sh.padded
-        ins = [(INPUT_IDS if self.first else residual_name(a), "tokens")]
+        ins = [(INPUTS_EMBEDS if self.first else residual_name(a), "tokens")]  # LUT rows
         ins += [(MASK, "mask")] if self.masked else []
         if sh.has_full:
             ins += [(n, "rope") for n in rope_names()]
@@ -487,8 +488,7 @@ class Qwen35GenieStep(nn.Module):
         from .genieio import genie_kv_shapes
 
         a, T, S = self.args, self.T, self.S
-        out = [torch.zeros(1, T, dtype=torch.int32) if self.first
-               else torch.randn(1, T, a.hidden_size)]
+        out = [torch.randn(1, T, a.hidden_size)]
         out += [torch.zeros(1, 1, T, S + T)] if self.masked else []
         if self.shard.has_full:
             R = self.shard.rot_dim // 2
@@ -509,7 +509,7 @@ class Qwen35GenieStep(nn.Module):
         a, sh, T, S = self.args, self.shard, self.T, self.S
         rest = list(rest)
         mask = rest.pop(0) if self.masked else None
-        shard_in = [self.entry(tokens) if self.first else tokens]
+        shard_in = [tokens]  # split 1: the LUT's rows (Genie gathers them); later: residual_a
         if sh.has_full:
             shard_in += [full_rope(rest.pop(0)), full_rope(rest.pop(0)), mask]
         if sh.padded:

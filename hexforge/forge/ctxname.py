@@ -12,10 +12,13 @@ So the name is rewritten after the compile, in both places that hold it::
     X.ctx.onnx      EPContext node name  ─┐  the same new name, of the same length as the old
     X.ctx_qnn.bin   the graph name (3x)  ─┘  one (the binary's strings are not re-laid out)
 
-The new name keeps the old one's length: the readable part first, the old hash's digits to fill,
-the split suffix last, e.g. ``prompt_ar16_cl128_64863190123456789012345678901234567891_1_of_3``.
-onnxruntime loads the renamed EPContext model (the oracle runs it) and libGenie reads the names
-back ("Inserting graph prompt_ar16_cl128_…_1_of_3 as idx 0 for AR-16 CL-128"); tests hold both.
+The new name keeps the old one's length. A Genie graph's is its phase, the old hash's digits
+as letters to fill, then the rest, e.g. ``promptgeidjbajbcdefghij...xx_ar16_cl128_1_of_3``: one
+name that libGenie orders by its ``_<i>_of_<n>`` suffix and reads AR / CL from, and that GenieX's
+QAIRT plugin takes whole (``[a-zA-Z]+_ar<N>_cl<C>_<i>_of_<n>``; digits in the filler, as the
+first form ``prompt_ar16_cl128_<digits>_1_of_3`` had them, it refuses). onnxruntime loads the
+renamed EPContext model (the oracle runs it) and libGenie reads the names back ("Inserting graph
+... as idx 0 for AR-16 CL-128"); tests hold both.
 """
 
 from __future__ import annotations
@@ -25,16 +28,20 @@ from pathlib import Path
 
 from ..errors import BuildError
 
+LETTERS = str.maketrans("0123456789", "abcdefghij")
 
-def padded_name(old: str, readable: str, suffix: str = "", keep_digits: bool = True) -> str:
-    """``readable`` + "_" + filler + ``suffix``, exactly ``len(old)`` characters; the filler is
-    the old name's digits (so two graphs renamed alike stay distinct) unless ``keep_digits`` is
-    False, then ``x``."""
-    room = len(old) - len(readable) - len(suffix) - 1
+
+def padded_name(old: str, readable: str, suffix: str = "", keep_digits: bool = True,
+                sep: str = "_", letters: bool = False) -> str:
+    """``readable`` + ``sep`` + filler + ``suffix``, exactly ``len(old)`` characters; the filler
+    is the old name's digits (so two graphs renamed alike stay distinct; as the letters a-j with
+    ``letters``) unless ``keep_digits`` is False, then ``x``."""
+    room = len(old) - len(readable) - len(suffix) - len(sep)
     if room < 0:
         raise BuildError(f"graph name {old!r} is too short to carry {readable + suffix!r}")
     digits = "".join(re.findall(r"\d", old)) if keep_digits else ""
-    return f"{readable}_{(digits + 'x' * room)[:room]}{suffix}"
+    filler = (digits.translate(LETTERS) if letters else digits) + "x" * room
+    return f"{readable}{sep}{filler[:room]}{suffix}"
 
 
 def graph_name_of(ctx_onnx: Path) -> str:
@@ -48,16 +55,16 @@ def graph_name_of(ctx_onnx: Path) -> str:
 
 
 def rename_graph(ctx_onnx: Path, binary: Path, readable: str, suffix: str = "",
-                 keep_digits: bool = True) -> str:
+                 keep_digits: bool = True, sep: str = "_", letters: bool = False) -> str:
     """Rename the one graph of ``binary`` (and its EPContext node in ``ctx_onnx``) to
-    ``padded_name(old, readable, suffix, keep_digits)``. -> the new name. The binary is rewritten through a
-    temporary file, so an interruption leaves the old one whole."""
+    ``padded_name(old, readable, suffix, keep_digits, sep, letters)``. -> the new name. The
+    binary is rewritten through a temporary file, so an interruption leaves the old one whole."""
     import onnx
 
     model = onnx.load(str(ctx_onnx), load_external_data=False)
     (node,) = [n for n in model.graph.node if n.op_type == "EPContext"]
     old = node.name
-    new = padded_name(old, readable, suffix, keep_digits)
+    new = padded_name(old, readable, suffix, keep_digits, sep, letters)
     data = binary.read_bytes()
     count = data.count(old.encode())
     if count == 0:

@@ -87,13 +87,14 @@ def compile_genie_graphs(paths: list[Path], work: Path, out: Path | None, htp_ar
 
 def name_for_genie(ctx: Path, binary: Path, name: str) -> str:
     """Give the QNN graph in ``binary`` Genie's split naming from ``name``
-    (``prompt_ar16_cl128_2_of_3`` -> ``prompt_ar16_cl128_<filler>_2_of_3``, forge/ctxname.py)."""
+    (``prompt_ar16_cl128_2_of_3`` -> ``prompt<letters>_ar16_cl128_2_of_3``, forge/ctxname.py:
+    the form libGenie and GenieX's plugin both take)."""
     from .ctxname import rename_graph
 
-    m = re.fullmatch(r"(.+?)(_\d+_of_\d+)", name)
+    m = re.fullmatch(r"([a-z]+)(_ar\d+_cl\d+_\d+_of_\d+)", name)
     if m is None:
         raise BuildError(f"{name}: not a Genie split name")
-    return rename_graph(ctx, binary, m.group(1), m.group(2))
+    return rename_graph(ctx, binary, m.group(1), m.group(2), sep="", letters=True)
 
 
 def _link(src: Path, dst: Path) -> None:
@@ -196,7 +197,7 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
 
 
 def quantize_input(path: Path, name: str, scale: float, zero_point: int) -> None:
-    """Graph input ``name`` made uint16 in ``path``, a DequantizeLinear (com.microsoft: 16-bit
+    """Graph input ``name`` (if it has one) made uint16 in ``path``, a DequantizeLinear (com.microsoft: 16-bit
     on the graphs' opset) giving its readers the float they read before. The QNN EP claims it
     as a fixed-point input of that encoding, which is what Genie copies a 16-bit LUT's rows
     into as they are (``genie_bundle.LutEncoding``)."""
@@ -205,7 +206,10 @@ def quantize_input(path: Path, name: str, scale: float, zero_point: int) -> None
     from onnx import helper, numpy_helper
 
     model = onnx.load(str(path), load_external_data=False)
-    (inp,) = [i for i in model.graph.input if i.name == name]
+    found = [i for i in model.graph.input if i.name == name]
+    if not found:  # a later split of a model whose LUT rows enter the first one only
+        return
+    (inp,) = found
     inp.type.tensor_type.elem_type = onnx.TensorProto.UINT16
     floated = f"{name}.dequantized"
     for node in model.graph.node:

@@ -109,6 +109,7 @@ def backend_extensions(soc_model: int, htp_arch: int, weight_sharing: bool) -> d
 
 
 LUT = {True: "embedding.u16", False: "embedding.f32"}  # fixed point or not
+NEVER_ROW = 1  # rows past the vocabulary at the LUT's end: an eos-token Genie can read
 
 
 @dataclass(frozen=True)
@@ -166,15 +167,25 @@ def write_lut(host_file: Path, tables: tuple[tuple[str, float], ...],
               encoding: LutEncoding | None, dst: Path) -> int:
     """Genie's embedding LUT: each row the rows of ``tables`` (host table, scale) side by side
     (Gemma-4: the token embedding x sqrt(H), then its per-layer inputs x sqrt(P)), in
-    ``encoding`` (None: float32), a block of rows at a time, written beside and renamed. -> the
-    row width."""
+    ``encoding`` (None: float32), a block of rows at a time, written beside and renamed; then
+    one row of zeros at index V (``NEVER_ROW``). -> the row width.
+
+    Why the extra row: Genie reads its eos-token's row of the LUT, and the -1 that turns EOS
+    off made libGenie read before the table and segfault (tiny Qwen3.5 / Gemma-3, every run);
+    id V is a row Genie can read that the sampler never picks (logits have V entries), so
+    --ignore-eos gives eos-token V (``runtime.genie_model.never_eos``)."""
+    import numpy as np
+
     parts, rows = _lut_parts(host_file, tables)
+    width = sum(int(t.shape[1]) for t, _ in parts)
     tmp = dst.with_name(dst.name + ".partial")
     with open(tmp, "wb") as f:
         for block in _lut_blocks(parts, rows):
             (block if encoding is None else encoding.quantize(block)).tofile(f)
+        zeros = np.zeros((NEVER_ROW, width), np.float32)
+        (zeros if encoding is None else encoding.quantize(zeros)).tofile(f)
     tmp.replace(dst)
-    return sum(int(t.shape[1]) for t, _ in parts)
+    return width
 
 
 def write_bundle_files(folder: Path, manifest: Manifest, bins: list[Path], tokenizer_json: Path,

@@ -125,9 +125,7 @@ def loader_hidden(io: dict) -> tuple[str, int] | None:
 
 def blockers(model_type: str, files: dict, folder: Path) -> list[str]:
     """What the plugin would still refuse in a folder that gets metadata.json."""
-    out = ["the QNN graph names inside the context binaries carry hexforge's filler "
-           "(prompt_ar<N>_cl<C>_<digits>_<i>_of_<n>, forge/ctxname.py), which "
-           "LLMModel::onInitialized's name rule refuses"]
+    out = []  # (the QNN graph names inside the binaries take its rule: forge/ctxname.py)
     first = next(io for name, io in sorted(files.items())
                  if (m := GRAPH_NAME.fullmatch(name)) and m.group(4) == "1")
     embeds = first["inputs"].get("inputs_embeds")

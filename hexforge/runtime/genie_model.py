@@ -86,6 +86,24 @@ def absolute_paths(config: dict, folder: Path) -> dict:
     return cfg
 
 
+def never_eos(dialog: dict, folder: Path, n_vocab: int) -> int:
+    """The eos-token that turns EOS off: -1, or with an embedding LUT (whose eos-token row
+    Genie reads: -1 made libGenie read before the table and segfault) the row past the
+    vocabulary the build writes for it (``forge.genie_bundle.write_lut``), which the sampler
+    never picks. A LUT without it (an older bundle) is refused in one line."""
+    emb = dialog.get("embedding")
+    if emb is None:
+        return -1
+    item = 2 if emb.get("datatype") == "ufixed16" else 4
+    path = Path(emb["lut-path"])
+    rows = (path if path.is_absolute() else folder / path).stat().st_size // (int(emb["size"]) * item)
+    if rows <= n_vocab:
+        raise RequestError("--ignore-eos is not available with this Genie bundle: Genie reads "
+                           "its eos-token's row of the embedding table (rebuild it with this "
+                           "hexforge for a row that turns EOS off)")
+    return n_vocab
+
+
 def _refuse_shared_weights_off_device(folder: Path, config: dict) -> None:
     """Weight-shared contexts (build --share-weights) load on a device only: libQnnHtp on x86
     says "Shared weights buffer isn't supported on this platform", fails the context (err 1000)
@@ -157,15 +175,10 @@ class GenieModel(GenerationMethods):
         d = cfg["dialog"]
         d["context"]["bos-token"] = -1  # hexforge's ids carry the BOS already
         if ignore_eos:
-            if "embedding" in d:
-                # Genie reads the EOS token's row of an embedding LUT: an eos-token of -1 makes
-                # it read before the table, and libGenie segfaults (measured, Gemma-4's LUT)
-                raise RequestError("--ignore-eos is not available with this Genie bundle: "
-                                   "Genie reads its eos-token's row of the embedding table")
             # Genie pads the last AR-N chunk with pad-token, which falls back to eos-token: a
             # -1 there reaches the graph's gather and the HTP fails the execute (error 10)
             d["context"].setdefault("pad-token", self.eos[0] if self.eos else 0)
-            d["context"]["eos-token"] = -1
+            d["context"]["eos-token"] = never_eos(d, self.folder, self.n_vocab)
         d["sampler"] = sampler_config(temperature, top_k, top_p, seed)
         if platform.machine().lower() not in ("aarch64", "arm64"):
             # the x86 simulator: a polling thread would take a core the simulator needs

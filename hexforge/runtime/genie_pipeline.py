@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import BundleError, RequestError
 from . import genie
 from .genie_checks import check_prompt_fits
-from .genie_model import GenieModel, absolute_paths, genie_result, sampler_config
+from .genie_model import GenieModel, absolute_paths, genie_result, never_eos, sampler_config
 from .options import Done, GenerationOptions, Piece, check_request
 
 # the options a pipeline honours beside a dialog's
@@ -338,7 +338,7 @@ class GeniePipelineModel(GenieModel):
         d["context"]["bos-token"] = -1  # the host's rows carry the BOS
         if ignore_eos:  # as GenieModel: a -1 pad would reach the graph's gather
             d["context"].setdefault("pad-token", self.eos[0] if self.eos else 0)
-            d["context"]["eos-token"] = -1
+            d["context"]["eos-token"] = never_eos(tg["text-generator"], self.folder, self.n_vocab)
         d["sampler"] = sampler_config(temperature, top_k, top_p, seed)
         d["max-num-tokens"] = max_new
         if not on_phone:
