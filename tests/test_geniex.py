@@ -34,6 +34,13 @@ def llama_genie(htp_bundle):
 
 
 @pytest.fixture(scope="module")
+def qwen3_genie(htp_bundle):
+    # several splits: the residual between them, the loader's per-shard rules
+    return htp_bundle("qwen3", "fp16", genie=True, verify=False,
+                      max_shard_bytes={"v81": 120_000})
+
+
+@pytest.fixture(scope="module")
 def vl_genie(htp_bundle):
     return htp_bundle("qwen3_vl", "fp16", genie=True, verify=False)
 
@@ -196,6 +203,21 @@ def test_llama_genie_folder_meets_the_plugins_loader_rules(llama_genie):
         "rope-dim"]
     # one split, input_ids: the loader takes hidden size from logits (unused on this path)
     assert got["hidden"] == manifest.vocab_size
+
+
+def test_qwen3_genie_folder_in_two_splits_meets_the_plugins_loader_rules(qwen3_genie):
+    folder, manifest = qwen3_genie / "genie-v81", load_manifest(qwen3_genie)
+    check_genie_config(folder, manifest)
+    got = check_bundle(folder)
+    assert dispatch(got["model_id"]) == ("LLM", "qwen3")
+    assert got["first_input"] == "input_ids" and got["meta"]["hexforge"]["blockers"] == []
+    files = got["meta"]["model_files"]
+    splits = {int(geniex.GRAPH_NAME.fullmatch(n).group(4)) for n in files}
+    assert len(splits) >= 2 and splits == set(range(1, len(splits) + 1))
+    assert got["flat_layers"] == list(range(manifest.num_layers))
+    assert (got["kv_heads"], got["head_dim"], got["vocab"]) == (
+        manifest.hf_config["num_key_value_heads"], manifest.hf_config["head_dim"],
+        manifest.vocab_size)
 
 
 def test_qwen3_vl_genie_folder_meets_the_plugins_loader_rules(vl_genie):

@@ -52,6 +52,23 @@ def test_smollm2_answers_on_the_simulator(real_bundle):
         genie.close()
 
 
+def test_smollm2_genie_folder_meets_geniex_loader_rules(real_bundle):
+    """The real SmolLM2's two-split Genie folder against the rules GenieX's QAIRT plugin
+    applies when it loads one (tests/test_geniex.py: written from its source; the plugin is
+    not built here)."""
+    from hexforge.manifest import load_manifest
+    from tests.test_geniex import check_bundle, check_genie_config, dispatch
+
+    bundle, _ = real_bundle("smollm2", targets="v81", quant="fp16", **SMOLLM2_HTP)
+    folder, manifest = bundle / "genie-v81", load_manifest(bundle)
+    check_genie_config(folder, manifest)
+    got = check_bundle(folder)
+    assert dispatch(got["model_id"]) == ("LLM", "llama3")
+    assert got["meta"]["hexforge"]["blockers"] == []
+    assert got["flat_layers"] == list(range(manifest.num_layers))
+    assert got["vocab"] == manifest.vocab_size
+
+
 def test_smollm2_genie_binaries_meet_the_fp16_bar(real_bundle):
     """Genie returns no logits: the build scores its binaries fed as Genie feeds them
     (forge/genie_verify.py) on the held-out text, at the fp16 bar."""
