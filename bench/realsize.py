@@ -9,6 +9,7 @@ the encoder resolution the bundles this project replaces were built with:
 
     qwen3-vl-2b       v79,v81  Qwen3-VL-2B-Instruct with its 24-block ViT at 512x512 (256 tokens)
     qwen3.5-4b        v81      Qwen3.5-4B with its vision tower
+    qwen3.5-4b-text   v81      its decoder alone (what a Genie bundle of it holds)
     gemma-4-e4b       v81      Gemma-4-E4B with its vision tower (2,520 patches -> 280 tokens)
                                and its 12-layer audio conformer
     gemma-4-e4b-text  v81      its 42-layer decoder alone: the towers' graphs do not depend on
@@ -43,6 +44,7 @@ from realshape import make_checkpoint
 MODELS: dict[str, dict] = {
     "qwen3-vl-2b": dict(shape="qwen3-vl-2b-vl", targets="v79,v81", image_size=(512, 512)),
     "qwen3.5-4b": dict(shape="qwen3.5-4b-vl", targets="v81", image_size=(512, 512)),
+    "qwen3.5-4b-text": dict(shape="qwen3.5-4b", targets="v81"),  # the decoder (Genie: text)
     "gemma-4-e4b": dict(shape="gemma-4-e4b-mm", targets="v81"),
     "gemma-4-e4b-text": dict(shape="gemma-4-e4b", targets="v81"),
     "gemma-4-e2b": dict(shape="gemma-4-e2b", targets="v81"),
