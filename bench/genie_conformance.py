@@ -76,6 +76,16 @@ MATRIX: tuple[Variant, ...] = (
             dict(max_shard_bytes={"v81": 300_000})),
     Variant("qwen3_vl-seed1-64x96-image", "qwen3_vl", 1, build=dict(image_size=(64, 96)),
             image=(45, 83)),
+    # one soft token: Genie left the deepstack inputs' text rows unwritten (up to 2e34) and the
+    # tokens differed from the first, until the graph gated them by the LUT's media flag
+    Variant("qwen3_vl-seed1-32x32-one-soft-token", "qwen3_vl", 1,
+            build=dict(image_size=(32, 32)), image=(45, 83)),
+    # 40 image rows over AR-32 chunks, deepstack layers in splits 1 and 2 (the flag rides the
+    # residual); deepstack inputs of one image's rows (16) made libGenie abort the process
+    # ("Requested tensor segment of 45 entries, which exceeds ... 16") until they took AR rows
+    Variant("qwen3_vl-4splits-ar32-40-row-image", "qwen3_vl", 1,
+            build=dict(image_size=(128, 320), prefill_len=32, max_shard_bytes={"v81": 110_000}),
+            image=(90, 150)),
 )
 
 
@@ -125,8 +135,8 @@ def build_variant(v: Variant, folder: Path) -> Path:
     ckpt = folder / "ckpt"
     if not (ckpt / "config.json").exists():
         make_tiny_checkpoint(v.family, ckpt, seed=v.seed, **v.config)
-    opts = BuildOptions(targets="v81", quant="fp16", context=CONTEXT, prefill_len=PREFILL,
-                        genie=True, verify=False, **v.build)
+    opts = BuildOptions(**(dict(targets="v81", quant="fp16", context=CONTEXT, prefill_len=PREFILL,
+                                genie=True, verify=False) | v.build))
     build(ckpt, folder / "b", opts, log=lambda m: None)
     return folder / "b"
 
@@ -176,7 +186,7 @@ def compare(bundle: Path, v: Variant, work: Path) -> list[str]:
     # ignore_eos), and both answers end before it
     ignore = not (bundle / "genie-v81" / "embedding.u16").exists()
     try:
-        for n in prompt_lengths(CONTEXT, PREFILL):
+        for n in prompt_lengths(CONTEXT, v.build.get("prefill_len", PREFILL)):
             ids = ids_of(n, 384)  # the tiny tokenizers' vocabulary
             want, margins = _sim_greedy(sim, ids, None if ignore else genie.eos)
             got = genie.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=ignore).token_ids

@@ -222,7 +222,8 @@ def test_genie_build_refuses_what_it_cannot_make(ckpt, tmp_path):
 
     for opts, words in ((dict(targets="cpu"), "needs an HTP --target"),
                         (dict(targets="v81", quant="w8-u16"), "fixed-point"),
-                        (dict(targets="v81", prefill_len=1), "prefill-len")):
+                        (dict(targets="v81", prefill_len=1), "prefill-len"),
+                        (dict(targets="v81", prefill_len=64), "half of --context")):
         with pytest.raises(BuildError, match=words):
             build(ckpt("llama"), tmp_path / "b", BuildOptions(genie=True, context=128, **opts),
                   log=lambda m: None)

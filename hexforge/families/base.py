@@ -92,12 +92,18 @@ class GenieSpec:
     its cache groups, its ropes (a rope with a prefix applies to the cache group of that
     prefix), the host tables whose rows (x scale), side by side, make Genie's embedding LUT
     (the graphs then take ``inputs_embeds``; without it the first graph gathers from
-    ``input_ids``), and whether layers carry a linear-attention state."""
+    ``input_ids``), whether layers carry a linear-attention state, and whether each LUT row
+    ends with a media flag (``media_flag``)."""
 
     caches: tuple[GenieCache, ...]
     ropes: tuple[GenieRope, ...]
     lut: tuple[tuple[str, float], ...] = ()
     linear_attention: bool = False
+    # one more LUT column: 0.0 on every token's row, 1.0 on the rows a pipeline's media node
+    # writes. Genie writes a side input (Qwen3-VL's deepstack rows) on media rows only and leaves
+    # the chunk's other rows as it found them (garbage up to 2e34, measured), so the graph gates
+    # the side input by this column: the one per-row fact Genie writes on every row.
+    media_flag: bool = False
 
 
 def genie_rope_scaling(params: dict) -> dict | None:

@@ -150,7 +150,8 @@ def genie_spec(fam: Qwen3VLFamily, hf, args: Args):
     """One cache group, the config's rope as Genie's qwen3vl-mrope (interleaved sections over
     (t, h, w): Genie places each image token's position from the image node's vision-param and
     the sections; on text t = h = w, the 1-D rope), and Genie's embedding LUT of the token
-    embedding: the decoder takes inputs_embeds, the rows a pipeline's image node appends."""
+    embedding with its media flag: the decoder takes inputs_embeds [AR, H + 1], the rows a
+    pipeline's image node appends ending in 1.0, the LUT's in 0.0 (``Qwen3VLGenieStep``)."""
     from dataclasses import replace
 
     from .base import DecoderFamily, GenieSpec
@@ -160,32 +161,28 @@ def genie_spec(fam: Qwen3VLFamily, hf, args: Args):
     scaling = {"rope-type": "qwen3vl-mrope", "mrope-section": [int(x) for x in rot.mrope_section],
                "spatial-merge-size": int(hf.config.vision_config.spatial_merge_size)}
     return GenieSpec(caches=base.caches, ropes=(replace(base.ropes[0], scaling=scaling),),
-                     lut=(("embed_tokens", 1.0),))
-
-
-def visual_tokens(hf) -> int:
-    """Soft tokens of one image at the tower's default size (qwen3_vl_vision.default_size): the
-    rows of the deepstack inputs the decoder's Genie graphs take (forge/genie_pipeline.py
-    refuses a build whose image size makes another count)."""
-    from .qwen3_vl_vision import ENCODER
-
-    return ENCODER.spec(hf, hf.config.to_dict()).max_soft_tokens
+                     lut=(("embed_tokens", 1.0),), media_flag=True)
 
 
 class Qwen3VLGenieStep(nn.Module):
     """Layers [a, b) of Qwen3-VL in Genie's I/O contract (``genieio``), around ``Qwen3VLShard``::
 
-        inputs_embeds | residual_a   [1, AR, H]   the text-encoder's / image node's rows (split 1)
+        inputs_embeds | residual_a   [1, AR, H (+1)]  the LUT's / image node's rows, the media
+                                                      flag last (split 1; a later split's
+                                                      residual carries it when it has layers < k)
         attention_mask               [1, 1, AR, CL]
         position_ids_cos / _sin      [1, 1, AR, D/2]  Genie's qwen3vl-mrope tables
-        deepstack_visual_embeds_<i>  [S, H]           splits with layers i < k: feature i
+        deepstack_visual_embeds_<i>  [AR, H]          splits with layers i < k: feature i
         past_key/value_<L>_in / _out                  Genie's default cache group
-        ->  logits | residual_b
+        ->  logits | residual_b [1, AR, H (+1)]
 
     What Genie feeds a chunk under deepstack_visual_embeds_<i> (measured with dump-tensors,
     docs/genie-pipelines.md): row r holds the feature of the chunk's row r when that row is an
-    image token, zero on text rows -- the chunk's rows of hexforge's own ``deepstack:<i>`` input,
-    so feature i is added after layer i as ``Qwen3VLShard`` adds it (rows past AR unread)."""
+    image token; the other rows it leaves as they were (zeros when the buffer was fresh, up to
+    2e34 after a 1-token image). So feature i is added after layer i only where the row's media
+    flag is set -- ``Qwen3VLShard``'s add of hexforge's own ``deepstack:<i>``, zero on text rows.
+    The input has AR rows, the chunk's (with one image's soft tokens as rows, Genie aborted on
+    a chunk whose image rows ran past them: "Requested tensor segment of 26 entries ... 9")."""
 
     def __init__(self, fam: Qwen3VLFamily, hf, args: Args, host, layers: tuple[int, int],
                  seq_len: int, context: int, residual_scale: float):
@@ -196,7 +193,10 @@ class Qwen3VLGenieStep(nn.Module):
         self.inner = DenseGenieStep.make(fam, hf, args, host, layers, seq_len, context, io_form,
                                          residual_scale)
         self.ds = list(self.inner.shard.deepstack)
-        self.S_vis = visual_tokens(hf) if self.ds else 0
+        k = args.num_deepstack
+        # the flag rides on the stream while a split at or after this one adds a feature
+        self.flag_in = layers[0] == 0 or layers[0] < k
+        self.flag_out = not self.inner.last and layers[1] < k
         self.T, self.H = seq_len, args.hidden_size
         io = self.inner.io
         side = [(f"{DEEPSTACK}{i}", f"deepstack:{i}") for i in self.ds]
@@ -204,22 +204,26 @@ class Qwen3VLGenieStep(nn.Module):
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         base = self.inner.example_inputs()
-        feats = [torch.randn(self.S_vis, self.H) * 0.1 for _ in self.ds]
-        return (*base[:4], *feats, *base[4:])
-
-    def rows(self, feat: torch.Tensor) -> torch.Tensor:
-        """[S, H] as Genie fills it -> the chunk's [1, AR, H] (zero rows past S)."""
-        if feat.shape[0] >= self.T:
-            return feat[:self.T].unsqueeze(0)
-        pad = torch.zeros(self.T - feat.shape[0], feat.shape[1])
-        return torch.cat([feat, pad], dim=0).unsqueeze(0)
+        tokens = base[0]
+        if self.flag_in:  # half the example rows media: both sides of the gate traced
+            flag = (torch.arange(self.T) % 2).to(tokens.dtype).view(1, self.T, 1)
+            tokens = torch.cat([tokens, flag], dim=-1)
+        feats = [torch.randn(self.T, self.H) * 0.1 for _ in self.ds]
+        return (tokens, *base[1:4], *feats, *base[4:])
 
     def forward(self, tokens, mask, cos, sin, *rest):
         from .genieio import clean_past, full_rope, kv_from_genie, kv_to_genie
 
         inner = self.inner
         n = len(self.ds)
-        adds, past = [self.rows(f) for f in rest[:n]], list(rest[n:])
+        flag = None
+        if self.flag_in:  # [1, AR, H + 1] -> rows [1, AR, H], media [1, AR, 1]
+            tokens, flag = tokens[..., :self.H], tokens[..., self.H:]
+        media = None if flag is None else flag > 0.5
+        # Where, not a product: the unwritten rows may hold inf or NaN
+        adds = [torch.where(media, f.unsqueeze(0), torch.zeros((), dtype=f.dtype))
+                for f in rest[:n]]
+        past = list(rest[n:])
         ours = []
         for j in range(0, len(past), 2):
             ours += kv_from_genie(past[j], past[j + 1], 1)
@@ -230,6 +234,8 @@ class Qwen3VLGenieStep(nn.Module):
             genie += kv_to_genie(new[j], new[j + 1], 1)
         if inner.head is not None:
             out = inner.head(out)
+        elif self.flag_out:
+            out = torch.cat([out, flag.to(out.dtype)], dim=-1)
         return (out, *genie)
 
 

@@ -115,17 +115,19 @@ class Qwen3VLVisionEncoder(EncoderFamily):
         """The tower as Genie's image-encoder node (``GenieVisionNode``): pixels uint16 over the
         normalized range, the image's patch grid as the node's vision-param (Genie places the
         image tokens' M-RoPE positions from it: qwen3vl-mrope), the deepstack features as
-        side outputs the text-generator takes by name (a WILDCARD connection)."""
+        side outputs the text-generator takes by name (a WILDCARD connection); each image row
+        ends with ``row_tail`` (the LUT's media flag, 1.0: ``GenieSpec.media_flag``)."""
         from .genienode import IMAGE_INPUT, GenieNodeForm
 
-        if row_tail is not None:
-            raise UnsupportedModelError("Qwen3-VL's Genie LUT has the token embedding alone")
+        if row_tail is None or row_tail.shape != (1,):
+            raise UnsupportedModelError("Qwen3-VL's Genie LUT is the token embedding and its "
+                                        "media flag: an image row's tail is the flag alone")
         p = spec.params
         lo = min((0.0 - m) / s for m, s in zip(p["image_mean"], p["image_std"], strict=True))
         hi = max((1.0 - m) / s for m, s in zip(p["image_mean"], p["image_std"], strict=True))
         patch = p["patch_size"]
         return GenieNodeForm(role="image-encoder", mode="image",
-                             module=GenieVisionNode(self.encoder_module(hf, spec)),
+                             module=GenieVisionNode(self.encoder_module(hf, spec), row_tail),
                              fixed_point={"pixel_values": (lo, hi)},
                              feeds={"pixel_values": IMAGE_INPUT},
                              model={"vision-param": {"height": p["height"] // patch,
@@ -237,17 +239,21 @@ class VisionGraph(nn.Module):
 
 class GenieVisionNode(nn.Module):
     """``VisionGraph`` with Genie's tensor names, its rows rank 2 as the text-generator's
-    deepstack inputs are (a WILDCARD connection matches names, ranks and dims)::
+    deepstack inputs are (a WILDCARD connection matches names and ranks)::
 
-        pixel_values [1, N, 3·tp·p²] (uint16 in the binary) ─▶ image_features [S, H_text],
+        pixel_values [1, N, 3·tp·p²] (uint16 in the binary) ─▶ image_features [S, H_text + 1],
                                                                deepstack_visual_embeds_<i> [S, H_text]
-    """
 
-    def __init__(self, graph: VisionGraph):
+    image_features' last column is the LUT's media flag, 1.0: the decoder adds the deepstack
+    rows where it is set (Genie leaves the other rows of those inputs unwritten)."""
+
+    def __init__(self, graph: VisionGraph, row_tail: np.ndarray):
         super().__init__()
         from .genienode import IMAGE_FEATURES
 
         self.graph = graph
+        self.register_buffer("tail", torch.from_numpy(np.asarray(row_tail, np.float32)).view(1, -1),
+                             persistent=False)
         self.io = GraphIO(inputs=[("pixel_values", "media:pixel_values")],
                           outputs=[(IMAGE_FEATURES, "soft")] + [
                               (f"{DEEPSTACK}{i}", f"deepstack:{i}")
@@ -257,7 +263,8 @@ class GenieVisionNode(nn.Module):
         return self.graph.example_inputs()
 
     def forward(self, pixel_values):
-        return tuple(x[0] for x in self.graph(pixel_values))
+        soft, *deep = (x[0] for x in self.graph(pixel_values))
+        return (torch.cat([soft, self.tail.expand(soft.shape[0], -1)], dim=-1), *deep)
 
 
 DEEPSTACK = "deepstack_visual_embeds_"  # + i: AI Hub's Qwen3-VL tensor names, Genie routes them

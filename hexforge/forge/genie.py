@@ -117,6 +117,14 @@ def check_options(fam, args, opts) -> None:
                          "for Genie; use fp16, w8-fp16 or w4-fp16")
     if opts.prefill_len >= opts.context or opts.prefill_len < 2:
         raise BuildError("--genie needs 2 <= --prefill-len < --context (Genie's AR-N graph)")
+    if 2 * opts.prefill_len == opts.context:
+        # the AR-N graph's cache then has as many rows as its chunk (CL - N == N), and libGenie
+        # 1.21 misreads it: CL 128 / AR-64 and CL 64 / AR-32 hand the AR-1 graph a wrong cache
+        # from the second token on (tiny Qwen3 and Qwen3-VL, dump-tensors); CL 256 / AR-128
+        # is refused at load ("ShapeError : attention_mask - Expected [ 1, 65, 193]")
+        raise BuildError(f"--genie: --prefill-len {opts.prefill_len} is half of --context "
+                         f"{opts.context}, a shape libGenie misreads; give --prefill-len "
+                         f"{opts.prefill_len // 2} or --context {2 * opts.context}")
 
 
 def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, residual_scale: float,
@@ -137,7 +145,7 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
     host = manifest.host
     spec = fam.genie_spec(hf, args)
     check_ropes(spec, root / "host.safetensors")
-    lut = (lut_encoding(root / "host.safetensors", spec.lut) if spec.lut and fixed_point_lut
+    lut = (lut_encoding(root / "host.safetensors", spec) if spec.lut and fixed_point_lut
            else None)
     splits: dict[tuple, list[list[Path]]] = {}  # the graphs are arch-independent: per plan
     out = {}

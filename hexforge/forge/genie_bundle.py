@@ -143,30 +143,33 @@ def _lut_parts(host_file: Path, tables: tuple[tuple[str, float], ...]):
     return parts, rows
 
 
-def _lut_blocks(parts, rows: int, block: int = 4096):
+def _lut_blocks(parts, rows: int, flag: bool, block: int = 4096):
     """The LUT's float32 rows, a block at a time: each row the tables' rows x scale, side by
-    side."""
+    side, then a 0.0 media-flag column where the spec asks for one (``GenieSpec.media_flag``)."""
     import numpy as np
 
     for start in range(0, rows, block):
-        yield np.concatenate([np.asarray(t[start:start + block], np.float32) * np.float32(s)
-                              for t, s in parts], axis=1)
+        cols = [np.asarray(t[start:start + block], np.float32) * np.float32(s) for t, s in parts]
+        if flag:
+            cols.append(np.zeros((cols[0].shape[0], 1), np.float32))
+        yield np.concatenate(cols, axis=1)
 
 
-def lut_encoding(host_file: Path, tables: tuple[tuple[str, float], ...]) -> LutEncoding:
-    """The 16-bit encoding that covers every value of the LUT (and 0)."""
-    parts, rows = _lut_parts(host_file, tables)
-    lo = hi = 0.0
-    for block in _lut_blocks(parts, rows):
+def lut_encoding(host_file: Path, spec) -> LutEncoding:
+    """The 16-bit encoding that covers every value of ``spec``'s LUT (and 0, and a media
+    flag's 1.0)."""
+    parts, rows = _lut_parts(host_file, spec.lut)
+    lo, hi = 0.0, (1.0 if spec.media_flag else 0.0)
+    for block in _lut_blocks(parts, rows, spec.media_flag):
         lo, hi = min(lo, float(block.min())), max(hi, float(block.max()))
     scale = (hi - lo) / 65535 or 1.0
     return LutEncoding(scale=scale, zero_point=round(-lo / scale))
 
 
-def write_lut(host_file: Path, tables: tuple[tuple[str, float], ...],
-              encoding: LutEncoding | None, dst: Path) -> int:
-    """Genie's embedding LUT: each row the rows of ``tables`` (host table, scale) side by side
-    (Gemma-4: the token embedding x sqrt(H), then its per-layer inputs x sqrt(P)), in
+def write_lut(host_file: Path, spec, encoding: LutEncoding | None, dst: Path) -> int:
+    """Genie's embedding LUT: each row the rows of ``spec.lut`` (host table, scale) side by side
+    (Gemma-4: the token embedding x sqrt(H), then its per-layer inputs x sqrt(P); Qwen3-VL: the
+    token embedding, then its media flag, 0.0), in
     ``encoding`` (None: float32), a block of rows at a time, written beside and renamed; then
     one row of zeros at index V (``NEVER_ROW``). -> the row width.
 
@@ -176,11 +179,11 @@ def write_lut(host_file: Path, tables: tuple[tuple[str, float], ...],
     --ignore-eos gives eos-token V (``runtime.genie_model.never_eos``)."""
     import numpy as np
 
-    parts, rows = _lut_parts(host_file, tables)
-    width = sum(int(t.shape[1]) for t, _ in parts)
+    parts, rows = _lut_parts(host_file, spec.lut)
+    width = sum(int(t.shape[1]) for t, _ in parts) + int(spec.media_flag)
     tmp = dst.with_name(dst.name + ".partial")
     with open(tmp, "wb") as f:
-        for block in _lut_blocks(parts, rows):
+        for block in _lut_blocks(parts, rows, spec.media_flag):
             (block if encoding is None else encoding.quantize(block)).tofile(f)
         zeros = np.zeros((NEVER_ROW, width), np.float32)
         (zeros if encoding is None else encoding.quantize(zeros)).tofile(f)
@@ -200,7 +203,7 @@ def write_bundle_files(folder: Path, manifest: Manifest, bins: list[Path], token
     table = None
     if spec.lut:
         name = LUT[lut is not None]
-        table = (name, write_lut(host_file, spec.lut, lut, folder / name), lut)
+        table = (name, write_lut(host_file, spec, lut, folder / name), lut)
     cfg = dialog_config(manifest, [b.name for b in bins], bos_token(tokenizer_json), spec,
                         lut=table)
     (folder / EXTENSIONS).write_text(

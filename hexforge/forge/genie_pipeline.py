@@ -49,9 +49,11 @@ UINT16_MAX = 65535
 def media_row_tail(spec, host_file: Path, media_pad_id: int | None) -> np.ndarray | None:
     """What follows the soft token in a media row of Genie's embedding LUT: the other tables'
     columns (``spec.lut[1:]``, x scale) at the recipe's media_pad_id, as the host gathers them
-    for a media placeholder (Gemma-4: the pad token's per-layer inputs); None without them."""
+    for a media placeholder (Gemma-4: the pad token's per-layer inputs), then the media flag's
+    1.0 where the LUT has one (Qwen3-VL); None without either."""
+    flag = np.ones(1, np.float32) if spec.media_flag else np.zeros(0, np.float32)
     if len(spec.lut) < 2:
-        return None
+        return flag if spec.media_flag else None
     if media_pad_id is None:
         raise BuildError("--genie: a media row needs the per-layer columns of a pad token, and "
                          "the host recipe names none (media_pad_id)")
@@ -59,7 +61,7 @@ def media_row_tail(spec, host_file: Path, media_pad_id: int | None) -> np.ndarra
 
     host = load_host_tensors(host_file)
     return np.concatenate([np.asarray(host[name][media_pad_id], np.float32) * np.float32(scale)
-                           for name, scale in spec.lut[1:]])
+                           for name, scale in spec.lut[1:]] + [flag])
 
 
 def uint16_encoding(lo: float, hi: float) -> tuple[float, int]:

@@ -172,20 +172,22 @@ class GenieGraphs:
 
 
 # issue 61: the decoder inputs a Genie pipeline's image node feeds (forge/genie_pipeline.py,
-# Qwen3-VL's deepstack): on a text prompt Genie marks no image row and they add nothing
+# Qwen3-VL's deepstack): on a text prompt Genie writes no row of them
 SIDE_INPUTS = ("visual_pos_masks", "deepstack_visual_embeds_")
+UNWRITTEN = 1e30  # what an unwritten row may hold (Genie's buffers: up to 2e34, measured)
 
 
 def text_side_inputs(sessions: list, AR: int) -> dict[str, np.ndarray]:
     """Each split's pipeline side inputs as a text prompt has them: no image row (False), and
-    zero features (what they hold does not reach a text row)."""
+    features Genie never wrote -- huge, so a graph that let them reach a text row fails the
+    oracle (the media flag's gate, ``families/qwen3_vl.Qwen3VLGenieStep``)."""
     out = {}
     for sess in sessions:
         for x in sess.get_inputs():
             if x.name == SIDE_INPUTS[0]:
                 out[x.name] = np.zeros((1, AR), bool)
             elif x.name.startswith(SIDE_INPUTS[1]):
-                out[x.name] = np.zeros([int(d) for d in x.shape], np.float32)
+                out[x.name] = np.full([int(d) for d in x.shape], UNWRITTEN, np.float32)
     return out
 
 
