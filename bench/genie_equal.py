@@ -1,7 +1,7 @@
 """One built bundle's greedy tokens through libGenie and through ``--backend qnn-sim``: the phone
 contract's check at any size (the two run the same weights; plumbing, not accuracy).
 
-    python bench/genie_equal.py BUNDLE [--tokens 4] [--prompt-ids 8]
+    python bench/genie_equal.py BUNDLE [--tokens 4] [--prompt-ids 8 | --image PNG | --audio WAV]
 
 For the seeds' models at real width, build first with bench/realsize.py (``--genie
 --device-only``, ``--layers N`` for a cut), e.g. the Qwen3.5-4B text decoder cut to 4 layers:
@@ -38,22 +38,36 @@ def main() -> None:
     ap.add_argument("bundle", type=Path)
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--prompt-ids", type=int, default=8, help="a prompt of this many token ids")
+    ap.add_argument("--image", type=Path, default=None,
+                    help="ask about this picture instead (the Genie pipeline: its image node)")
+    ap.add_argument("--audio", type=Path, default=None, help="or about this recording")
     a = ap.parse_args()
 
     import hexforge
-    from hexforge.runtime.genie_model import GenieModel
 
-    ids = [1000 + 37 * i for i in range(a.prompt_ids)]  # inside every seed model's vocabulary
     t = time.perf_counter()
-    model = GenieModel(a.bundle)
+    if a.image or a.audio:  # a text prompt with the medium, through GeniePipeline
+        from hexforge.runtime.genie_pipeline import open_genie
+
+        media = dict(images=[str(a.image)] if a.image else None,
+                     audios=[str(a.audio)] if a.audio else None)
+        prompt: str | list[int] = "Describe it."
+        model = open_genie(a.bundle)
+    else:
+        from hexforge.runtime.genie_model import GenieModel
+
+        media = {}
+        prompt = [1000 + 37 * i for i in range(a.prompt_ids)]  # in every seed's vocabulary
+        model = GenieModel(a.bundle)
     try:
-        genie = model.generate(ids, max_new_tokens=a.tokens, ignore_eos=True).token_ids
+        genie = model.generate(prompt, max_new_tokens=a.tokens, ignore_eos=True,
+                               **media).token_ids
     finally:
         model.close()
     genie_s = time.perf_counter() - t
     t = time.perf_counter()
     sim = hexforge.load(a.bundle, backend="qnn-sim").generate(
-        ids, max_new_tokens=a.tokens, ignore_eos=True).token_ids
+        prompt, max_new_tokens=a.tokens, ignore_eos=True, **media).token_ids
     print(json.dumps({"bundle": str(a.bundle), "genie": genie, "qnn_sim": sim,
                       "equal": genie == sim, "genie_s": round(genie_s),
                       "qnn_sim_s": round(time.perf_counter() - t),
