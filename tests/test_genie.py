@@ -269,3 +269,29 @@ def test_regression_no_htp_memory_for_the_contexts_is_one_line(genie_bundle, mon
     # the x86 room: under the measured load nothing is said, over it the build and run say why
     assert genie.x86_room_note(genie.X86_PD_LOADED_BYTES) is None
     assert "one HTP process domain" in genie.x86_room_note(genie.X86_PD_REFUSED_BYTES)
+
+
+def test_genie_splits_keep_the_head_and_token_table_inside_the_per_context_ceiling():
+    """A Genie context holds its split's layers and the head (the last split), and the token
+    table where the graphs gather input_ids; the target keeps the head in a graph of its own.
+    Planned as the target's graphs are, a 1.6 GB shard with a 0.6 GB head would pass the 1.8 GB
+    a v81 context holds: Genie's plan splits again so each context fits, and says so; a
+    --max-shard-bytes the user gave is kept as it is."""
+    from types import SimpleNamespace
+
+    from hexforge.forge.graphs import plan_genie
+    from hexforge.targets import get_target
+
+    v81 = get_target("v81")
+    GB = 10**9
+    fam = SimpleNamespace(layer_weight_bytes=lambda hf, bpw: [int(0.4 * GB)] * 4,
+                          head_weight_bytes=lambda hf, bpw: int(0.6 * GB))
+    opts = SimpleNamespace(recipe=SimpleNamespace(bytes_per_weight=0.5), max_shard_bytes=None)
+    logs: list[str] = []
+    genie = plan_genie(fam, None, v81, opts, 0, logs.append)
+    # the target: one shard of 1.6 GB; Genie's: the head's 0.6 GB beside the last layer
+    assert genie == [(0, 3), (3, 4)] and "2 splits, not the target's 1" in logs[0]
+    # and a 0.9 GB token table beside the first
+    assert plan_genie(fam, None, v81, opts, int(0.9 * GB), logs.append) == [(0, 2), (2, 4)]
+    opts.max_shard_bytes = {"v81": 2 * GB}
+    assert plan_genie(fam, None, v81, opts, 0, logs.append) == [(0, 4)]

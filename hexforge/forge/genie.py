@@ -138,7 +138,7 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
     nodes hand the decoder float rows (forge/genie_pipeline.py). -> {target name: folder}."""
     from .genie_bundle import folder_name, lut_encoding, write_bundle_files
     from .geniex import write_geniex_files
-    from .graphs import plan_target
+    from .graphs import plan_genie
 
     recipe = opts.recipe
     work = root / "_work" / "genie"
@@ -147,10 +147,12 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
     check_ropes(spec, root / "host.safetensors")
     lut = (lut_encoding(root / "host.safetensors", spec) if spec.lut and fixed_point_lut
            else None)
+    # graphs that gather input_ids hold the token table, fp16 (genieio.TokenGather)
+    gather = 0 if spec.lut else 2 * args.vocab_size * args.hidden_size
     splits: dict[tuple, list[list[Path]]] = {}  # the graphs are arch-independent: per plan
     out = {}
     for target in targets:
-        shards = plan_target(fam, hf, target, opts, lambda m: None)
+        shards = plan_genie(fam, hf, target, opts, gather, log)
         key = tuple(shards)
         if key not in splits:
             t = time.perf_counter()
@@ -195,8 +197,10 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
         write_geniex_files(folder, manifest.model_type, [p for split in paths for p in split],
                            root / manifest.tokenizer.dir)
         total = sum(b.stat().st_size for b in bins)
+        largest = max(b.stat().st_size for b in bins)
         log(f"[{target.name}] Genie bundle {folder.name}/ ({len(bins)} context binaries, "
-            f"{total / 1e9:.2f} GB, {len(paths)} split(s))")
+            f"{total / 1e9:.2f} GB, {len(paths)} split(s), the largest {largest / 1e9:.2f} GB "
+            f"of the {target.max_context_bytes / 1e9:.1f} GB a context may hold)")
         note = None if opts.share_weights else x86_room_note(total)
         if note:
             log(f"[{target.name}] note: {note}")

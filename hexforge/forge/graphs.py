@@ -149,12 +149,43 @@ def weights_file(group: list[str]) -> str:
 CONTEXT_OVERHEAD = 1.04
 
 
+def _ceiling(target: Target, opts) -> tuple[int, bool]:
+    """(a graph's weight-byte ceiling on ``target``, whether --max-shard-bytes named it)."""
+    limit = opts.max_shard_bytes
+    given = limit.get(target.name) if isinstance(limit, dict) else limit
+    return given or (int(target.max_context_bytes / CONTEXT_OVERHEAD) if target.is_htp
+                     else target.max_context_bytes), bool(given)
+
+
+def plan_genie(fam, hf, target: Target, opts, gather_bytes: int, log) -> list[tuple[int, int]]:
+    """Genie's splits: one context holds a split's layers *and* the head (the last split) and
+    the token table (the first, where its graphs gather ``input_ids``; ``gather_bytes``), where
+    the target's graphs keep the head apart -- so the target's plan with those bytes on the end
+    layers, that each context stays under the device's per-context ceiling (1.8 GB on v81).
+    A --max-shard-bytes the user gave is the target's plan as it stands."""
+    ceiling, given = _ceiling(target, opts)
+    shards = plan_target(fam, hf, target, opts, lambda m: None)
+    if given:
+        return shards
+    bpw = opts.recipe.bytes_per_weight
+    layers = list(fam.layer_weight_bytes(hf, bpw))
+    layers[-1] += fam.head_weight_bytes(hf, bpw)
+    layers[0] += gather_bytes
+    if max(layers) > ceiling:  # no split can hold it: the target's, said
+        log(f"[{target.name}] genie: a split's layers with the head ({max(layers):,} B) pass "
+            f"the {target.max_context_bytes / 1e9:.1f} GB per-context ceiling a phone holds")
+        return shards
+    genie = plan_shards(layers, ceiling)
+    if len(genie) != len(shards):
+        log(f"[{target.name}] genie: {len(genie)} splits, not the target's {len(shards)}: each "
+            f"context holds its layers and the head or token table under "
+            f"{target.max_context_bytes / 1e9:.1f} GB")
+    return genie
+
+
 def plan_target(fam, hf, target: Target, opts, log) -> list[tuple[int, int]]:
     bpw = 4.0 if not target.is_htp else opts.recipe.bytes_per_weight
-    limit = opts.max_shard_bytes
-    ceiling = (limit.get(target.name) if isinstance(limit, dict) else limit) or (
-        int(target.max_context_bytes / CONTEXT_OVERHEAD) if target.is_htp
-        else target.max_context_bytes)
+    ceiling, _ = _ceiling(target, opts)
     shards = plan_shards(fam.layer_weight_bytes(hf, bpw), ceiling)
     head = fam.head_weight_bytes(hf, bpw)
     # a context's ceiling is the HTP's; the cpu target's head has no layers to split and its
