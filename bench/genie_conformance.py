@@ -162,6 +162,7 @@ def compare(bundle: Path, v: Variant, work: Path) -> list[str]:
     at the flip); such a flip is reported as a tie, not a difference, and the tokens after it
     are not compared (their prefixes differ)."""
     import hexforge
+    from hexforge.runtime.compare import differs_past_ties, greedy_margins
     from hexforge.runtime.genie_model import GenieModel
 
     sim = hexforge.load(bundle, backend="qnn-sim")
@@ -188,38 +189,16 @@ def compare(bundle: Path, v: Variant, work: Path) -> list[str]:
     try:
         for n in prompt_lengths(CONTEXT, v.build.get("prefill_len", PREFILL)):
             ids = ids_of(n, 384)  # the tiny tokenizers' vocabulary
-            want, margins = _sim_greedy(sim, ids, None if ignore else genie.eos)
+            want, margins = greedy_margins(sim, ids, NEW_TOKENS, None if ignore else genie.eos)
             got = genie.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=ignore).token_ids
-            if got == want:
-                continue
-            i = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
-                     min(len(got), len(want)))
-            if i < len(margins) and margins[i] <= TIE:
-                continue  # a tie in qnn-sim's fp16 logits at the first difference
-            bad.append(f"{v.name} prompt {n}: genie {got} != qnn-sim {want} (from token {i}, "
-                       f"qnn-sim's top-2 margin there {margins[i] if i < len(margins) else None})")
+            i = differs_past_ties(got, want, margins)  # a flip at a top-2 tie is no difference
+            if i is not None:
+                bad.append(f"{v.name} prompt {n}: genie {got} != qnn-sim {want} (from token "
+                           f"{i}, qnn-sim's top-2 margin there "
+                           f"{margins[i] if i < len(margins) else None})")
     finally:
         genie.close()
     return bad
-
-
-TIE = 2e-3  # a top-2 logit margin this small is a tie in fp16 (its step near 4: 0.0039)
-
-
-def _sim_greedy(sim, ids: list[int], eos: list[int] | None) -> tuple[list[int], list[float]]:
-    """qnn-sim's greedy tokens (up to an EOS in ``eos``, exclusive) and each pick's top-2 margin."""
-    import numpy as np
-
-    from hexforge.runtime.sampling import greedy
-
-    tokens, margins = [], []
-    for token, logits in sim.engine.generate_step(ids, greedy, NEW_TOKENS):
-        if eos and token in eos:
-            break
-        top = np.sort(np.asarray(logits, np.float32).reshape(-1))[-2:]
-        tokens.append(int(token))
-        margins.append(float(top[1] - top[0]))
-    return tokens, margins
 
 
 def _png(work: Path, hw: tuple[int, int]) -> Path:

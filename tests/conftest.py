@@ -162,28 +162,19 @@ def prompt_ids(length: int, vocab: int = 384, seed: int = 0) -> list[int]:
     return [int(t) for t in rng.integers(3, vocab, size=length)]
 
 
-TIE = 2e-3  # a top-2 logit margin this small is a tie in fp16 (its step near 4: 0.0039)
-
-
 def first_difference_is_a_tie(bundle: Path, ids: list[int], got: list[int], want: list[int]
                               ) -> bool:
     """Whether qnn-sim's greedy pick at the first index where ``got`` leaves ``want`` (its
-    tokens) was a tie of its top two fp16 logits (margin <= TIE): two different binaries of the
-    same weights may pick either there."""
-    import numpy as np
-
+    tokens) was a tie of its top two fp16 logits (``runtime.compare.TIE``): two different
+    binaries of the same weights may pick either there."""
     import hexforge
-    from hexforge.runtime.sampling import greedy
+    from hexforge.runtime.compare import TIE, first_difference, greedy_margins
 
-    i = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    i = first_difference(got, want)
     if i is None:
         return False  # one ends early: not a flip
-    sim = hexforge.load(bundle, backend="qnn-sim")
-    for j, (_, logits) in enumerate(sim.engine.generate_step(ids, greedy, i + 1)):
-        if j == i:
-            top = np.sort(np.asarray(logits, np.float32).reshape(-1))[-2:]
-            return float(top[1] - top[0]) <= TIE
-    return False
+    _, margins = greedy_margins(hexforge.load(bundle, backend="qnn-sim"), ids, i + 1)
+    return i < len(margins) and margins[i] <= TIE
 
 
 def text_with_tokens(tokenizer_dir: Path, n: int) -> str:

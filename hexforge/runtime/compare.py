@@ -1,0 +1,42 @@
+"""Two runs of the same weights compared token by token: libGenie's Genie binaries and qnn-sim's
+target graphs (or any two backends) may pick differently where the top two fp16 logits tie, so
+a flip there is a tie, not a difference, and the tokens after it are not compared (their
+prefixes differ). The one rule the suite and bench/genie_conformance.py both apply."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .sampling import greedy
+
+TIE = 2e-3  # a top-2 logit margin this small is a tie in fp16 (its step near 4: 0.0039)
+
+
+def greedy_margins(model, ids: list[int], n: int, stop: list[int] | None = None
+                   ) -> tuple[list[int], list[float]]:
+    """``model``'s greedy tokens after ``ids`` (up to n, ending before a token in ``stop``) and
+    each pick's top-2 logit margin."""
+    tokens, margins = [], []
+    for token, logits in model.engine.generate_step(ids, greedy, n):
+        if stop and token in stop:
+            break
+        top = np.sort(np.asarray(logits, np.float32).reshape(-1))[-2:]
+        tokens.append(int(token))
+        margins.append(float(top[1] - top[0]))
+    return tokens, margins
+
+
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    """The first index where the two differ (None: equal, or one ends early)."""
+    return next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+
+
+def differs_past_ties(got: list[int], want: list[int], margins: list[float]) -> int | None:
+    """The first index where ``got`` leaves ``want`` (whose picks had ``margins``), or where one
+    ends before the other, unless qnn-sim's pick there was a tie; None when they are equal."""
+    i = first_difference(got, want)
+    if i is None:
+        if len(got) == len(want):
+            return None
+        i = min(len(got), len(want))
+    return None if i < len(margins) and margins[i] <= TIE else i
