@@ -140,3 +140,22 @@ def test_a_wrong_rope_for_genie_is_refused_at_build_time(tmp_path):
     bad = GenieSpec(caches=(GenieCache("past_", 16),), ropes=(GenieRope("", 8, 500000.0),))
     with pytest.raises(BuildError, match="is not HF's"):
         check_ropes(bad, host)
+
+
+def test_a_genie_folder_is_no_larger_than_the_target_within_a_stated_margin(genie_family):
+    """Genie's contexts hold what the target's graphs hold, once per pass: the AR-N set the
+    prefill shards and the head (and, where its graphs gather input_ids, the fp16 token table;
+    never a float table: the LUT holds it once, outside), within 10 % and 256 KB a context of
+    a compiled graph's own overhead (tiny graphs: ~130 KB). Qwen3.5-4B's real-width cut once
+    carried its 2.5 GB fp32 table in each context (3.48 GB against 0.94)."""
+    family, bundle = genie_family
+    genie, target = bundle / "genie-v81", bundle / "v81"
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    dialog = json.loads((genie / "genie_config.json").read_text())["dialog"]
+    table = 0 if "embedding" in dialog else 2 * manifest["vocab_size"] * manifest["hidden_size"]
+    allowed = sum(p.stat().st_size for p in target.glob("*prefill*.bin"))
+    allowed += sum(p.stat().st_size for p in target.glob("head*.bin")) + table
+    for kind in ("prompt", "token"):
+        contexts = list(genie.glob(f"{kind}_*.bin"))
+        got = sum(p.stat().st_size for p in contexts)
+        assert contexts and got <= 1.1 * allowed + 256 * 1024 * len(contexts), (family, kind, got, allowed)
