@@ -13,9 +13,8 @@ and hexforge's own code says what a ``--genie --target v81`` build of it would p
   whose ``genie_spec`` names an embedding LUT), the v81 ceiling 1.8 GB per context.
 - a context's bytes: its layers' weight bytes (``fam.layer_weight_bytes`` at the recipe's
   ``bytes_per_weight``) + the head's on the last split, x ``graphs.CONTEXT_OVERHEAD`` (1.04).
-  The head is counted at the precision the Genie graph writes it (``nbits.cpu_head_format``:
-  int8 in blocks of 32 under w4-fp16); the planner counts it at the recipe's 4 bits, so at
-  w4-fp16 its bytes (column "planned") are under what is written.
+  The head is counted at the precision the Genie graph writes it (``graphs.head_bytes_per_weight``:
+  int8 in blocks of 32 under w4-fp16), as the planner counts it.
 - contexts without weight sharing: 2 per split (AR-N prefill and AR-1 decode, each holding the
   weights); with ``--share-weights``: 1 per split.
 - the embedding LUT (``embedding.u16`` / ``.f32``): vocab + ``genie_bundle.NEVER_ROW`` rows x the
@@ -143,16 +142,6 @@ def options(quant: str, context: int, prefill_len: int):
                         genie=True, device_only=True, verify=False)
 
 
-def head_bpw(recipe) -> float:
-    """Bytes a weight of the Genie graph's head: what ``genie._weight_only`` writes."""
-    from hexforge.forge.nbits import cpu_head_format
-
-    if not recipe.weight_bits:
-        return recipe.bytes_per_weight
-    bits, block = cpu_head_format(recipe.weight_bits, recipe.block_size)
-    return bits / 8 + 2 / block  # symmetric blocks, one fp16 scale each
-
-
 def contexts(fam, hf, shards, bpw: float, hbpw: float, gather: int) -> list[int]:
     """Each split's context bytes: its layers (+ the head on the last, + the token table on the
     first where the graphs gather it) x CONTEXT_OVERHEAD."""
@@ -197,7 +186,7 @@ def state_bytes(fam, args, context: int) -> int:
 
 
 def plan(fam, hf, args, quant: str, context: int, prefill_len: int, log=lambda m: None) -> dict:
-    from hexforge.forge.graphs import plan_genie, plan_target
+    from hexforge.forge.graphs import head_bytes_per_weight, plan_genie, plan_target
     from hexforge.targets import get_target
 
     target = get_target("v81")
@@ -208,11 +197,10 @@ def plan(fam, hf, args, quant: str, context: int, prefill_len: int, log=lambda m
     msgs: list[str] = []
     shards = plan_genie(fam, hf, target, opts, gather, msgs.append)
     old = plan_target(fam, hf, target, opts, lambda m: None)
-    bpw, hbpw = recipe.bytes_per_weight, head_bpw(recipe)
+    bpw, hbpw = recipe.bytes_per_weight, head_bytes_per_weight(recipe)
     return dict(
         target=target, shards=shards, target_shards=old, log=msgs,
         written=contexts(fam, hf, shards, bpw, hbpw, gather),
-        planned=contexts(fam, hf, shards, bpw, bpw, gather),
         written_target_plan=contexts(fam, hf, old, bpw, hbpw, gather),
     )
 
@@ -239,7 +227,6 @@ def row(label: str, shape: str, quant: str, context: int, prefill_len: int) -> d
         model=label, shape=shape, quant=quant, context=context,
         splits=[list(s) for s in p["shards"]], target_splits=[list(s) for s in p["target_shards"]],
         contexts_gb=[round(b / GB, 3) for b in p["written"]],
-        planned_contexts_gb=[round(b / GB, 3) for b in p["planned"]],
         unshared_gb=round(2 * shared / GB, 3), shared_gb=round(shared / GB, 3),
         largest_context_gb=round(largest / GB, 3),
         under_ceiling=largest <= p["target"].max_context_bytes,
@@ -266,20 +253,15 @@ def validate(context: int = 256, prefill_len: int = 32) -> list[dict]:
         # the measured builds split as the target's plan did (they predate plan_genie)
         pred = [b / GB for b in p["written_target_plan"]]
         diffs = [(q - g) / g for q, g in zip(pred, m["contexts"], strict=False)]
-        bpw = options(m["quant"], context, prefill_len).recipe.bytes_per_weight
-        counted = contexts(fam, hf, p["target_shards"], bpw, bpw, 0)  # the head as planned
         out.append(dict(
             name=m["name"], quant=m["quant"], cmd=m["cmd"],
             measured_contexts_gb=m["contexts"],
             predicted_contexts_gb=[round(x, 3) for x in pred],
-            planner_counted_gb=[round(b / GB, 3) for b in counted],
             splits_then=[list(s) for s in p["target_shards"]],
             splits_now=[list(s) for s in p["shards"]],
             contexts_now_gb=[round(b / GB, 3) for b in p["written"]],
             same_split_count=len(pred) == len(m["contexts"]),
             diff=[round(d, 3) for d in diffs],
-            planner_diff=[round((q - g) / g, 3) for q, g in zip(
-                [b / GB for b in counted], m["contexts"], strict=False)],
             measured_lut_gb=m["lut"], predicted_lut_gb=round(lut, 3),
             lut_diff=round((lut - m["lut"]) / m["lut"], 3),
         ))
@@ -299,8 +281,6 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         spans = " ".join(f"[{a},{b})" for a, b in r["splits"])
         ctx = " / ".join(gb(x) for x in r["contexts_gb"])
-        if r["planned_contexts_gb"] != r["contexts_gb"]:
-            ctx += f" (planned {' / '.join(gb(x) for x in r['planned_contexts_gb'])})"
         mark = ("under both" if r["under_ceiling"] else
                 "over 1.8, under 3.5" if r["under_reported"] else "over both")
         lut = (f"{gb(r['lut_gb'])} ({r['lut_shape'][0]:,} x {r['lut_shape'][1]:,} x "
@@ -316,7 +296,7 @@ def table(rows: list[dict]) -> str:
 
 def validation_text(vals: list[dict]) -> str:
     lines = ["| measured build (v81, context 256, AR-32) | splits then / now | contexts measured, "
-             "GB | predicted (as written; planner's count) | diff | LUT measured / predicted |",
+             "GB | predicted | diff | LUT measured / predicted |",
              "|---|---|---|---|---|---|"]
     notes = []
     for v in vals:
@@ -326,8 +306,7 @@ def validation_text(vals: list[dict]) -> str:
         lines.append(
             f"| {v['name']} {v['quant']} | {then} / {now} "
             f"| {' / '.join(gb(x) for x in v['measured_contexts_gb'])} "
-            f"| {' / '.join(gb(x) for x in v['predicted_contexts_gb'])}; "
-            f"{' / '.join(gb(x) for x in v['planner_counted_gb'])} "
+            f"| {' / '.join(gb(x) for x in v['predicted_contexts_gb'])} "
             f"| {' / '.join(flag)} | {v['measured_lut_gb']} / {gb(v['predicted_lut_gb'])} "
             f"({v['lut_diff']:+.0%}) |")
         if not v["same_split_count"]:
@@ -336,11 +315,6 @@ def validation_text(vals: list[dict]) -> str:
                          f"{len(v['measured_contexts_gb'])}")
         if any(abs(d) > 0.10 for d in v["diff"]):
             notes.append(f"{v['name']} {v['quant']}: over 10 % apart ({' / '.join(flag)})")
-        if any(abs(d) > 0.10 for d in v["planner_diff"]):
-            notes.append(f"{v['name']} {v['quant']}: the planner's count is "
-                         f"{' / '.join(f'{d:+.0%}' for d in v['planner_diff'])} off the measured "
-                         "context: it counts the head at the recipe's 4 bits, the Genie graph "
-                         "writes it int8 (nbits.cpu_head_format)")
         if abs(v["lut_diff"]) > 0.10:
             notes.append(f"{v['name']} {v['quant']}: the LUT is {v['lut_diff']:+.0%} off")
     if not notes:

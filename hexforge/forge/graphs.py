@@ -157,6 +157,18 @@ def _ceiling(target: Target, opts) -> tuple[int, bool]:
                      else target.max_context_bytes), bool(given)
 
 
+def head_bytes_per_weight(recipe) -> float:
+    """The head's bytes a weight as the graphs write it: weight-only int4 keeps an int8 head
+    (``nbits.cpu_head_format``), one fp16 scale a block (Gemma-4-E2B at w4-fp16: its Genie
+    context 1.50 GB, where the recipe's 4 bits would count 1.33)."""
+    if not recipe.weight_only:
+        return recipe.bytes_per_weight
+    from .nbits import cpu_head_format
+
+    bits, block = cpu_head_format(recipe.weight_bits, recipe.block_size)
+    return bits / 8 + 2 / block
+
+
 def plan_genie(fam, hf, target: Target, opts, gather_bytes: int, log) -> list[tuple[int, int]]:
     """Genie's splits: one context holds a split's layers *and* the head (the last split) and
     the token table (the first, where its graphs gather ``input_ids``; ``gather_bytes``), where
@@ -167,9 +179,9 @@ def plan_genie(fam, hf, target: Target, opts, gather_bytes: int, log) -> list[tu
     shards = plan_target(fam, hf, target, opts, lambda m: None)
     if given:
         return shards
-    bpw = opts.recipe.bytes_per_weight
-    layers = list(fam.layer_weight_bytes(hf, bpw))
-    layers[-1] += fam.head_weight_bytes(hf, bpw)
+    recipe = opts.recipe
+    layers = list(fam.layer_weight_bytes(hf, recipe.bytes_per_weight))
+    layers[-1] += fam.head_weight_bytes(hf, head_bytes_per_weight(recipe))
     layers[0] += gather_bytes
     if max(layers) > ceiling:  # no split can hold it: the target's, said
         log(f"[{target.name}] genie: a split's layers with the head ({max(layers):,} B) pass "
