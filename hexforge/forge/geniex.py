@@ -167,8 +167,8 @@ def vlm_blockers(files: dict, folder: Path, hidden: int) -> list[str]:
     vp = meta.get("vision_preprocessing")
     vision = files.get(VISION_ENCODER)
     if not (folder / VISION_ENCODER).is_file() or vision is None or vp is None:
-        return out + ["no vision_encoder.bin with its model_files entry and vision_preprocessing "
-                      "block (qwen3_vl.cpp makeModel refuses a bundle without them)"]
+        return ["no vision_encoder.bin with its model_files entry and vision_preprocessing "
+                "block (qwen3_vl.cpp makeModel refuses a bundle without them)"]
     p, m = vp["patch_size"], vp["spatial_merge_size"]
     patches = (vp["image_height"] // p) * (vp["image_width"] // p)
     tokens = patches // (m * m)
@@ -235,8 +235,7 @@ def add_vision_encoder(folder: Path, graph: Path, params: dict, token_ids: dict)
     (folder / METADATA).write_text(json.dumps(meta, indent=1) + "\n")
     model_type = next(t for t, pre in MODEL_ID_PREFIX.items() if meta["model_id"].startswith(pre)
                       and t in VLM)
-    graphs = {k: v for k, v in files.items()}
-    meta["hexforge"]["blockers"] = blockers(model_type, graphs, folder)
+    meta["hexforge"]["blockers"] = blockers(model_type, files, folder)
     (folder / METADATA).write_text(json.dumps(meta, indent=1) + "\n")
 
 
