@@ -73,7 +73,9 @@ def first_plain(tensors: dict) -> tuple[str, list[int]] | None:
 def check_tensor(name: str, t: dict) -> None:
     assert set(t) >= {"shape", "dtype", "quantization_parameters"}, name
     assert all(isinstance(d, int) and d > 0 for d in t["shape"]), name
-    assert t["dtype"] in WRITABLE, (name, t["dtype"])
+    # visual_pos_masks goes through Graph::write(void*, bytes): any 1-byte dtype (check_vlm)
+    assert t["dtype"] in WRITABLE or (name == "visual_pos_masks" and t["dtype"] == "bool"), (
+        name, t["dtype"])
     q = t["quantization_parameters"]
     if t["dtype"].startswith("uint"):  # UFIXED_POINT: scale-offset encoding
         assert q is not None and q["scale"] > 0 and isinstance(q["zero_point"], int), name
@@ -129,7 +131,8 @@ def check_bundle(folder: Path) -> dict:
     """Every loader rule against the folder's metadata.json; -> what the loader infers."""
     meta = json.loads((folder / geniex.METADATA).read_text())
     assert isinstance(meta["model_id"], str) and isinstance(meta["model_files"], dict)
-    files = meta["model_files"]
+    # parseQAIRTMetadata sets "vision_encoder.bin" aside (a VLM's vision graph, check_vlm)
+    files = {k: v for k, v in meta["model_files"].items() if k != geniex.VISION_ENCODER}
     total, _ = check_shards(files)
     reps: dict[int, dict] = {}  # per shard the first graph in key order (try_emplace)
     for n in sorted(files):
@@ -220,6 +223,78 @@ def test_qwen3_genie_folder_in_two_splits_meets_the_plugins_loader_rules(qwen3_g
         manifest.vocab_size)
 
 
+def check_vlm(folder: Path, got: dict, manifest) -> None:
+    """The plugin's Qwen3-VL path on top of the LLM rules (models/qwen3_vl/qwen3_vl.cpp,
+    core/src/vlm/vlm_input_provider.cpp, vlm_model.cpp, GenieX sdk/plugins/qairt/src/vlm.cpp)."""
+    meta, hidden = got["meta"], got["hidden"]
+    files = meta["model_files"]
+    # vlm.cpp: vision_encoder.bin beside the shards, kept out of ctx-bins' LLM list
+    assert (folder / geniex.VISION_ENCODER).is_file()
+    cfg = json.loads((folder / "genie_config.json").read_text())
+    assert geniex.VISION_ENCODER not in cfg["dialog"]["engine"]["model"]["binary"]["ctx-bins"]
+    # parseQAIRTMetadata: the one non-graph key it takes; makeModel / makePipeline refuse a
+    # bundle without vision_preprocessing, read through j.value(key, 0)
+    assert set(files) - {n for n in files if geniex.GRAPH_NAME.fullmatch(n)} == {
+        geniex.VISION_ENCODER}
+    vp = meta["vision_preprocessing"]
+    for key in ("image_width", "image_height", "patch_size", "temporal_patch_size",
+                "spatial_merge_size"):
+        assert isinstance(vp[key], int) and vp[key] > 0, key
+    assert len(vp["normalize_mean"]) == len(vp["normalize_std"]) == 3
+    p, m = vp["patch_size"], vp["spatial_merge_size"]
+    patches = (vp["image_height"] // p) * (vp["image_width"] // p)
+    tokens = patches // (m * m)
+    # Qwen3VLVisionEncoder::encode: Graph::write (throws on a missing name, on more values than
+    # the buffer) pixel_values, position_ids_cos / _sin ([N, kVitRopeDim = 32]); Graph::read
+    # (no bound) image_features and deepstack_visual_embeds_<k> as tokens x hidden floats
+    vision = files[geniex.VISION_ENCODER]
+    ins, outs = vision["inputs"], vision["outputs"]
+    for name, t in (*ins.items(), *outs.items()):
+        check_tensor(name, t)
+    assert n_of(ins["pixel_values"]) >= patches * 3 * vp["temporal_patch_size"] * p * p
+    for r in ("position_ids_cos", "position_ids_sin"):
+        assert n_of(ins[r]) >= patches * geniex.VISION_ROPE
+    levels = 0
+    while f"deepstack_visual_embeds_{levels}" in outs:  # initialize(): counted from 0
+        levels += 1
+    assert levels == len(manifest.hf_config["vision_config"]["deepstack_visual_indexes"])
+    for name in ["image_features"] + [f"deepstack_visual_embeds_{k}" for k in range(levels)]:
+        assert n_of(outs[name]) == tokens * hidden, name  # exact: rows at the hidden stride
+    # PrecomputedEmbeddingProvider: a headerless float32 file of exactly vocab x hidden
+    table = folder / geniex.EMBEDDING
+    assert table.stat().st_size == got["vocab"] * hidden * 4
+    lut = folder / cfg["dialog"]["embedding"]["lut-path"]
+    assert table.read_bytes() == lut.read_bytes()[:table.stat().st_size]  # the LUT's rows
+    # VLMModel::generate: text rows from the table, image rows image_features, both written to
+    # inputs_embeds at the loader's hidden size -- the graph's own row width
+    for name, io in files.items():
+        if name == geniex.VISION_ENCODER:
+            continue
+        ds = [k for k in io["inputs"] if k.startswith("deepstack_visual_embeds_")]
+        if "inputs_embeds" in io["inputs"]:
+            assert io["inputs"]["inputs_embeds"]["shape"][-1] == hidden
+        if not ds:
+            continue
+        # DeepstackInputProvider::write: nothing unless the graph has visual_pos_masks, written
+        # as elementCount bytes of a uint8 vector (a 1-byte dtype); each deepstack input gets
+        # elementCount floats of rows at the hidden stride
+        mask = io["inputs"]["visual_pos_masks"]
+        assert mask["dtype"] in ("bool", "uint8") and mask["quantization_parameters"] is None
+        ar = int(geniex.GRAPH_NAME.fullmatch(name).group(2))
+        assert n_of(mask) == ar
+        for k in ds:
+            assert io["inputs"][k]["shape"][-1] == hidden and n_of(io["inputs"][k]) == ar * hidden
+    assert set(files["prompt_ar16_cl128_1_of_1"]["inputs"]) >= {
+        f"deepstack_visual_embeds_{k}" for k in range(levels)}  # shard 1 takes every level
+
+
+def n_of(t: dict) -> int:
+    n = 1
+    for d in t["shape"]:
+        n *= d
+    return n
+
+
 def test_qwen3_vl_genie_folder_meets_the_plugins_loader_rules(vl_genie):
     folder, manifest = vl_genie / "genie-v81", load_manifest(vl_genie)
     cfg = check_genie_config(folder, manifest)
@@ -227,19 +302,63 @@ def test_qwen3_vl_genie_folder_meets_the_plugins_loader_rules(vl_genie):
     assert dispatch(got["model_id"]) == ("VLM", "qwen3_vl")
     assert got["meta"]["genie"] == {"supports_vision": True}
     assert "inputs_embeds" in got["shard1_inputs"]  # PrecomputedEmbeddingProvider's name
+    # the loader's hidden size: shard 1's first non-special input in key order,
+    # deepstack_visual_embeds_0, rank 3 and as wide as inputs_embeds (H + the media flag)
+    assert got["first_input"] == "deepstack_visual_embeds_0"
+    assert got["hidden"] == manifest.hidden_size + 1
     assert got["meta"]["model_files"]["prompt_ar16_cl128_1_of_1"]["inputs"]["inputs_embeds"][
-        "shape"] == [1, 16, manifest.hidden_size]
-    blockers = " ".join(got["meta"]["hexforge"]["blockers"])
-    # the loader's hidden size: the first non-special shard-1 tensor of rank >= 3 in key order;
-    # deepstack_visual_embeds_0 [S, H] sorts first and is rank 2, so it falls to logits
-    if got["hidden"] != manifest.hidden_size:
-        assert "infers the hidden size" in blockers
+        "shape"] == [1, 16, manifest.hidden_size + 1]
     assert got["vocab"] == manifest.vocab_size
     assert got["flat_layers"] == list(range(manifest.num_layers))
     scaling = cfg["dialog"]["engine"]["model"]["positional-encoding"]["rope-scaling"]
     assert scaling["rope-type"] == "qwen3vl-mrope"
     assert sum(scaling["mrope-section"]) == got["head_dim"] // 2  # sums to head_dim / 2
-    assert "vision_encoder.bin" in blockers and "embedding_weights.raw" in blockers
+    check_vlm(folder, got, manifest)
+    # what is left is the tiny checkpoint's own: the plugin's image-token ids are constants
+    # (qwen3_vl.h 151652 / 151655), a 384-token tokenizer's are not
+    assert [b.split(" (")[0] for b in got["meta"]["hexforge"]["blockers"]] == [
+        f"the plugin's Qwen3-VL token ids are constants {geniex.QWEN3_VL_IDS}"]
+    ids = got["meta"]["hexforge"]["token_ids"]
+    assert ids == {"vision_start": manifest.hf_config["vision_start_token_id"],
+                   "image_pad": manifest.hf_config["image_token_id"]}
+
+
+def test_qwen3_vl_one_graph_serves_both_deepstack_contracts():
+    """Qwen3VLGenieStep's deepstack rows: libGenie's (row r the feature of chunk row r, the
+    mask never written, text rows unwritten garbage) and GenieX's (the mask at the image rows,
+    row j the j-th image row's feature, zero elsewhere) add the same features at the same rows,
+    and none on text rows."""
+    import torch
+
+    from hexforge.families.qwen3_vl import scatter_compact
+
+    T, H = 8, 4
+    image = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1], dtype=torch.bool)
+    feats = torch.randn(int(image.sum()), H)
+    positional = torch.full((1, T, H), 1e30)  # libGenie: text rows unwritten
+    positional[0, image] = feats
+    compact = torch.zeros(1, T, H)  # GenieX: consecutive from row 0, zero-filled
+    compact[0, :len(feats)] = feats
+    (lib,) = scatter_compact([positional], torch.zeros(1, T, dtype=torch.bool))
+    (gx,) = scatter_compact([compact], image.view(1, T))
+    assert torch.equal(lib[0, image], feats) and torch.equal(gx[0, image], feats)
+    assert torch.all(gx[0, ~image] == 0)
+
+
+def test_geniex_vision_rope_is_the_towers():
+    """The plugin's 2-D vision rope ([N, 32], computePatchRoPE's merge order) read at the
+    tower's columns equals the tower's own baked rope: the GenieX vision graph's inputs carry
+    the same positions as the libGenie node's constants."""
+    import numpy as np
+
+    from hexforge.families.qwen3_vl_vision import geniex_vision_rope
+
+    inv = 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8)  # a tower with 16-wide heads: d = 8
+    cos, _ = geniex_vision_rope((4, 6), 2)
+    assert cos.shape == (24, 32)
+    # patch 5 in merge order: block (0, 1), in-block (0, 1) -> h = 0, w = 3
+    np.testing.assert_allclose(cos[5, [0, 4, 8, 12]], np.ones(4), atol=1e-6)
+    np.testing.assert_allclose(cos[5, [16, 20, 24, 28]], np.cos(3 * inv), atol=1e-6)
 
 
 def test_the_graph_names_inside_the_binaries_are_what_the_plugin_takes(llama_genie):

@@ -165,24 +165,34 @@ def genie_spec(fam: Qwen3VLFamily, hf, args: Args):
 
 
 class Qwen3VLGenieStep(nn.Module):
-    """Layers [a, b) of Qwen3-VL in Genie's I/O contract (``genieio``), around ``Qwen3VLShard``::
+    """Layers [a, b) of Qwen3-VL in Genie's I/O contract (``genieio``), around ``Qwen3VLShard``,
+    one graph for libGenie and for GenieX's QAIRT plugin (forge/geniex.py)::
 
         inputs_embeds | residual_a   [1, AR, H (+1)]  the LUT's / image node's rows, the media
                                                       flag last (split 1; a later split's
                                                       residual carries it when it has layers < k)
         attention_mask               [1, 1, AR, CL]
         position_ids_cos / _sin      [1, 1, AR, D/2]  Genie's qwen3vl-mrope tables
-        deepstack_visual_embeds_<i>  [AR, H]          splits with layers i < k: feature i
+        deepstack_visual_embeds_<i>  [1, AR, H + 1]   splits with layers i < k: feature i (its
+                                                      last column unread)
+        visual_pos_masks             [1, AR] bool     the same splits: GenieX's image rows
         past_key/value_<L>_in / _out                  Genie's default cache group
         ->  logits | residual_b [1, AR, H (+1)]
 
-    What Genie feeds a chunk under deepstack_visual_embeds_<i> (measured with dump-tensors,
-    docs/genie-pipelines.md): row r holds the feature of the chunk's row r when that row is an
-    image token; the other rows it leaves as they were (zeros when the buffer was fresh, up to
-    2e34 after a 1-token image). So feature i is added after layer i only where the row's media
-    flag is set -- ``Qwen3VLShard``'s add of hexforge's own ``deepstack:<i>``, zero on text rows.
-    The input has AR rows, the chunk's (with one image's soft tokens as rows, Genie aborted on
-    a chunk whose image rows ran past them: "Requested tensor segment of 26 entries ... 9")."""
+    The deepstack rows come two ways. libGenie (measured with dump-tensors,
+    docs/genie-pipelines.md) writes row r with the feature of the chunk's row r when that row is
+    an image token and leaves the other rows as they were (zeros when the buffer was fresh, up
+    to 2e34 after a 1-token image), and never writes ``visual_pos_masks`` (zero-filled once at
+    load). GenieX's DeepstackInputProvider (core/src/vlm/vlm_input_provider.cpp) writes the mask
+    (1 at the chunk's image rows) and the features compactly: row j the j-th masked row's. So
+    with any mask entry set the graph scatters row j onto the j-th masked row (a one-hot matmul:
+    no dynamic gather), else it takes the rows positionally; either way feature i is added
+    after layer i only where the row's media flag is set. The rows are H + 1 wide because the
+    plugin takes one row width for inputs_embeds, the image rows and the deepstack rows: the
+    hidden size it infers from shard 1's first non-special input in key order, which is
+    deepstack_visual_embeds_0 (rank 3 so that it counts). The input has AR rows, the chunk's
+    (with one image's soft tokens as rows, libGenie aborted on a chunk whose image rows ran
+    past them: "Requested tensor segment of 26 entries ... 9")."""
 
     def __init__(self, fam: Qwen3VLFamily, hf, args: Args, host, layers: tuple[int, int],
                  seq_len: int, context: int, residual_scale: float):
@@ -200,6 +210,8 @@ class Qwen3VLGenieStep(nn.Module):
         self.T, self.H = seq_len, args.hidden_size
         io = self.inner.io
         side = [(f"{DEEPSTACK}{i}", f"deepstack:{i}") for i in self.ds]
+        if self.ds:
+            side.append((VISUAL_POS_MASKS, "visual_pos_masks"))
         self.io = GraphIO(inputs=io.inputs[:4] + side + io.inputs[4:], outputs=io.outputs)
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -208,8 +220,9 @@ class Qwen3VLGenieStep(nn.Module):
         if self.flag_in:  # half the example rows media: both sides of the gate traced
             flag = (torch.arange(self.T) % 2).to(tokens.dtype).view(1, self.T, 1)
             tokens = torch.cat([tokens, flag], dim=-1)
-        feats = [torch.randn(self.T, self.H) * 0.1 for _ in self.ds]
-        return (tokens, *base[1:4], *feats, *base[4:])
+        feats = [torch.randn(1, self.T, self.H + 1) * 0.1 for _ in self.ds]
+        mask = [(torch.arange(self.T) % 2 == 1).view(1, self.T)] if self.ds else []
+        return (tokens, *base[1:4], *feats, *mask, *base[4:])
 
     def forward(self, tokens, mask, cos, sin, *rest):
         from .genieio import clean_past, full_rope, kv_from_genie, kv_to_genie
@@ -220,10 +233,12 @@ class Qwen3VLGenieStep(nn.Module):
         if self.flag_in:  # [1, AR, H + 1] -> rows [1, AR, H], media [1, AR, 1]
             tokens, flag = tokens[..., :self.H], tokens[..., self.H:]
         media = None if flag is None else flag > 0.5
+        feats = [f[..., :self.H] for f in rest[:n]]
+        if n:
+            feats = scatter_compact(feats, rest[n])
         # Where, not a product: the unwritten rows may hold inf or NaN
-        adds = [torch.where(media, f.unsqueeze(0), torch.zeros((), dtype=f.dtype))
-                for f in rest[:n]]
-        past = list(rest[n:])
+        adds = [torch.where(media, f, torch.zeros((), dtype=f.dtype)) for f in feats]
+        past = list(rest[n + (1 if n else 0):])
         ours = []
         for j in range(0, len(past), 2):
             ours += kv_from_genie(past[j], past[j + 1], 1)
@@ -239,5 +254,22 @@ class Qwen3VLGenieStep(nn.Module):
         return (out, *genie)
 
 
+def scatter_compact(feats: list[torch.Tensor], mask: torch.Tensor) -> list[torch.Tensor]:
+    """The deepstack rows [1, AR, H] each runtime means: with any entry of ``mask`` [1, AR] set
+    (GenieX), row j onto the j-th set row (zeros on the others); else (libGenie: the mask never
+    written) the rows as they are. A one-hot [AR, AR] matmul, exact in fp16 for AR <= 2048;
+    GenieX zero-fills every row it does not write, so the product meets no inf, and libGenie's
+    unwritten rows reach only the positional branch of the select."""
+    m = mask.reshape(-1).to(torch.float32)  # [AR]
+    T = m.shape[0]
+    before = torch.tril(torch.ones(T, T), diagonal=-1) @ m  # set rows above each row
+    onehot = (before.unsqueeze(1) == torch.arange(T, dtype=torch.float32).unsqueeze(0)
+              ).to(torch.float32) * m.unsqueeze(1)  # [AR row, AR source row]
+    compact = (m.sum() > 0.5).view(1, 1, 1)
+    return [torch.where(compact, (onehot @ f[0].to(torch.float32)).unsqueeze(0).to(f.dtype), f)
+            for f in feats]
+
+
 INPUTS_EMBEDS = "inputs_embeds"
+VISUAL_POS_MASKS = "visual_pos_masks"  # AI Hub's Qwen3-VL name, the one GenieX writes
 DEEPSTACK = "deepstack_visual_embeds_"  # AI Hub's Qwen3-VL name, the image node's side outputs

@@ -133,6 +133,14 @@ class Qwen3VLVisionEncoder(EncoderFamily):
                              model={"vision-param": {"height": p["height"] // patch,
                                                      "width": p["width"] // patch}})
 
+    def geniex_node(self, hf, spec: EncoderSpec, row_tail: np.ndarray | None):
+        """The tower as GenieX's ``vision_encoder.bin`` (forge/geniex.py): ``genie_node``'s
+        graph with the plugin's position_ids_cos / _sin inputs (``GenieVisionNode`` rope)."""
+        from dataclasses import replace
+
+        form = self.genie_node(hf, spec, row_tail)
+        return replace(form, module=GenieVisionNode(form.module.graph, row_tail, rope=True))
+
     def reference(self, hf, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """HF's tower on the same pixels: merged embeddings + each deepstack feature, [S, H]."""
         with torch.no_grad():
@@ -220,6 +228,7 @@ class VisionGraph(nn.Module):
         self.ds_mergers = nn.ModuleList([Merger(x) for x in getattr(visual, "deepstack_merger_list",
                                                                     [])])
         self.n_patches, self.patch_dim = gh * gw, self.patch_w.shape[1]
+        self.grid, self.merge = (gh, gw), m
         self.io = GraphIO(inputs=[("pixel_values", "media:pixel_values")],
                           outputs=[("soft", "soft")] + [(f"deepstack_{i}", f"deepstack:{i}")
                                                         for i in range(len(self.ds_mergers))])
@@ -227,44 +236,99 @@ class VisionGraph(nn.Module):
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         return (torch.randn(1, self.n_patches, self.patch_dim),)
 
-    def forward(self, pixel_values):
+    def forward(self, pixel_values, cos=None, sin=None):
+        """``cos`` / ``sin`` [1, 1, N, hd]: the rope from outside (GenieX's inputs), else the
+        baked tables."""
+        cos = self.cos if cos is None else cos
+        sin = self.sin if sin is None else sin
         x = torch.nn.functional.linear(pixel_values, self.patch_w, self.patch_b) + self.pos
         feats = []
         for layer, blk in enumerate(self.blocks):
-            x = blk(x, self.cos, self.sin)
+            x = blk(x, cos, sin)
             if layer in self.deepstack:
                 feats.append(self.ds_mergers[self.deepstack[layer]](x))
         return (self.merger(x), *feats)
 
 
 class GenieVisionNode(nn.Module):
-    """``VisionGraph`` with Genie's tensor names, its rows rank 2 as the text-generator's
-    deepstack inputs are (a WILDCARD connection matches names and ranks)::
+    """``VisionGraph`` with Genie's tensor names, as the text-generator's inputs take them (a
+    WILDCARD connection matches names and ranks)::
 
         pixel_values [1, N, 3·tp·p²] (uint16 in the binary) ─▶ image_features [S, H_text + 1],
-                                                               deepstack_visual_embeds_<i> [S, H_text]
+                                                               deepstack_visual_embeds_<i>
+                                                                 [1, S, H_text + 1]
 
     image_features' last column is the LUT's media flag, 1.0: the decoder adds the deepstack
-    rows where it is set (Genie leaves the other rows of those inputs unwritten)."""
+    rows where it is set (Genie leaves the other rows of those inputs unwritten). The deepstack
+    rows end in a 0.0 column the decoder does not read: GenieX's plugin takes every row of
+    inputs_embeds, image_features and the deepstack tensors at one width (forge/geniex.py).
 
-    def __init__(self, graph: VisionGraph, row_tail: np.ndarray):
+    ``rope``: GenieX's form (``vision_encoder.bin``): two more inputs, position_ids_cos / _sin
+    [N, 32], the 2-D rope the plugin computes for a 64-wide head (models/qwen3_vl/qwen3_vl.h
+    kVitRopeDim = 32: cos(h f_j) j < 16, then cos(w f_j), f_j = 1e4^(-j/16)); the tower's own
+    rope (d = head_dim / 2 dims, f'_i = theta^(-2i/d)) is read from their columns 32 i / d."""
+
+    def __init__(self, graph: VisionGraph, row_tail: np.ndarray, rope: bool = False):
         super().__init__()
         from .genienode import IMAGE_FEATURES
 
         self.graph = graph
         self.register_buffer("tail", torch.from_numpy(np.asarray(row_tail, np.float32)).view(1, -1),
                              persistent=False)
-        self.io = GraphIO(inputs=[("pixel_values", "media:pixel_values")],
+        self.rope = rope
+        inputs = [("pixel_values", "media:pixel_values")]
+        if rope:
+            d = graph.cos.shape[-1] // 2  # the tower's rotary dims per axis pair
+            if GENIEX_ROPE % d or d % 2:
+                raise UnsupportedModelError(
+                    f"the vision tower's rope ({d} dims) is not a part of the {GENIEX_ROPE}-dim "
+                    "2-D rope GenieX's Qwen3-VL plugin computes")
+            step = GENIEX_ROPE // d
+            cols = [step * i for i in range(d // 2)]
+            cols = cols + [GENIEX_ROPE // 2 + c for c in cols]
+            self.register_buffer("cols", torch.tensor(cols + cols), persistent=False)
+            inputs += [("position_ids_cos", "vision:cos"), ("position_ids_sin", "vision:sin")]
+        self.io = GraphIO(inputs=inputs,
                           outputs=[(IMAGE_FEATURES, "soft")] + [
                               (f"{DEEPSTACK}{i}", f"deepstack:{i}")
                               for i in range(len(graph.ds_mergers))])
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
-        return self.graph.example_inputs()
+        px = self.graph.example_inputs()
+        if not self.rope:
+            return px
+        cos, sin = geniex_vision_rope(self.graph.grid, self.graph.merge)
+        return (*px, torch.from_numpy(cos), torch.from_numpy(sin))
 
-    def forward(self, pixel_values):
-        soft, *deep = (x[0] for x in self.graph(pixel_values))
-        return (torch.cat([soft, self.tail.expand(soft.shape[0], -1)], dim=-1), *deep)
+    def forward(self, pixel_values, cos=None, sin=None):
+        if self.rope:  # [N, 32] -> the tower's [1, 1, N, hd]
+            cos = cos.index_select(1, self.cols).view(self.graph.cos.shape)
+            sin = sin.index_select(1, self.cols).view(self.graph.sin.shape)
+        soft, *deep = (x[0] for x in self.graph(pixel_values, cos, sin))
+        pad = torch.zeros(1, soft.shape[0], 1, dtype=soft.dtype)
+        return (torch.cat([soft, self.tail.expand(soft.shape[0], -1)], dim=-1),
+                *(torch.cat([x.unsqueeze(0), pad], dim=-1) for x in deep))
+
+
+GENIEX_ROPE = 32  # the plugin's kVitRopeDim: its position_ids_cos / _sin width
+
+
+def geniex_vision_rope(grid: tuple[int, int], merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """What GenieX's plugin writes to a Qwen3-VL vision graph's position_ids_cos / _sin for one
+    image of ``grid`` (h, w) patches (core/src/vlm/vit_utils.cpp computePatchRoPE with
+    makeInvFreq(32, 1e4)): per patch in merge order (block row, block col, row, col in the
+    block) cos / sin of h f_j, then of w f_j, j < 16, [N, 32] float32."""
+    gh, gw = grid
+    inv = 1.0 / 10000.0 ** (np.arange(0, GENIEX_ROPE, 2, dtype=np.float64) / GENIEX_ROPE)
+    hs, ws = [], []
+    for br in range(gh // merge):
+        for bc in range(gw // merge):
+            for ir in range(merge):
+                for ic in range(merge):
+                    hs.append(br * merge + ir)
+                    ws.append(bc * merge + ic)
+    ang = np.concatenate([np.outer(hs, inv), np.outer(ws, inv)], axis=1).astype(np.float32)
+    return np.cos(ang), np.sin(ang)
 
 
 DEEPSTACK = "deepstack_visual_embeds_"  # + i: AI Hub's Qwen3-VL tensor names, Genie routes them

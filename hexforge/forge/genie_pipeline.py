@@ -196,6 +196,15 @@ def export_nodes(encoders: list, specs: list, hf, fam, args, manifest, root: Pat
         quantize_inputs(path, form.fixed_point)
         log(f"  exported Genie {form.role} node ({time.perf_counter() - t:.1f}s)")
         out[spec.modality] = (form, path)
+        geniex = getattr(enc, "geniex_node", None)
+        if geniex is not None:  # GenieX's own vision graph (forge/geniex.py VISION_ENCODER)
+            with fam.float32(hf):
+                gform = geniex(hf, spec, tail)
+                gpath = work / "geniex-vision.onnx"
+                export_module(gform.module, gpath, exporter)
+            share_weights([gpath], "geniex-vision.weights")
+            quantize_inputs(gpath, gform.fixed_point)
+            out[f"geniex:{spec.modality}"] = (gform, gpath)
     return out
 
 
@@ -203,6 +212,7 @@ def build_genie_pipelines(fam, hf, args, encoders: list, specs: list, targets, o
                           manifest, log) -> None:
     """For each HTP target's Genie folder (forge/genie.py made it), the towers as Genie nodes:
     compiled per arch, their node configs, text-generator.json and genie_pipeline.json."""
+    from . import geniex
     from .ctxname import rename_graph
     from .genie_bundle import CONFIG, folder_name
     from .htp.compile import compile_graph
@@ -219,6 +229,8 @@ def build_genie_pipelines(fam, hf, args, encoders: list, specs: list, targets, o
         soc = target.default_soc.soc_model
         forms = {}
         for modality, (form, path) in nodes.items():
+            if modality.startswith("geniex:"):
+                continue
             res = compile_graph(path, work / f"{target.name}-{form.role}.ctx.onnx",
                                 target.htp_arch, soc, fp16=True)
             # no digits in the name: Genie's image and audio models read a graph's token count
@@ -240,3 +252,15 @@ def build_genie_pipelines(fam, hf, args, encoders: list, specs: list, targets, o
         width = int(dialog["dialog"]["embedding"]["size"])
         (folder / PIPELINE).write_text(json.dumps(
             pipeline_description(forms, by_modality, width), indent=1) + "\n")
+        if "geniex:image" in nodes and (folder / geniex.METADATA).is_file():
+            form, path = nodes["geniex:image"]
+            res = compile_graph(path, work / f"{target.name}-geniex-vision.ctx.onnx",
+                                target.htp_arch, soc, fp16=True)
+            rename_graph(res["ctx"], res["bin"], "vision_encoder", keep_digits=False)
+            res["bin"].replace(folder / geniex.VISION_ENCODER)
+            image = by_modality["image"]
+            geniex.add_vision_encoder(folder, path, image.params,
+                                      {"vision_start": image.begin_id,
+                                       "image_pad": image.placeholder_id})
+            log(f"[{target.name}] GenieX {geniex.VISION_ENCODER}: "
+                f"{(folder / geniex.VISION_ENCODER).stat().st_size:,} B ({res['seconds']:.1f}s)")

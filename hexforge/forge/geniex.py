@@ -26,6 +26,11 @@ import re
 from pathlib import Path
 
 METADATA = "metadata.json"
+VISION_ENCODER = "vision_encoder.bin"  # the plugin's Qwen3-VL vision graph (GenieX vlm.cpp)
+EMBEDDING = "embedding_weights.raw"  # its CPU-side table: vocab x hidden float32, headerless
+# models/qwen3_vl/qwen3_vl.h: the token ids the plugin's Qwen3-VL model takes as constants
+QWEN3_VL_IDS = {"vision_start": 151652, "image_pad": 151655}
+VISION_ROPE = 32  # qwen3_vl.h kVitRopeDim: position_ids_cos / _sin are [patches, 32]
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE = "chat_template.jinja"
 PLUGIN = "qualcomm/geniex-qairt-plugin"
@@ -43,6 +48,8 @@ ROPE_TYPES = frozenset({"default", "llama3", "longrope", "partial", "qwen2vl-mro
 # the graph names parseGraphName / LLMModel::onInitialized take (std::regex_match: whole name)
 GRAPH_NAME = re.compile(r"(?:([a-zA-Z]+)_)?ar(\d+)_cl(\d+)_(\d+)_of_(\d+)")
 # ONNX element types -> AI Hub's dtype strings (the ones Graph::write / read convert)
+DEEPSTACK = "deepstack_visual_embeds_"
+VISUAL_POS_MASKS = "visual_pos_masks"
 DTYPES = {1: "float32", 10: "float16", 6: "int32", 7: "int64", 4: "uint16", 2: "uint8",
           3: "int8", 5: "int16", 9: "bool"}
 
@@ -134,16 +141,115 @@ def blockers(model_type: str, files: dict, folder: Path) -> list[str]:
         out.append(f"the loader infers the hidden size from {inferred and inferred[0]} (shard "
                    "1's first non-special input in key order is not of rank 3), not from "
                    f"inputs_embeds' {embeds['shape'][-1]}")
-    if embeds is not None and not any(
+    if embeds is not None and model_type not in VLM and not any(
             (folder / f).is_file() for f in ("embedding_weights.raw", "embed_tokens.npy")):
         out.append("the graphs take inputs_embeds and the plugin reads its embedding table "
                    "from embedding_weights.raw or embed_tokens.npy (Genie's LUT is "
                    "genie_config.json's lut-path)")
     if model_type in VLM:
-        out.append("no vision_encoder.bin and no vision_preprocessing block (the image node is "
-                   "Genie's, image-encoder.bin), and the deepstack inputs are row-aligned "
-                   "without the visual_pos_masks input the plugin writes")
+        out += vlm_blockers(files, folder, inferred[1] if inferred else 0)
     return out
+
+
+def _elements(t: dict) -> int:
+    n = 1
+    for d in t["shape"]:
+        n *= d
+    return n
+
+
+def vlm_blockers(files: dict, folder: Path, hidden: int) -> list[str]:
+    """What the plugin's Qwen3-VL path (models/qwen3_vl/qwen3_vl.cpp, vlm_input_provider.cpp)
+    would refuse or misread in the folder: its vision graph, preprocessing block, embedding
+    table, deepstack mask and the token ids it takes as constants."""
+    out = []
+    meta = json.loads((folder / METADATA).read_text()) if (folder / METADATA).is_file() else {}
+    vp = meta.get("vision_preprocessing")
+    vision = files.get(VISION_ENCODER)
+    if not (folder / VISION_ENCODER).is_file() or vision is None or vp is None:
+        return ["no vision_encoder.bin with its model_files entry and vision_preprocessing "
+                "block (qwen3_vl.cpp makeModel refuses a bundle without them)"]
+    p, m = vp["patch_size"], vp["spatial_merge_size"]
+    patches = (vp["image_height"] // p) * (vp["image_width"] // p)
+    tokens = patches // (m * m)
+    ins, outs = vision["inputs"], vision["outputs"]
+    want_in = {"pixel_values": patches * 3 * vp["temporal_patch_size"] * p * p,
+               "position_ids_cos": patches * VISION_ROPE, "position_ids_sin": patches * VISION_ROPE}
+    for name, n in want_in.items():  # Graph::write throws on a missing name or a short buffer
+        if name not in ins or _elements(ins[name]) < n:
+            out.append(f"vision_encoder.bin's {name} must hold {n} values")
+    for name in ["image_features"] + [k for k in outs if k.startswith(DEEPSTACK)]:
+        if name not in outs or _elements(outs[name]) != tokens * hidden:  # read S x hidden
+            out.append(f"vision_encoder.bin's {name} must hold {tokens} x {hidden} values")
+    table = folder / EMBEDDING
+    vocab = next((io["outputs"]["logits"]["shape"][-1] for io in files.values()
+                  if "logits" in io["outputs"]), 0)
+    if not table.is_file() or table.stat().st_size != vocab * hidden * 4:
+        out.append(f"{EMBEDDING} must be {vocab} x {hidden} float32 (the loader's vocab and "
+                   "hidden size)")
+    for name, io in files.items():
+        if name == VISION_ENCODER:
+            continue
+        ds = [k for k in io["inputs"] if k.startswith(DEEPSTACK)]
+        mask = io["inputs"].get(VISUAL_POS_MASKS)
+        if ds and (mask is None or mask["dtype"] not in ("bool", "uint8", "int8")):
+            out.append(f"{name}: deepstack inputs without a 1-byte {VISUAL_POS_MASKS} (the "
+                       "plugin writes the deepstack rows only to a graph with that mask)")
+        if any(_elements(io["inputs"][k]) % hidden for k in ds):
+            out.append(f"{name}: deepstack rows not {hidden} wide")
+    ids = (meta.get("hexforge") or {}).get("token_ids") or {}
+    if ids and ids != QWEN3_VL_IDS:
+        out.append(f"the plugin's Qwen3-VL token ids are constants {QWEN3_VL_IDS} (qwen3_vl.h), "
+                   f"this checkpoint's are {ids}: its image tokens would read as text")
+    return out
+
+
+def add_vision_encoder(folder: Path, graph: Path, params: dict, token_ids: dict) -> None:
+    """A Qwen3-VL folder's GenieX vision side, once ``vision_encoder.bin`` sits in it (compiled
+    from ``graph``): its model_files entry, the vision_preprocessing block (image size, patch,
+    merge, mean / std: the plugin's processor config), ``embedding_weights.raw`` (the LUT's
+    first vocab rows: embedding.f32 holds one more, so it cannot be a second name of it) and
+    the blockers again."""
+    import shutil
+
+    meta = json.loads((folder / METADATA).read_text())
+    files = meta["model_files"]
+    files[VISION_ENCODER] = graph_io(graph)
+    meta["vision_preprocessing"] = {
+        "image_height": params["height"], "image_width": params["width"],
+        "patch_size": params["patch_size"], "temporal_patch_size": params["temporal_patch_size"],
+        "spatial_merge_size": params["merge_size"],
+        "normalize_mean": params["image_mean"], "normalize_std": params["image_std"]}
+    meta["genie"]["supports_vision"] = True
+    meta["hexforge"]["token_ids"] = token_ids
+    config = json.loads((folder / "genie_config.json").read_text())
+    lut = folder / config["dialog"]["embedding"]["lut-path"]
+    width = int(config["dialog"]["embedding"]["size"])
+    vocab = next(io["outputs"]["logits"]["shape"][-1] for io in files.values()
+                 if "logits" in io["outputs"])
+    if config["dialog"]["embedding"].get("datatype", "float32") == "float32":
+        tmp = folder / (EMBEDDING + ".partial")
+        with open(lut, "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(_Limited(src, vocab * width * 4), dst)
+        tmp.replace(folder / EMBEDDING)
+    (folder / METADATA).write_text(json.dumps(meta, indent=1) + "\n")
+    model_type = next(t for t, pre in MODEL_ID_PREFIX.items() if meta["model_id"].startswith(pre)
+                      and t in VLM)
+    meta["hexforge"]["blockers"] = blockers(model_type, files, folder)
+    (folder / METADATA).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+class _Limited:
+    """The first ``n`` bytes of a file object, for shutil.copyfileobj."""
+
+    def __init__(self, f, n: int):
+        self.f, self.left = f, n
+
+    def read(self, size: int = -1) -> bytes:
+        size = self.left if size < 0 else min(size, self.left)
+        data = self.f.read(size)
+        self.left -= len(data)
+        return data
 
 
 def tokenizer_config(tokenizer_dir: Path) -> dict | None:
