@@ -388,3 +388,21 @@ def test_lade_answer_equals_basics(lade_on_scatter):
     r = lade_on_scatter
     assert r["first_difference"] is None, (
         f"lade {r['lade']} != basic {r['basic']} from id {r['first_difference']}")
+
+
+def test_lade_with_a_graph_that_masks_genies_warm_up_gives_basics_tokens(tmp_path):
+    """The prototype of bench/experiments/genie_lade_guard.py: the scatter form plus a graph that
+    keeps each row's step in one more cache layer, masks the step lade's warm-up left whole in
+    the context and computes its own rope positions. Each lade call's context (Genie's mask less
+    that garbage, from the dump) is the prompt + qnn-sim's greedy tokens (= basic's), up to a
+    top-2 tie of qnn-sim's fp16 logits; without the guard the same prompt left basic's at
+    generated id 10."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench/experiments/genie_lade_guard.py"
+    spec = importlib.util.spec_from_file_location("genie_lade_guard", path)
+    guard = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(guard)
+    equal, differ = guard.lade_against_qnn_sim(tmp_path, list(range(40, 49)), (3, 3, 3), 60)
+    assert differ is None and equal >= 20, (equal, differ)
