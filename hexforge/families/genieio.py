@@ -15,6 +15,19 @@ wrapped at this boundary::
     ->
     logits [1, AR, V] (last split) | residual_<b> [1, AR, H]
     past_key_<L>_out [KVH*, 1, d, AR], past_value_<L>_out [KVH*, 1, AR, d]
+
+or, in the scatter form (``GenieContract(cache_index=True)``, build ``--genie-kv scatter``: the
+cache group's ``cache-index-tensor-name``; Genie's log then says "scatter=true")::
+
+    cache_index      int32 [1, AR]         the slot of each new row (Genie: n + i; a pad row CL - 1)
+    attention_mask   [1, 1, AR, CL]        over the CL slots, a new row's own slot included
+    past_key_<L>_in  [KVH*, 1, d, CL]      the whole cache (an input of CL rows is what makes
+    past_value_<L>_in [KVH*, 1, CL, d]     Genie pick scatter: "Expected CL=.. or CL - AR-n=..")
+    ->  the new rows [.., AR] as above: Genie copies row i into slot cache_index[i]
+
+In the scatter form Genie's lookahead dialog (``lade``) keeps a step's rejected rows out of the
+next step's mask (its slots stay written, unattended); in the concat form it commits every row
+of a step (docs/genie.md, "lade").
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ import torch
 from torch import nn
 
 INPUT_IDS, MASK, LOGITS = "input_ids", "attention_mask", "logits"
+CACHE_INDEX = "cache_index"  # the scatter form's slots of the new rows (cache-index-tensor-name)
 INPUTS_EMBEDS = "inputs_embeds"  # Genie's token-embedding LUT rows (its "embedding" config)
 MASKED = -1000.0  # what Genie writes into a float mask for a slot not attended
 
@@ -60,6 +74,7 @@ class GenieContract:
     token_ids: bool = True  # input_ids + the gather in the graph (else the embedded hidden)
     embeds_name: str = "input_embeds"  # the embedded input's name without token_ids (AI Hub's)
     sanitize_past: bool = True  # masked past slots zeroed in the graph (Genie leaves them dirty)
+    cache_index: bool = False  # the scatter form: cache_index in, past of CL rows, mask CL wide
 
 
 class TokenGather(nn.Module):
@@ -137,6 +152,26 @@ def clean_past(mask: torch.Tensor, past: list[torch.Tensor], S: int) -> list[tor
     return [torch.where(keep, p, torch.zeros_like(p)) for p in past]
 
 
+def scatter_mask(mask: torch.Tensor, index: torch.Tensor, slots: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scatter form's mask [1, 1, AR, CL] and cache_index [1, AR] (row i's slot) -> (the
+    concat form's mask [1, 1, AR, CL + AR] over [the CL past slots | the AR new rows], which
+    slots of the past to keep [1, 1, 1, CL]).
+
+    Row i is written at slot index[i] *after* this step (Genie copies it there), so the step
+    reads it from the new rows: a slot some row is written to is masked as a past slot, and a
+    new row t is attended where the mask attends its slot. A row whose slot is not among the CL
+    (none matches) is attended by no row. The slots no row attends are to be zeroed (Genie does
+    not clear its caches: ``clean_past``). ``slots``: int32 [1, CL], 0 .. CL - 1."""
+    onehot = (index.transpose(0, 1) == slots).to(torch.float32)  # [AR, CL]: row t -> slot
+    written = onehot.sum(0, keepdim=True).unsqueeze(0).unsqueeze(0) > 0.5  # [1, 1, 1, CL]
+    past = torch.where(written, torch.full_like(mask, MASKED), mask)
+    placed = onehot.sum(1).unsqueeze(0).unsqueeze(0).unsqueeze(0)  # [1, 1, 1, AR]
+    new = torch.matmul(mask, onehot.transpose(0, 1)) + (1.0 - placed) * MASKED
+    keep = (past > -1.0).to(torch.float32).sum(2, keepdim=True) > 0.5  # [1, 1, 1, CL]
+    return torch.cat([past, new], dim=-1), keep
+
+
 def window_mask(mask: torch.Tensor, S: int, window: int) -> torch.Tensor:
     """A sliding-window layer's mask from Genie's full one [1, 1, AR, S + AR].
 
@@ -188,6 +223,10 @@ class DenseGenieStep(nn.Module):
         cos, sin = rope_names()
         ins = [(entry_name, "tokens"), (n(MASK, "mask_full"), "mask"),
                (n(cos, "cos"), "rope_cos"), (n(sin, "sin"), "rope_sin")]
+        if f.cache_index:  # the scatter form: the new rows' slots among the CL
+            ins.append((CACHE_INDEX, "cache_index"))
+            self.register_buffer("slots", torch.arange(past_len, dtype=torch.int32)[None],
+                                 persistent=False)
         if not self.last:
             out = (residual_name(layers[-1] + 1), "hidden")
         elif f.with_head:
@@ -213,7 +252,8 @@ class DenseGenieStep(nn.Module):
         from .form import fp16
 
         export = fp16(residual_scale)
-        past = context - seq_len if contract.past_is_cl_minus_ar else context
+        past = context - seq_len if contract.past_is_cl_minus_ar and not contract.cache_index \
+            else context
         last = layers[1] == args.num_hidden_layers
         shard = fam.decoder_module(hf, args, layers, seq_len, past, export)
         head = fam.head_module(hf, args, export) if contract.with_head and last else None
@@ -225,7 +265,7 @@ class DenseGenieStep(nn.Module):
         f, T, S, KV, D = self.contract, self.T, self.S, self.n_kv, self.head_dim
         tokens = (torch.zeros(1, T, dtype=torch.int32) if self.first and f.token_ids
                   else torch.randn(1, T, self.hidden))
-        mask = torch.zeros(1, 1, T, S + T)
+        mask = torch.zeros(1, 1, T, S if f.cache_index else S + T)
         R = D // 2 if f.half_rope else D
         rope_shape = (1, 1, T, R) if f.half_rope else (1, T, R)
         past = []
@@ -234,10 +274,15 @@ class DenseGenieStep(nn.Module):
                 past += [torch.zeros(KV, 1, D, S), torch.zeros(KV, 1, S, D)]
             else:
                 past += [torch.zeros(1, KV, S, D), torch.zeros(1, KV, S, D)]
-        return (tokens, mask, torch.ones(rope_shape), torch.zeros(rope_shape), *past)
+        index = (torch.arange(S - T, S, dtype=torch.int32)[None],) if f.cache_index else ()
+        return (tokens, mask, torch.ones(rope_shape), torch.zeros(rope_shape), *index, *past)
 
     def forward(self, tokens, mask, cos, sin, *past):
         f = self.contract
+        keep = None
+        if f.cache_index:  # Genie's slots -> the concat form's mask over [past | new rows]
+            mask, keep = scatter_mask(mask, past[0], self.slots)
+            past = past[1:]
         hidden = self.entry(tokens) if self.entry is not None else tokens
         if f.half_rope:
             cos, sin = full_rope(cos), full_rope(sin)
@@ -247,7 +292,10 @@ class DenseGenieStep(nn.Module):
             for j in range(0, len(past), 2):
                 ours += kv_from_genie(past[j], past[j + 1], 1)
             past = ours
-        if f.sanitize_past:
+        if keep is not None and f.sanitize_past:  # the slots no row attends, zeroed
+            keep = keep.transpose(2, 3)  # [1, 1, CL, 1]
+            past = [torch.where(keep, p, torch.zeros_like(p)) for p in past]
+        elif f.sanitize_past:
             past = clean_past(mask, past, self.S)
         out, *new = self.shard(hidden, cos, sin, mask, *past)
         if f.genie_kv_layout:

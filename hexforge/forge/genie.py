@@ -109,9 +109,29 @@ def _link(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
+def scatter_step(fam):
+    """``fam.genie_step`` in the scatter form (``--genie-kv scatter``: a ``cache_index`` input,
+    the past CL rows; ``genieio.GenieContract.cache_index``), for the families whose Genie step
+    is the dense one (``DecoderFamily.genie_step``)."""
+    from ..families.genieio import DenseGenieStep, GenieContract
+
+    contract = GenieContract(cache_index=True)
+
+    def step(hf, args, host, layers, seq_len, context, residual_scale):
+        return DenseGenieStep.make(fam, hf, args, host, layers, seq_len, context, contract,
+                                   residual_scale)
+    return step
+
+
 def check_options(fam, args, opts) -> None:
     """Refuse a --genie build Genie bundles are not made for, before any work."""
     fam.check_genie(args)
+    if opts.genie_kv == "scatter":
+        from ..families.base import DecoderFamily
+
+        if type(fam).genie_step is not DecoderFamily.genie_step:
+            raise BuildError(f"--genie-kv scatter: {args.model_type}'s Genie graphs take the "
+                             "concat form only (scatter: llama, qwen2, mistral, qwen3)")
     if opts.recipe.activations is not None:
         raise BuildError(f"--genie: --quant {opts.quant} (fixed-point activations) is not built "
                          "for Genie; use fp16, w8-fp16 or w4-fp16")
@@ -142,6 +162,7 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
 
     recipe = opts.recipe
     work = root / "_work" / "genie"
+    step = scatter_step(fam) if opts.genie_kv == "scatter" else None
     host = manifest.host
     spec = fam.genie_spec(hf, args)
     check_ropes(spec, root / "host.safetensors")
@@ -158,7 +179,7 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
             t = time.perf_counter()
             paths = export_genie_graphs(fam, hf, args, host, work / f"onnx{len(splits)}",
                                         opts.prefill_len, opts.context, residual_scale,
-                                        opts.exporter, log, shards)
+                                        opts.exporter, log, shards, step)
             if lut is not None:  # Genie copies the LUT's 16-bit rows as they are
                 for p in (p for split in paths for p in split):
                     quantize_input(p, "inputs_embeds", lut.scale, lut.zero_point)
@@ -192,7 +213,7 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
                                              soc, say)
         write_bundle_files(folder, manifest, bins, root / manifest.tokenizer.dir / "tokenizer.json",
                            soc, target.htp_arch, spec, root / "host.safetensors", lut,
-                           weight_sharing=opts.share_weights)
+                           weight_sharing=opts.share_weights, cache_index=step is not None)
         # GenieX's metadata.json beside Genie's files, from the graphs the binaries hold
         write_geniex_files(folder, manifest.model_type, [p for split in paths for p in split],
                            root / manifest.tokenizer.dir)

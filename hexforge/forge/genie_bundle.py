@@ -29,6 +29,7 @@ from ..runtime.genie_model import sampler_config
 CONFIG = "genie_config.json"
 EXTENSIONS = "htp_backend_ext_config.json"
 TOKENIZER = "tokenizer.json"
+CACHE_INDEX = "cache_index"  # families/genieio.CACHE_INDEX (that module imports torch)
 
 
 def folder_name(target: str) -> str:
@@ -64,7 +65,10 @@ def bos_token(tokenizer_json: Path) -> int:
 
 def dialog_config(manifest: Manifest, bins: list[str], bos: int, spec,
                   tokenizer: str = TOKENIZER, extensions: str = EXTENSIONS,
-                  lut: tuple[str, int, LutEncoding | None] | None = None) -> dict:
+                  lut: tuple[str, int, LutEncoding | None] | None = None,
+                  cache_index: bool = False) -> dict:
+    """``cache_index``: the graphs take the scatter form's ``cache_index``
+    (``genieio.GenieContract.cache_index``), named in the default group's entry."""
     g = manifest.generation
     eos = g.eos_token_ids or [-1]
     model = {"version": 1, "type": "binary", "binary": {"version": 1, "ctx-bins": bins},
@@ -86,9 +90,11 @@ def dialog_config(manifest: Manifest, bins: list[str], bos: int, spec,
                            "mmap-budget": 0, "poll": True, "cpu-mask": "0xe0",
                            "kv-dim": spec.caches[0].kv_dim, "allow-async-init": False}},
             "model": model}}
-    if len(spec.caches) > 1:  # the default group's mask is attention_mask for every group
+    if len(spec.caches) > 1 or cache_index:  # the default group's mask is attention_mask
         groups = [{"version": 1, "prefix": c.prefix, "kv-dim": c.kv_dim} for c in spec.caches]
         groups[0]["attention-mask-tensor-name"] = "attention_mask"
+        if cache_index:  # Genie then says where each new row goes ("scatter=true")
+            groups[0]["cache-index-tensor-name"] = CACHE_INDEX
         dialog["engine"]["cache-groups"] = groups
     if lut is not None:  # Genie gathers the rows itself into inputs_embeds
         path, width, enc = lut
@@ -193,7 +199,8 @@ def write_lut(host_file: Path, spec, encoding: LutEncoding | None, dst: Path) ->
 
 def write_bundle_files(folder: Path, manifest: Manifest, bins: list[Path], tokenizer_json: Path,
                        soc_model: int, htp_arch: int, spec, host_file: Path,
-                       lut: LutEncoding | None = None, weight_sharing: bool = False) -> Path:
+                       lut: LutEncoding | None = None, weight_sharing: bool = False,
+                       cache_index: bool = False) -> Path:
     """genie_config.json, htp_backend_ext_config.json, tokenizer.json (and the embedding LUT
     where the family has Genie gather its inputs) beside ``bins`` (which are in ``folder``
     already). -> the config's path."""
@@ -205,7 +212,7 @@ def write_bundle_files(folder: Path, manifest: Manifest, bins: list[Path], token
         name = LUT[lut is not None]
         table = (name, write_lut(host_file, spec, lut, folder / name), lut)
     cfg = dialog_config(manifest, [b.name for b in bins], bos_token(tokenizer_json), spec,
-                        lut=table)
+                        lut=table, cache_index=cache_index)
     (folder / EXTENSIONS).write_text(
         json.dumps(backend_extensions(soc_model, htp_arch, weight_sharing), indent=1) + "\n")
     (folder / CONFIG).write_text(json.dumps(cfg, indent=1) + "\n")

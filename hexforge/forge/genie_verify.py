@@ -14,6 +14,9 @@ Genie's SMART_MASK KV manager drives it (docs/genie.md, measured with ``dump-ten
             AR new ones, -1000 elsewhere; position_ids_cos/sin [1, 1, AR, D/2] = cos/sin of
             (n + i) * inv_freq, inv_freq from genie_config.json's positional-encoding
     after   the first T rows of past_*_out appended at n
+    scatter (``--genie-kv scatter``, a ``cache_index`` input): past_*_in = the CL rows whole;
+            the new rows' mask columns n + i (their slots) and cache_index [1, AR] = n + i,
+            a pad row's CL - 1
 
 and judged as every target is (``verify.verify_target``'s measures and GATES): the held-out
 text through the AR-N graph (every row's logits), the oracle prompt through AR-N and HF's greedy
@@ -111,6 +114,9 @@ class GenieGraphs:
                     self.shapes[x.name[:-3]] = tuple(x.shape)
                 elif linear and x.name.startswith(STATES) and x.name.endswith("_in"):
                     self.state_shapes[x.name[:-3]] = tuple(x.shape)
+        # the scatter form (--genie-kv scatter): a cache_index input, the past CL rows whole
+        self.scatter = any(x.name == "cache_index" for sess in sessions[1]
+                           for x in sess.get_inputs())
         self.reset()
 
     def reset(self) -> None:
@@ -135,10 +141,17 @@ class GenieGraphs:
         S = self.C - AR
         mask = np.full((1, 1, AR, self.C), MASKED, np.float32)
         mask[..., :T, :self.n] = 0.0
+        # the new rows' slots: concat, the last AR columns; scatter, n + i as Genie writes
+        # cache_index (a pad row's slot CL - 1, attended by no row)
+        first = self.n if self.scatter else S
         for i in range(T):  # the pad rows of a last chunk attend nothing, as Genie masks them
-            mask[0, 0, i, S:S + i + 1] = 0.0
+            mask[0, 0, i, first:first + i + 1] = 0.0
         padded = ids + [self.pad] * (AR - T)
         bus = {"input_ids": np.array([padded], np.int32), "attention_mask": mask}
+        if self.scatter:
+            bus["cache_index"] = np.array([[self.n + i if i < T else self.C - 1
+                                            for i in range(AR)]], np.int32)
+            S = self.C
         positions = (self.n + np.arange(AR, dtype=np.float64))[:, None]
         for prefix, inv in self.ropes.items():
             angles = positions * inv[None]

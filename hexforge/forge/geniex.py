@@ -64,6 +64,10 @@ def refusal(model_type: str, config: dict) -> str | None:
     if model_type not in MODEL_ID_PREFIX:
         return (f"the plugin's dispatcher (models/dispatch.h at {PLUGIN_COMMIT[:7]}) has no "
                 f"model_id prefix for {model_type}")
+    groups = config["dialog"]["engine"].get("cache-groups", [])
+    if any("cache-index-tensor-name" in g for g in groups):
+        return ("the scatter form (--genie-kv scatter: a cache_index input, the past CL rows); "
+                "the plugin's loader feeds no cache_index (--genie-kv concat is its layout)")
     pe = model.get("positional-encoding")
     if isinstance(pe, list) or "cache-groups" in config["dialog"]["engine"]:
         return "several ropes or cache groups; the plugin reads one rope and one KV group"

@@ -144,6 +144,11 @@ class BuildOptions:
         "HTP: also write a Genie bundle per target (genie-<target>/: context binaries in "
         "Genie's I/O contract, genie_config.json, tokenizer.json) for Android phones "
         "(docs/genie.md)")] = False
+    genie_kv: Annotated[str, Flag(
+        "--genie: the decoder's KV update in Genie's contract: concat (the past CL - AR rows, "
+        "Genie appends the new ones) or scatter (a cache_index input, the past CL rows: Genie's "
+        "lookahead dialog then keeps a step's rejected rows out of the mask; llama, qwen2, "
+        "mistral, qwen3; docs/genie.md)", choices=lambda: ("concat", "scatter"))] = "concat"
     estimate: Annotated[bool, Flag(
         "HTP: each graph compiled once more for QNN's on-host estimator (Hextimate: v81 on "
         "SA8797, v73 on QCS9100; none for v75 / v79), the binary thrown away: per graph us, DDR "
@@ -212,6 +217,8 @@ class BuildOptions:
                              "make it slower; fixed-point ones keep their calibrated cache)")
         if self.genie and not htp:
             raise BuildError("--genie needs an HTP --target (e.g. v81)")
+        if self.genie_kv != "concat" and not self.genie:
+            raise BuildError("--genie-kv is the Genie graphs' KV form: it needs --genie")
         if self.estimate and not htp:
             raise BuildError("--estimate needs an HTP --target (e.g. v81)")
         if self.device_only:
