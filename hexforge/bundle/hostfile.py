@@ -11,7 +11,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ..errors import BundleError
+from .errors import BundleError
 from .qtables import INT4_SCALES, INT8_SCALES, HostTable, Int4Table, Int8Table
 
 # safetensors dtype -> bytes per element: the ones safetensors.numpy loads; others are refused

@@ -81,7 +81,7 @@ class TensorSpec(_Model):
     dtype: DType
     bind: str
     # a KV cache bind whose rows (positions) run along the last axis, [1, KVH, D, C]: HTP graphs
-    # keep keys transposed, as QK^T reads them (forge/htp/kvcast.py); else [1, KVH, C, D]
+    # keep keys transposed, as QK^T reads them (forge/compile/kvcast.py); else [1, KVH, C, D]
     keys_transposed: bool = False
 
 
@@ -96,7 +96,7 @@ class GraphSpec(_Model):
     bytes: int = 0  # graph + external weight bytes on disk (shared weights counted once per file)
     verify_file: RelPath | None = None  # build-time only: the unshared twin the simulator can run
     # where no oracle ran (--no-verify): one call on the HTP vs the float graph on the CPU
-    # (forge/htp/graphcheck.py): worst output relative error, cosine, max|Δ|; simulator seconds
+    # (forge/compile/graphcheck.py): worst output relative error, cosine, max|Δ|; simulator seconds
     htp_check: dict[str, float] | None = None
 
 
@@ -163,7 +163,7 @@ class RopeSpec(_Model):
 
 class SharedRows(_Model):
     """An int4 or int8 host table whose bytes live in a graph weight file of the bundle: a tied
-    head's MatMulNBits weight is the table quantized by the same quantizer (runtime/qtables.py
+    head's MatMulNBits weight is the table quantized by the same quantizer (bundle/qtables.py
     ``Int4Table`` / ``Int8Table``), so a cpu-only quantized bundle stores it once. ``rows``:
     [offset, length] of the uint8 rows [V, D x bits / 8] in ``file``; ``scales``: of the float32
     scales [V, D / block]."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import BundleError
+from .errors import BundleError
 
 # a table with int8 weights (--cpu-weights int8 / int8-b128 bundles, the per-layer tables of
 # quantized ones, the embedding of bundles with HTP targets): "<table>" U8 [V, D] and

@@ -44,7 +44,8 @@ class Target:
     max_context_bytes: int  # per QNN context: its binary's byte ceiling (the planner's budget)
     socs: tuple[Soc, ...]
     source: str
-    estimator: Soc | None = None  # the SoC Hextimate estimates this arch on (hexforge/estimate.py)
+    # the SoC Hextimate estimates this arch on (hexforge/forge/compile/hextimate.py)
+    estimator: Soc | None = None
 
     @property
     def is_htp(self) -> bool:

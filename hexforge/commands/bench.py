@@ -46,7 +46,7 @@ def time_generation(engine, ids: list[int], new_tokens: int, prefill_mode: str =
 def bench_bundle(bundle: str | Path, prompt_tokens: int = 128, new_tokens: int = 32,
                  runs: int = 3, backend: str = "cpu", arch: str | None = None,
                  prefill_mode: str = "chunked", seed: int = 0) -> dict:
-    from .runtime.model import load
+    from ..runtime.model import load
 
     t = time.perf_counter()
     model = load(bundle, backend=backend, arch=arch)
@@ -93,9 +93,9 @@ def op_profile(bundle: str | Path, tokens: int = 32, prompt_tokens: int = 32,
     import tempfile
     from collections import defaultdict
 
-    from .errors import RequestError
-    from .runtime.backends import Backend
-    from .runtime.model import load, parse_arch
+    from ..bundle.errors import RequestError
+    from ..runtime.backends import Backend
+    from ..runtime.model import load, parse_arch
 
     with tempfile.TemporaryDirectory(prefix="hexforge-profile-") as tmp:
         be = dataclasses.replace(Backend.resolve(backend, parse_arch(arch)),

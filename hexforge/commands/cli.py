@@ -11,16 +11,16 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import HexforgeError, RequestError
+from ..bundle.errors import HexforgeError, RequestError
 
 
 def cmd_build(a) -> int:
-    from .forge.options import options_from_args
-    from .forge.pipeline import build_bundle
+    from ..forge.options import options_from_args
+    from ..forge.pipeline import build_bundle
 
     opts = options_from_args(a)
     if not a.json and sys.stderr.isatty():  # someone watches: bars with ETAs on the long stages
-        from .forge.progress import BuildProgress
+        from ..forge.progress import BuildProgress
 
         with BuildProgress() as shown:
             result = build_bundle(a.checkpoint, a.output, opts, log=shown.log)
@@ -35,7 +35,7 @@ def cmd_build(a) -> int:
 
 
 def cmd_run(a) -> int:
-    from . import load
+    from .. import load
 
     model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target,
                  allow_cpu_fallback=a.allow_cpu_fallback)
@@ -80,7 +80,7 @@ def _response_format(a) -> dict | None:
 
 def _say_draft_cap(model, k: int | None) -> None:
     """--prompt-lookup K above what the bundle's verify graphs take is said, not silently cut."""
-    from .runtime.speculative import draft_limit
+    from ..runtime.speculative import draft_limit
 
     cap = draft_limit(model.engine.verify_len)
     if k is not None and k > cap:
@@ -111,7 +111,7 @@ def chat_banner(modalities: list[str]) -> str:
 def cmd_chat(a) -> int:
     """Interactive terminal chat: streams replies, keeps the state between turns; /reset, /quit
     (or /exit), and /image PATH, /audio PATH (bundles with those encoders) for the next message."""
-    from . import load
+    from .. import load
 
     model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target)
     _say_draft_cap(model, a.prompt_lookup)
@@ -174,7 +174,7 @@ def cmd_inspect(a) -> int:
 
 
 def cmd_estimate(a) -> int:
-    from .estimate_bundle import bundle_estimates, print_estimates
+    from .estimate import bundle_estimates, print_estimates
 
     log = (lambda m: None) if a.json else (lambda m: print(m, file=sys.stderr))
     estimates, where = bundle_estimates(Path(a.bundle), log)
@@ -184,7 +184,7 @@ def cmd_estimate(a) -> int:
 
 def cmd_verify(a) -> int:
     if a.files:  # every file against the manifest's sizes and digests, before any oracle
-        from .bundlefiles import print_file_check
+        from ..bundle.bundlefiles import print_file_check
 
         if not print_file_check(Path(a.bundle), a.json):
             return 1  # a damaged bundle is not judged by the oracle: its verdict would be noise
@@ -192,12 +192,12 @@ def cmd_verify(a) -> int:
             return 0
     if a.reference is None:
         raise RequestError("hexforge verify needs --reference CHECKPOINT (the oracle) or --files")
-    from .families import load_family
-    from .forge.checkpoint import read_checkpoint
-    from .forge.pipeline import BuildOptions, _evaluation
-    from .forge.quality import oracle_line
-    from .forge.verify import verify_bundle
-    from .manifest import load_manifest
+    from ..bundle.manifest import load_manifest
+    from ..families import load_family
+    from ..forge.oracle.quality import oracle_line
+    from ..forge.oracle.verify import verify_bundle
+    from ..forge.pipeline import BuildOptions, _evaluation
+    from ..forge.source.checkpoint import read_checkpoint
 
     manifest = load_manifest(a.bundle)
     evaluation = _evaluation(BuildOptions(eval_text=a.eval_text, eval_tokens=a.eval_tokens))
@@ -239,7 +239,7 @@ def cmd_deploy(a) -> int:
 
 
 def cmd_targets(a) -> int:
-    from .targets import TARGETS
+    from ..bundle.targets import TARGETS
 
     for t in TARGETS.values():
         socs = ", ".join(f"{s.name} (soc {s.soc_model}, {s.ddr_gbps:g} GB/s)" for s in t.socs)
@@ -297,7 +297,7 @@ def description() -> str:
 
 def parser() -> argparse.ArgumentParser:
     """hexforge's command line: each subcommand's flags made by its own function below."""
-    from . import __version__
+    from .. import __version__
 
     p = _Parser(prog="hexforge", description=description())
     p.add_argument("--version", action="version", version=f"hexforge {__version__}")
@@ -310,7 +310,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _build_parser(sub: argparse._SubParsersAction) -> None:
-    from .forge.options import add_build_flags
+    from ..forge.options import add_build_flags
 
     b = sub.add_parser("build", help="hub id, HF checkpoint dir or .gguf file -> bundle")
     b.add_argument("checkpoint", help="a hub id ORG/NAME (through huggingface_hub's cache; "
@@ -398,7 +398,7 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _verify_parser(sub: argparse._SubParsersAction) -> None:
-    from .forge.options import add_build_flags
+    from ..forge.options import add_build_flags
 
     v = sub.add_parser("verify", help="re-run the HF oracle on a bundle")
     v.add_argument("bundle", help="a bundle dir")

@@ -31,16 +31,16 @@ def smollm2_gguf() -> Path | None:
 
 def run_demo(workdir: str | None = None, tiny: bool = False, family: str = "llama",
              prompt: str = QUESTION) -> dict:
-    from . import load
-    from .forge.pipeline import BuildOptions, build
-    from .runtime import qnn
+    from .. import load
+    from ..forge.pipeline import BuildOptions, build
+    from ..runtime import qnn
 
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hexforge-demo-"))
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     source = None if tiny else smollm2_gguf()
     if source is None:
-        from .tiny import make_tiny_checkpoint
+        from ..forge.source.tiny import make_tiny_checkpoint
 
         source = make_tiny_checkpoint(family, root / f"tiny-{family}")
         name = f"tiny-{family}"
@@ -76,7 +76,7 @@ def run_demo(workdir: str | None = None, tiny: bool = False, family: str = "llam
         print("   (simulator speed says nothing about a device: see the roofline in inspect)")
     left = [(root, "the bundle" + (" and the tiny checkpoint" if source.is_dir() else ""))]
     if source.suffix == ".gguf":  # the conversion is cached for the next build of this file
-        from .forge.gguf import gguf_checkpoint
+        from ..forge.source.gguf import gguf_checkpoint
 
         left.append((gguf_checkpoint(source), "the GGUF's fp32 checkpoint, reused by the next "
                                               "build of it ($HEXFORGE_CACHE moves the cache)"))

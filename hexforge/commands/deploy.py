@@ -1,7 +1,7 @@
 """``hexforge deploy BUNDLE --qairt QAIRT_HOME``: a bundle's Genie folder and the QAIRT files it
 needs, pushed to an Android phone with adb, the prompt run there by QAIRT's ``genie-t2t-run``.
 
-    local  the Genie folder as libGenie would judge it (runtime/genie_checks.py: paths, binaries,
+    local  the Genie folder as libGenie would judge it (runtime/genie/checks.py: paths, binaries,
            tokenizer; sizes / digests against the manifest's file list)
            QAIRT_HOME holds every file the arch needs, and is not older than the QNN that compiled
            the binaries (their header says which)
@@ -13,7 +13,7 @@ needs, pushed to an Android phone with adb, the prompt run there by QAIRT's ``ge
     run    cd DIR; LD_LIBRARY_PATH=DIR ADSP_LIBRARY_PATH=DIR ./genie-t2t-run -c genie_config.json
            -p "$(cat prompt.txt)"  — its output streamed here
            with --image: the bundle's Genie pipeline, by QAIRT's genie-app and a script of the
-           request (hexforge/genie_app.py): ./genie-app -s request.script
+           request (hexforge/commands/genie_app.py): ./genie-app -s request.script
 
 ``--dry-run`` prints every adb command instead of running it (the phone is not asked anything:
 every file is shown pushed). docs/deploy.md has the file list and its sources.
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO, TypeVar
 
-from .errors import BackendError, BundleError, RequestError
-from .manifest import MANIFEST_NAME
-from .targets import TARGETS
+from ..bundle.errors import BackendError, BundleError, RequestError
+from ..bundle.manifest import MANIFEST_NAME
+from ..bundle.targets import TARGETS
 
 GENIE_PREFIX = "genie-"
 DEVICE_ROOT = "/data/local/tmp/hexforge"
@@ -127,7 +127,7 @@ def _sha256(path: Path) -> str:
 def _compiled_by(folder: Path, arch: int, config: dict) -> str | None:
     """The QNN version the folder's binaries were compiled by (their headers), checked to be
     the folder's arch."""
-    from .runtime.qnn import binary_info
+    from ..runtime.qnn import binary_info
 
     versions = set()
     for rel in config["dialog"]["engine"]["model"]["binary"]["ctx-bins"]:
@@ -143,7 +143,7 @@ def _compiled_by(folder: Path, arch: int, config: dict) -> str | None:
 
 def _bundle_sdk(folder: Path, arch: int) -> str | None:
     """The manifest's record of the QNN SDK of the same arch's target (the fallback)."""
-    from .manifest import load_manifest
+    from ..bundle.manifest import load_manifest
 
     if not (folder.parent / MANIFEST_NAME).is_file():
         return None
@@ -152,10 +152,10 @@ def _bundle_sdk(folder: Path, arch: int) -> str | None:
 
 
 def folder_pushes(folder: Path) -> tuple[dict, list[Push]]:
-    """The Genie folder judged as libGenie would (runtime/genie_checks.py) and its files as
+    """The Genie folder judged as libGenie would (runtime/genie/checks.py) and its files as
     pushes (their digests the manifest's where it lists them); -> (genie_config.json, pushes).
     Both runtimes push the folder as it is: GenieX's QAIRT plugin reads the same files."""
-    from .runtime.genie_checks import check_folder
+    from ..runtime.genie.checks import check_folder
 
     config = check_folder(folder)
     records = _recorded_digests(folder)
@@ -199,7 +199,7 @@ def local_plan(folder: Path, arch: int, qairt: Path, say: Callable[[str], None],
 def _recorded_digests(folder: Path) -> dict[str, str]:
     """The manifest's SHA-256 of the folder's files ({name: digest}; check_folder has compared
     them with the files, so they need not be hashed again), or {} (no file list)."""
-    from .manifest import load_manifest
+    from ..bundle.manifest import load_manifest
 
     if not (folder.parent / MANIFEST_NAME).is_file():
         return {}
@@ -351,7 +351,7 @@ def push(adb: Adb, folder: str, files: list[Push], say: Callable[[str], None],
 def _chat_template(bundle: Path, prompt: str, chat: bool):
     """The bundle's chat template when --chat asks for it (None without --chat); a prompt or
     template that cannot be had is refused before the phone is asked anything."""
-    from .runtime.text import ChatTemplate
+    from ..runtime.text import ChatTemplate
 
     if not prompt:
         raise RequestError("--prompt is empty")
@@ -388,12 +388,12 @@ def device_folder(bundle: Path) -> str:
 
 def scripted_request(bundle: Path, folder: Path, prompt: str, chat: bool,
                      images: list[str], max_new_tokens: int | None = None):
-    """The prompt with its images as a genie-app script (hexforge/genie_app.py) for the Genie
+    """The prompt with its images as a genie-app script (hexforge/commands/genie_app.py) for the Genie
     pipeline of ``folder``; every refusal (no pipeline, an image that does not decode) here,
     before the phone gets a file."""
+    from ..runtime.genie.pipelinemodel import PIPELINE, GeniePipelineModel
+    from ..runtime.options import GenerationOptions
     from .genie_app import script_request
-    from .runtime.genie_pipeline import PIPELINE, GeniePipelineModel
-    from .runtime.options import GenerationOptions
 
     if not (folder / PIPELINE).is_file():
         raise BundleError(f"{folder.name}/ has no Genie pipeline ({PIPELINE}): --image needs a "
@@ -444,8 +444,8 @@ def deploy(bundle: str | Path, qairt: str | Path | None, prompt: str | None = No
     --dry-run, the commands (default stdout); ``out``: the runner's output, as it comes.
     ``images``: run the prompt with them through the bundle's Genie pipeline (genie-app);
     ``max_new_tokens``: the answer's length (default: the bundle's Genie config's)."""
+    from ..runtime.model import parse_arch
     from .genie_app import APP, AUDIO_REFUSED, SCRIPT
-    from .runtime.model import parse_arch
 
     bundle = Path(bundle)
     out = out or sys.stdout

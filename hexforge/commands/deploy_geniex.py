@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from ..bundle.errors import BackendError, BundleError, RequestError
 from .deploy import (
     DEVICE_ROOT,
     Push,
@@ -49,11 +50,10 @@ from .deploy import (
     pick_folder,
     push,
 )
-from .errors import BackendError, BundleError, RequestError
 
 GENIEX_COMMIT = "cb60a5dd7ebc1a2369c7d1a4eb0de8be893a8cf9"
 GENIEX = "geniex"
-METADATA = "metadata.json"  # forge/geniex.py's METADATA: what makes a folder GenieX's
+METADATA = "metadata.json"  # forge/genie/geniex.py's METADATA: what makes a folder GenieX's
 # On the phone: GenieX's files in one folder shared by every bundle (a leading dot: no bundle's
 # folder can be named so, device_folder strips it), its model store beside it (not inside: the
 # SDK scans each folder under GENIEX_PLUGIN_PATH for a plugin)
@@ -107,7 +107,7 @@ def check_loadable(folder: Path, say: Callable[[str], None]) -> None:
     """A folder without metadata.json is refused (GenieX's localfs pull would not even take it
     as a QAIRT model); what hexforge's reading of the plugin says it would still refuse
     (metadata.json's ``hexforge.blockers``) is a warning: that reading is not a run."""
-    from .forge.geniex import MODEL_ID_PREFIX
+    from ..forge.genie.geniex import MODEL_ID_PREFIX
 
     meta = folder / METADATA
     if not meta.is_file():
@@ -192,7 +192,7 @@ def deploy_geniex(bundle: str | Path, geniex: str | Path | None, prompt: str | N
                   out: TextIO | None = None) -> int:
     """The whole GenieX deploy (module doc); the arguments as deploy.deploy's, ``geniex`` the
     GenieX folder in place of QAIRT_HOME."""
-    from .runtime.model import parse_arch
+    from ..runtime.model import parse_arch
 
     out = out or sys.stdout
     say = say or ((lambda m: print(m, file=out)) if dry_run

@@ -2,7 +2,7 @@
 runs on a phone, where no Python drives libGenie.
 
 genie-app (QAIRT's ``bin/aarch64-android/genie-app``, run as ``genie-app -s SCRIPT``) reads one
-command a line and makes the GenieNode / GeniePipeline calls runtime/genie_pipeline.py makes
+command a line and makes the GenieNode / GeniePipeline calls runtime/genie/pipelinemodel.py makes
 through ctypes on x86 — in the same order, from the same request configs
 (``GeniePipelineModel.request_configs``, with the bundle's relative paths)::
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import RequestError
+from ..bundle.errors import RequestError
 
 APP = "genie-app"
 SCRIPT = "request.script"
@@ -63,7 +63,7 @@ class ScriptedRequest:
 def script_request(model, prompt: str | list[int], options) -> ScriptedRequest:
     """``model``: the bundle's ``GeniePipelineModel`` (no libGenie is opened); ``prompt`` and
     ``options`` as its ``iterate`` takes them (the images in ``options.images``)."""
-    from .runtime.genie_pipeline import media_feeds
+    from ..runtime.genie.pipelinemodel import media_feeds
 
     spec = model.pipeline_spec
     if options.audios:

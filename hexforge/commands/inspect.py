@@ -6,8 +6,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from .manifest import confine, load_manifest
-from .runtime.state import NP_DTYPES
+from ..bundle.describe import encoder_input, layer_span
+from ..bundle.manifest import confine, load_manifest
+from ..runtime.state import NP_DTYPES
 
 
 def _dir_bytes(p: Path) -> int:
@@ -43,7 +44,7 @@ def decode_bytes_per_token(bundle: Path, t) -> int:
 
 def roofline(target: str, bytes_per_token: int) -> dict:
     """Bandwidth-bound decode tok/s per SoC of the target (an ESTIMATE: DDR peak / bytes)."""
-    from .targets import TARGETS
+    from ..bundle.targets import TARGETS
 
     tg = TARGETS.get(target)
     if not tg or not bytes_per_token:
@@ -54,8 +55,8 @@ def roofline(target: str, bytes_per_token: int) -> dict:
 def embedding_format(bundle: Path, m) -> str:
     """How the host embedding is stored: the checkpoint's float type, int8 rows, int4 rows, or
     int4 / int8 rows read from the tied head's weight (``host.embed.shared``)."""
-    from .runtime.hostfile import check_safetensors_header
-    from .runtime.qtables import INT4_SCALES
+    from ..bundle.hostfile import check_safetensors_header
+    from ..bundle.qtables import INT4_SCALES
 
     e = m.host.embed
     if e.shared is not None:
@@ -69,20 +70,6 @@ def embedding_format(bundle: Path, m) -> str:
         blocks = header[e.table + INT4_SCALES]["shape"][1]
         return f"int4, blocks of {2 * t['shape'][1] // blocks}"
     return {"I8": "int8", "U8": "int8"}.get(t["dtype"], t["dtype"].lower())
-
-
-def encoder_input(spec) -> dict:
-    """What an encoder takes, from its manifest params: a fixed-resolution vision graph's build
-    size (every image is resized to it, so a bundle built at the wrong size still runs, only
-    worse: the size must be visible), an audio window, or an aspect-preserving image budget."""
-    p = spec.params
-    if "height" in p and "width" in p:
-        h, w = int(p["height"]), int(p["width"])
-        return {"image_size": [h, w], "text": f"images resized to {h}x{w} (H x W)"}
-    if "max_seconds" in p:
-        s = float(p["max_seconds"])
-        return {"audio_seconds": s, "text": f"audio up to {s:g} s"}
-    return {"text": f"{spec.modality}s resized at their own aspect ratio"}
 
 
 def inspect_bundle(bundle: Path) -> dict:
@@ -119,7 +106,7 @@ def inspect_bundle(bundle: Path) -> dict:
                       "greedy": {k: r["greedy"][k] for k in ("matching_prefix", "new_tokens")},
                       "encoders": r.get("encoders")}
                   for n, r in raw.items() if "passed" in r}  # not a build --estimate's alone
-        for n, r in raw.items():  # Hextimate's, beside the roofline (hexforge/estimate_bundle.py)
+        for n, r in raw.items():  # Hextimate's, beside the roofline (hexforge/forge/compile/steptime.py)
             if n in targets and "estimate" in r:
                 targets[n]["estimate"] = r["estimate"]
     return {
@@ -135,19 +122,12 @@ def inspect_bundle(bundle: Path) -> dict:
     }
 
 
-def layer_span(layers: tuple[int, int] | list[int]) -> str:
-    """A shard's layers as the build log and ``hexforge inspect`` write them: half-open, as
-    Python's ranges, so [0,30) [30,60) meet at 30."""
-    a, b = layers
-    return f"[{a},{b})"
-
-
 def print_inspection(info: dict) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    from .forge.quality import oracle_line
+    from ..forge.oracle.quality import oracle_line
 
     c = Console()
     c.print(f"[bold]{info['bundle']}[/]  {info['model_type']} (families/{info['family']}.py)  "
@@ -180,7 +160,7 @@ def print_inspection(info: dict) -> None:
             line += f"; bandwidth roofline (ESTIMATE, DDR peak / bytes): {est}"
         c.print(line)
         if t.get("estimate"):
-            from .estimate_bundle import estimate_line
+            from ..forge.compile.steptime import estimate_line
 
             c.print(f"  {escape(estimate_line(t['estimate']))}")
     for name, r in (info["report"] or {}).items():

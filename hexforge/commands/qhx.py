@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .errors import HexforgeError, RequestError
+from ..bundle.errors import HexforgeError, RequestError
 
 USAGE = ("usage: qhx-generate MANIFEST libQnnHtp.so libQnnSystem.so ARTIFACTS_ROOT N_TOKENS "
          "PROMPT [IMAGE]")
@@ -23,7 +23,7 @@ USAGE = ("usage: qhx-generate MANIFEST libQnnHtp.so libQnnSystem.so ARTIFACTS_RO
 def backend_of(lib: str) -> str:
     name = Path(lib).name.lower()
     if "htp" in name:
-        from .runtime import qnn
+        from ..runtime import qnn
 
         return "qnn" if qnn.is_arm_host() else "qnn-sim"
     if "cpu" in name:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     manifest, backend_lib, system_lib, root, n, prompt = args[:6]
     try:
-        from . import load
+        from .. import load
 
         bundle = Path(manifest)
         bundle = bundle.parent if bundle.name.endswith(".json") else bundle

@@ -40,9 +40,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import ContextOverflowError, HexforgeError, RequestError
-from .runtime.options import Done, GenerationOptions, GenerationResult, Piece
-from .runtime.text import check_messages
+from ..bundle.errors import ContextOverflowError, HexforgeError, RequestError
+from ..runtime.options import Done, GenerationOptions, GenerationResult, Piece
+from ..runtime.text import check_messages
 
 
 class _Request(BaseModel):
@@ -413,7 +413,7 @@ def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, api_key: str |
     starts), say where it listens, serve until Ctrl-C."""
     import uvicorn
 
-    from .runtime.model import load
+    from ..runtime.model import load
 
     model = load(bundle, backend=backend, arch=arch)
     model_id = model_name or served_id(model, bundle)

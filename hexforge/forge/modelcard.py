@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .manifest import MANIFEST_NAME, Manifest
-from .targets import TARGETS
+from ..bundle.manifest import MANIFEST_NAME, Manifest
+from ..bundle.targets import TARGETS
 
 CARD = "README.md"
 GENIE_PREFIX = "genie-"
@@ -74,8 +74,8 @@ def _targets(m: Manifest, genie: list[str]) -> list[str]:
 
 
 def _geniex(root: Path, m: Manifest, genie: list[str]) -> list[str]:
-    """Per Genie folder, whether GenieX's QAIRT plugin can load it (forge/geniex.py)."""
-    from .forge.geniex import card_line
+    """Per Genie folder, whether GenieX's QAIRT plugin can load it (forge/genie/geniex.py)."""
+    from .genie.geniex import card_line
 
     folders = [root / g for g in genie if (root / g / "genie_config.json").is_file()]
     return [*(f"`{f.name}/`: {card_line(f, m.model_type)}" for f in folders), ""] if folders else []

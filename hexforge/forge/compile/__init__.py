@@ -1,2 +1,2 @@
-"""The HTP targets' build stages: calibration statistics, the quantization recipes and the QDQ
-pass with its weight formats (GPTQ), the QNN compile, and the per-tensor accuracy probe."""
+"""The build's HTP targets: the stage (calibrate, quantize, compile per arch), the QNN compile, the
+compiled graphs' checks, the per-tensor probe, and Hextimate's estimates."""

@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ...errors import BuildError
+from ...bundle.errors import BuildError
 from ...runtime import qnn
 from ...runtime.backends import explain_qnn_error
-from ..memory import release_heap
+from ..heap import release_heap
 
 # QNN's graph finalization effort per graph role (``htp_graph_finalization_optimization_mode``;
 # unset = the compiler's default, which read as mode 2). Measured under Hextimate on real

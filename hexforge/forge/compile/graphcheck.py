@@ -38,16 +38,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import ParityGateError
-from ...manifest import GraphSpec, Manifest, RunPlan, TargetSpec, confine
+from ...bundle.errors import ParityGateError
+from ...bundle.manifest import GraphSpec, Manifest, RunPlan, TargetSpec, confine
 from ...runtime import qnn
 from ...runtime.backends import Backend
 from ...runtime.engine import Engine
 from ...runtime.state import NP_DTYPES
 from ...runtime.text import TextTokenizer
-from ..memory import release_heap
-from ..ortrun import run_graph
-from .recipes import QuantRecipe
+from ..heap import release_heap
+from ..oracle.ortrun import run_graph
+from ..quantize.recipes import QuantRecipe
 
 DECODE_STEP = 8  # the decode call checked: 8 cached rows before it
 # a graph whose output is this far from its source graph's on the CPU computes wrong, whatever

@@ -31,8 +31,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import BackendError, HexforgeError
-from .targets import Soc
+from ...bundle.errors import BackendError, HexforgeError
+from ...bundle.targets import Soc
 
 # the CSV rows read (column "Event Identifier"); several QNN graphs in one session add up
 _ROWS = {
@@ -95,16 +95,16 @@ def estimate_graph(src: Path, arch: int, soc: Soc, fp16: bool, level: str = "bas
                    ) -> GraphEstimate:
     """Finalize ``src`` (an ONNX graph the HTP target compiles: float, weight-only or QDQ) for
     ``soc`` with CPU fallback disabled, as the build compiles it (``options``: the compile's
-    extra QNN EP options, forge/htp/compile.compile_options), and read its estimate.
+    extra QNN EP options, forge/compile/contexts.compile_options), and read its estimate.
     ``level`` "optrace" with ``trace_dir``: the profile CSV, the per-op timeline QNN writes
     beside it (``profile_qnn.log``) and the graph's ``<graph>_schematic.bin`` (the op map that
     qnn-profile-viewer reads with the timeline) are kept there; otherwise all go with a temp
     dir."""
     import onnxruntime as ort
 
-    from .forge.memory import release_heap
-    from .runtime import qnn
-    from .runtime.backends import explain_qnn_error
+    from ...runtime import qnn
+    from ...runtime.backends import explain_qnn_error
+    from ..heap import release_heap
 
     src = Path(src).absolute()  # the session may be made from another working folder
     with tempfile.TemporaryDirectory(prefix="hextimate-") as tmp:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...manifest import GraphSpec, StateSpec
+from ...bundle.manifest import GraphSpec, StateSpec
 
 KV_KINDS = ("kv_full", "kv_sliding", "kv_shared")
 

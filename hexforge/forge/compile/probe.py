@@ -29,13 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ...manifest import Manifest, confine, load_manifest
+from ...bundle.manifest import Manifest, confine, load_manifest
 from ...runtime import qnn
 from ...runtime.backends import Backend
 from ...runtime.engine import Engine
 from ...runtime.text import TextTokenizer
-from ..ortrun import run_graph
-from .recipes import built_recipe
+from ..oracle.ortrun import run_graph
+from ..quantize.recipes import built_recipe
 
 
 @dataclass
@@ -70,7 +70,7 @@ def capture_feeds(bundle: Path, manifest: Manifest, target: str, files: dict[str
                   graph: str, step: int) -> dict[str, np.ndarray]:
     """The inputs of call ``step`` of ``graph`` while the QDQ twin feeds the oracle prompt token
     by token (decode graphs) or in AR-N chunks (prefill graphs)."""
-    from ..verify import oracle_prompt, qdq_twin
+    from ..oracle.verify import oracle_prompt, qdq_twin
 
     m, name = qdq_twin(manifest, target, {g: str(f.relative_to(bundle)) for g, f in files.items()})
     engine = Engine(bundle, m, name, Backend("cpu"))
@@ -148,7 +148,7 @@ def tensor_errors(bundle: Path, target: str = "v81", graph: str | None = None,
     for the target's arch and runs it on the HTP (the simulator on x86)."""
     import onnx
 
-    from .compile import compile_graph
+    from .contexts import compile_graph
 
     bundle = Path(bundle)
     manifest = load_manifest(bundle)

@@ -23,22 +23,22 @@ from pathlib import Path
 
 import numpy as np
 
-from ...manifest import GraphSpec, Manifest, RunPlan, TargetSpec, confine
+from ...bundle.manifest import GraphSpec, Manifest, RunPlan, TargetSpec, confine
+from ...bundle.targets import Target
 from ...runtime import qnn
 from ...runtime.backends import Backend
 from ...runtime.engine import Engine
 from ...runtime.text import TextTokenizer
-from ...targets import Target
-from ..calib import calibration_text
-from ..graphs import export_float, plan_target
-from ..memory import release_mapped_pages
-from ..oracle_backend import OracleCpuBackend
+from ..export.graphs import export_float, plan_target
+from ..heap import release_mapped_pages
+from ..oracle.backend import OracleCpuBackend
 from ..progress import stage
-from . import compile as compiler  # through the module: tests swap compiler.compile_graph
-from .calibstats import GraphStats, HessianStore
+from ..quantize.calibstats import GraphStats, HessianStore
+from ..quantize.calibtext import calibration_text
+from ..quantize.qdq import quantize_graph
+from ..quantize.recipes import COMPILED_SUFFIX, QuantRecipe
+from . import contexts as compiler  # through the module: tests swap compiler.compile_graph
 from .kvcast import fp16_kv, u8_value_state, u8_values
-from .qdq import quantize_graph
-from .recipes import COMPILED_SUFFIX, QuantRecipe
 
 CALIB_DECODE_STEPS = 64  # decode samples (teacher-forced text tokens through the AR-1 graph)
 KEEP_FEED_BYTES = 1 << 20  # a graph's calls this small are kept from an earlier graph's replay
@@ -192,7 +192,7 @@ def _media_prompts(engine: Engine, manifest: Manifest, ids: list[int], hf):
     then calibration text; -> [(expanded ids, MediaRows)]."""
     from ...families import encoder_families
     from ...runtime.multimodal import encode_items, splice
-    from ..encoders import example_feeds
+    from ..export.encoders import example_feeds
 
     out = []
     for enc, spec in zip(encoder_families(manifest.hf_config), manifest.encoders, strict=True):
@@ -319,8 +319,8 @@ def _calibrate_and_quantize(fam, hf, root: Path, manifest: Manifest, graphs: lis
 
 def _estimate(spec: TargetSpec, srcs: Path, recipe: QuantRecipe, manifest: Manifest, log) -> dict:
     """Each graph of one target compiled once more, for its arch's estimator SoC (the binary
-    is not kept): hexforge/estimate_bundle.py."""
-    from ...estimate_bundle import estimate_line, estimate_target
+    is not kept): hexforge/forge/compile/steptime.py."""
+    from .steptime import estimate_line, estimate_target
 
     t = time.perf_counter()
     sources = {g.name: srcs / f"{g.name}{recipe.compiled_suffix}"
@@ -359,7 +359,7 @@ def _capture(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: RunP
 def _check_compiled(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: RunPlan,
                     srcs: Path, compiled: list[GraphSpec], target: Target, soc, sdk: str,
                     recipe: QuantRecipe, calls: dict, log) -> list[GraphSpec]:
-    """forge/htp/graphcheck.py on one target's compiled graphs (``calls``: the float graphs'
+    """forge/compile/graphcheck.py on one target's compiled graphs (``calls``: the float graphs'
     captured calls, ``_capture``), each against the quantized graph in ``srcs`` it was compiled
     from (run on the CPU; fp16: the float graph's own outputs); -> the graphs with their
     ``htp_check``. A graph over the error bar fails the build."""
@@ -391,9 +391,9 @@ def weight_only(plan: RunPlan, folder: Path, recipe: QuantRecipe, vocab_size: in
     fp16 activations; its activation input must be rank 3, as every projection's [1, T, K] is."""
     import onnx
 
-    from ..export import share_weights
-    from ..graphs import weight_groups, weights_file
-    from ..nbits import quantize_cpu_graph
+    from ..export.graphs import weight_groups, weights_file
+    from ..export.onnxexport import share_weights
+    from ..quantize.nbits import quantize_cpu_graph
 
     groups = weight_groups(plan, cpu=False)
     with stage(f"quantize {recipe.name} weights", sum(map(len, groups))) as advance:

@@ -1,5 +1,5 @@
-"""A bundle's HTP targets under Hextimate (hexforge/estimate.py): the step arithmetic, the report
-section, where the graphs to estimate come from, and the printout.
+"""A bundle's HTP targets under Hextimate (hextimate.py): the step arithmetic, the report
+section and its one-line summary (``hexforge estimate``, the command: commands/estimate.py).
 
     decode step  = every shard's AR-1 decode graph + the head        (one token)
     prefill step = every shard's AR-N prefill graph                  (N tokens; the head once,
@@ -20,15 +20,14 @@ the estimator cannot read, so ``hexforge estimate`` re-estimates from ``_work/``
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import BundleError
-from .estimate import GraphEstimate, estimate_graph
-from .manifest import GraphSpec, Manifest, RunPlan, TargetSpec, confine, load_manifest
-from .targets import TARGETS, Soc
+from ...bundle.errors import BundleError
+from ...bundle.manifest import GraphSpec, RunPlan, TargetSpec
+from ...bundle.targets import TARGETS, Soc
+from .hextimate import GraphEstimate, estimate_graph
 
 TTFT_PROMPT = 512  # the prompt length time-to-first-token is stated for (the issue's)
 _ITEMSIZE = {"float32": 4, "float16": 2, "int64": 8, "int32": 4, "uint16": 2, "uint8": 1,
@@ -102,7 +101,7 @@ def estimate_target(spec: TargetSpec, sources: dict[str, Path], fp16: bool, cont
     """Estimate every graph of ``spec`` that has a source (graph name -> the ONNX the HTP
     compiled) on the estimator SoC of its arch; -> its report section. ``advance`` is called
     after each graph (a progress bar)."""
-    from .forge.htp.compile import compile_options
+    from .contexts import compile_options
 
     soc = estimator_of(spec.name)
     if soc is None or spec.htp_arch is None:
@@ -129,62 +128,6 @@ def add_to_report(report: dict, estimates: dict[str, dict]) -> dict:
     return report
 
 
-def stored_estimates(bundle: Path, m: Manifest) -> dict[str, dict]:
-    """The estimates the build kept in report.json, per target."""
-    if not m.report or not confine(bundle, m.report).is_file():
-        return {}
-    raw = json.loads(confine(bundle, m.report).read_text())
-    return {n: r["estimate"] for n, r in raw.items() if isinstance(r, dict) and "estimate" in r}
-
-
-def work_sources(bundle: Path, spec: TargetSpec) -> dict[str, Path] | None:
-    """Graph name -> the ONNX it was compiled from under ``_work/`` (a --keep-work build), or
-    None where the bundle keeps no such graphs for every decoder graph and the head."""
-    from .forge.htp.recipes import built_recipe
-
-    suffix = built_recipe(spec).compiled_suffix
-    names = [g.name for g in spec.graphs if g.role not in ("vision", "audio")]
-    for folder in sorted((bundle / "_work").glob(f"{spec.quant}-*")):
-        files = {n: folder / f"{n}{suffix}" for n in names}
-        if all(f.is_file() for f in files.values()):
-            return files
-    return None
-
-
-def bundle_estimates(bundle: Path, log: Callable[[str], None] = lambda m: None
-                     ) -> tuple[dict[str, dict], str]:
-    """``hexforge estimate``: -> (per HTP target its estimate, where they come from). Re-estimated
-    from ``_work/`` where a --keep-work build left the graphs; else the build's (--estimate);
-    a bundle with neither is refused in one line. Nothing in the bundle is written."""
-    from .forge.htp.recipes import built_recipe
-    from .runtime import qnn
-
-    m = load_manifest(bundle)
-    htp = {n: t for n, t in m.targets.items() if t.htp_arch is not None}
-    if not htp:
-        raise BundleError(f"{bundle} has no HTP target to estimate (built with --target cpu)")
-    stored = stored_estimates(bundle, m)
-    out: dict[str, dict] = {}
-    fresh = []
-    for name, spec in htp.items():
-        sources = work_sources(bundle, spec)
-        if sources is not None:
-            fp16 = built_recipe(spec).activations is None
-            out[name] = estimate_target(spec, sources, fp16, m.context, qnn.sdk_version(), log)
-            fresh.append(name)
-        elif name in stored:
-            out[name] = stored[name]
-        else:
-            raise BundleError(
-                f"{bundle}: target {name} has no estimate and no graphs to make one (a bundle "
-                "holds context binaries, which Hextimate cannot read: it estimates at compile "
-                "time); rebuild with --estimate (or --keep-work)")
-    where = ("re-estimated from _work/" if len(fresh) == len(out) else
-             "from the build (report.json)" if not fresh else
-             f"re-estimated from _work/: {', '.join(fresh)}; the rest from the build")
-    return out, where
-
-
 def estimate_line(est: dict) -> str:
     """One line: the step, tok/s, prefill, TTFT and the estimator's bound, labelled."""
     if est.get("estimator") is None:
@@ -203,21 +146,3 @@ def estimate_line(est: dict) -> str:
                if est.get("verify_step_us") else ""))
 
 
-def print_estimates(estimates: dict[str, dict], where: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    c = Console()
-    for name, est in estimates.items():
-        if est.get("estimator") is None:
-            c.print(f"target {name}: {estimate_line(est)}")
-            continue
-        tab = Table(title=f"target {name}: {est['estimator']}, QNN {est['qnn_sdk']} ({where})")
-        for col in ("graph", "us", "low-high", "missing ops", "DDR read MB", "GB/s read"):
-            tab.add_column(col)
-        for g, e in est["graphs"].items():
-            gbps = e["fill_bytes"] / (e["us"] * 1e3) if e["us"] else 0.0
-            tab.add_row(g, f"{e['us']:,}", f"{e['us_low']:,}-{e['us_high']:,}",
-                        str(e["missing_ops"]), f"{e['fill_bytes'] / 1e6:.2f}", f"{gbps:.1f}")
-        c.print(tab)
-        c.print("  " + estimate_line(est))

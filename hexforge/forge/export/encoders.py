@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..manifest import EncoderSpec, GraphSpec
-from .export import export_module, share_weights
-from .memory import release_heap
+from ...bundle.manifest import EncoderSpec, GraphSpec
+from ..heap import release_heap
+from .onnxexport import export_module, share_weights
 
 # encoder gates, cosine of the valid soft-token rows vs HF, per where the tower runs: fp32 on the
 # cpu, int8 weights on the cpu (nbits.CPU_ENCODER_WEIGHTS), fp16 on the HTP
@@ -37,7 +37,7 @@ def calibrate_encoder_norms(encoders: list, specs: list[EncoderSpec], hf) -> dic
     modules. Regression (fp16 vision on the simulator, cos 0.99888 on CI's host vs 0.999999 here):
     the tiny tower's post-FFN norm input has rms ~1e-3, its squares are fp16 subnormals, and an
     HTP that flushes those to zero loses the norm's scale."""
-    from ..families.blocks import record_norm_prescales
+    from ...families.blocks import record_norm_prescales
 
     out = {}
     for enc, spec in zip(encoders, specs, strict=True):
@@ -79,11 +79,11 @@ def compile_encoders(float_graphs: list[GraphSpec], root: Path, target, soc_mode
                      ) -> list[GraphSpec]:
     """The float encoder graphs compiled for one HTP target with fp16 precision. With
     ``check_items`` (a build without the oracle: one example item per encoder) each compiled
-    graph runs once on the HTP against its float graph (htp/graphcheck.py), whose error bar
+    graph runs once on the HTP against its float graph (forge/compile/graphcheck.py), whose error bar
     fails the build."""
-    from ..runtime import qnn
-    from .htp import graphcheck
-    from .htp.compile import compile_graph
+    from ...runtime import qnn
+    from ..compile import graphcheck
+    from ..compile.contexts import compile_graph
 
     out = []
     for g in float_graphs:
@@ -103,7 +103,7 @@ def compile_encoders(float_graphs: list[GraphSpec], root: Path, target, soc_mode
 def quantize_cpu_encoders(graphs: list[GraphSpec], root: Path, cpu_weights: str, log) -> None:
     """The cpu target's tower graphs with weight-only MatMulNBits per ``CPU_ENCODER_WEIGHTS``, in
     place (after the HTP targets compiled their fp16 towers from the float graphs)."""
-    from .nbits import CPU_ENCODER_WEIGHTS, check_cpu_weights, quantize_cpu_graph
+    from ..quantize.nbits import CPU_ENCODER_WEIGHTS, check_cpu_weights, quantize_cpu_graph
 
     weights = CPU_ENCODER_WEIGHTS[cpu_weights]
     nbits = check_cpu_weights(weights)
@@ -122,7 +122,7 @@ def quantize_cpu_encoders(graphs: list[GraphSpec], root: Path, cpu_weights: str,
 
 def encoder_gate(htp: bool, cpu_weights: str | None) -> float:
     """The soft-token cosine a tower must reach on a target (cpu_weights: the cpu target's)."""
-    from .nbits import CPU_ENCODER_WEIGHTS
+    from ..quantize.nbits import CPU_ENCODER_WEIGHTS
 
     if htp:
         return ENCODER_GATES["htp"]

@@ -26,7 +26,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from .shapeinfer import static_shapes
+from .tensorshapes import static_shapes
 
 MS = "com.microsoft"
 
@@ -180,7 +180,7 @@ def _replace_nodes(g, nodes) -> None:
 
 
 def drop_unused_initializers(g) -> None:
-    """Remove the initializers no node and no graph output reads (also forge/shapefold.py)."""
+    """Remove the initializers no node and no graph output reads (also forge/export/shapefold.py)."""
     used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
     # in place: clearing the field and extending it with the kept ones copies every kept
     # weight (a real-size graph's inline GBs, beside the originals until the model is freed)

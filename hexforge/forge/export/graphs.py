@@ -13,15 +13,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import BuildError
-from ..inspect import layer_span
-from ..manifest import GraphSpec, RunPlan, ShardPlan
-from ..targets import Target
-from .export import export_modules, share_weights
+from ...bundle.describe import layer_span
+from ...bundle.errors import BuildError
+from ...bundle.manifest import GraphSpec, RunPlan, ShardPlan
+from ...bundle.targets import Target
+from ..heap import release_heap, release_mapped_pages
+from ..progress import stage
 from .fuse import fuse_cpu_graph
-from .memory import release_heap, release_mapped_pages
+from .onnxexport import export_modules, share_weights
 from .plan import plan_shards
-from .progress import stage
 
 
 def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
@@ -41,8 +41,8 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
     has it (kvcast.py; ``keys_transposed`` False: as rows, a lever's baseline); else PLAIN, the
     decomposed graph the quantizer takes.
     """
-    from ..families.blocks import OverRows, WithHead
-    from ..families.form import CPU, PLAIN, fp16
+    from ...families.blocks import OverRows, WithHead
+    from ...families.form import CPU, PLAIN, fp16
 
     if cpu:
         form = CPU
@@ -163,7 +163,7 @@ def head_bytes_per_weight(recipe) -> float:
     context 1.50 GB, where the recipe's 4 bits would count 1.33)."""
     if not recipe.weight_only:
         return recipe.bytes_per_weight
-    from .nbits import cpu_head_format
+    from ..quantize.nbits import cpu_head_format
 
     bits, block = cpu_head_format(recipe.weight_bits, recipe.block_size)
     return bits / 8 + 2 / block

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime.qtables import INT4_SCALES, INT8_SCALES, int4_blocks, int8_blocks
+from ...bundle.qtables import INT4_SCALES, INT8_SCALES, int4_blocks, int8_blocks
 
 
 def write_host_tensors(path: Path, tensors: dict,
@@ -20,7 +20,7 @@ def write_host_tensors(path: Path, tensors: dict,
     A bf16 checkpoint's tables were written as F32, twice its bytes: Gemma-4-E2B's per-layer
     table 9.4 GB instead of 4.7, Qwen3.5-0.8B's embedding 1.02 GB instead of 0.51.
     The tables named in ``quantized`` (name -> (bits, block)) are written as 8-bit rows + per-block
-    scales (runtime/qtables.py ``Int8Table``; its own block) or int4 rows + scales per ``block``
+    scales (bundle/qtables.py ``Int8Table``; its own block) or int4 rows + scales per ``block``
     columns (``Int4Table``), a chunk at a time too. numpy arrays are written as they are."""
     import torch
 

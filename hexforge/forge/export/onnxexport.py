@@ -19,9 +19,9 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import BuildError
-from ..families.graphio import GraphIO
-from ..manifest import TensorSpec
+from ...bundle.errors import BuildError
+from ...bundle.manifest import TensorSpec
+from ...families.graphio import GraphIO
 
 EXPORTERS = ("torchscript", "dynamo")
 MIN_EXTERNAL_BYTES = 1024  # smaller initializers stay inline
@@ -33,7 +33,7 @@ def export_module(module, path: Path, exporter: str = "dynamo", fold: bool = Fal
     """Export ``module`` (with .io: GraphIO and .example_inputs()) to ``path``; -> (inputs, outputs).
 
     fold (torchscript): export without torch's shape inference and fold the shapes afterwards
-    on the graph alone (forge/shapefold.py): the same graph, ~40 % less export time at real
+    on the graph alone (forge/export/shapefold.py): the same graph, ~40 % less export time at real
     size. The decoder graphs take it; the encoders do not (without it the Gemma-4 audio
     conformer's export is invalid: a ConcatFromSequence typed int64)."""
     import torch
@@ -106,7 +106,7 @@ def export_modules(jobs: list[tuple[object, Path]], exporter: str, fold: bool = 
     for the build, one at a time 5.3), and ~3x its example inputs, the caches at --context
     (``export_need``). A child starts while the machine's
     available memory holds its need and the running children's; the first always starts."""
-    from .memory import available_bytes
+    from ..heap import available_bytes
 
     workers = min(len(jobs), workers or min(os.cpu_count() or 1, 3))
     if workers <= 1 or not hasattr(os, "fork"):
@@ -152,7 +152,7 @@ def export_need(module) -> int:
     by the OOM killer. The inputs are sized on torch's meta device: nothing is allocated."""
     import torch
 
-    from .memory import export_need_bytes
+    from ..heap import export_need_bytes
 
     params = getattr(module, "parameters", None)
     weights = sum(p.numel() for p in params()) if params else 0

@@ -11,7 +11,7 @@ biggest shard sets the build's memory. Balanced, the same three contexts are ~11
 
 from __future__ import annotations
 
-from ..errors import BuildError
+from ...bundle.errors import BuildError
 
 
 def _greedy(layer_bytes: list[int], cap: int) -> list[tuple[int, int]]:

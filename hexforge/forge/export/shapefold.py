@@ -7,7 +7,7 @@ symbolic functions do not know the static shapes and emit them as ops:
     x ──Shape──Gather──Unsqueeze──Concat──> Reshape(x, ·)        (per reshape, per layer)
 
 Every shape in these graphs is static, so each such chain is a constant. This pass finds them
-on the graph alone (no weight is read): forge/shapeinfer.py gives every tensor's shape, contrib
+on the graph alone (no weight is read): forge/export/tensorshapes.py gives every tensor's shape, contrib
 ops included (onnx's own shape inference stops at the first com.microsoft op), a Shape
 of a known shape becomes a constant, and a node whose inputs are all small constants is
 evaluated by onnx's reference evaluator. Repeated until nothing folds; then what nothing reads
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .shapeinfer import static_shapes
+from .tensorshapes import static_shapes
 
 MAX_ELEMENTS = 4096  # folded values are shape arithmetic, never weights or masks
 

@@ -4,8 +4,8 @@ onnxruntime's symbolic shape inference (it knows the com.microsoft ops, onnx's o
 first of them), plus the contrib ops ``families/ortops.py`` emits that it does not know, run on
 the graph's outline: every initializer of 4 KB or more, or stored outside, enters as a typed
 graph input, so no weight bytes are copied (the inference copies the model it is given and reads initializers'
-data, external files included). Used by the cpu graphs' fusions (forge/fuse.py) and the shape
-fold after an export (forge/shapefold.py).
+data, external files included). Used by the cpu graphs' fusions (forge/export/fuse.py) and the shape
+fold after an export (forge/export/shapefold.py).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _shape_inference_class():
         get_elem_type_from_type_proto,
     )
 
-    from ..families.ortops import OUTPUT_LIKES
+    from ...families.ortops import OUTPUT_LIKES
 
     class ShapeInference(SymbolicShapeInference):
         """onnxruntime's symbolic inference, plus the contrib ops ``families/ortops.py`` emits

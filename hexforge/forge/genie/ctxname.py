@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..errors import BuildError
+from ...bundle.errors import BuildError
 
 LETTERS = str.maketrans("0123456789", "abcdefghij")
 

@@ -22,8 +22,8 @@ import re
 import time
 from pathlib import Path
 
-from ..errors import BuildError
-from ..runtime.genie import x86_room_note
+from ...bundle.errors import BuildError
+from ...runtime.genie.libgenie import x86_room_note
 
 
 def graph_name(seq_len: int, context: int, split: int = 0, splits: int = 1) -> str:
@@ -40,7 +40,7 @@ def export_genie_graphs(fam, hf, args, host, folder: Path, prefill_len: int, con
     """Per split (the planner's ``shards``; default one), one ONNX graph per AR (prefill, then
     decode) in ``folder``, the split's weights in one file; ``step`` (default
     ``fam.genie_step``) makes each module. -> per split, its graph paths."""
-    from .export import export_module, share_weights
+    from ..export.onnxexport import export_module, share_weights
 
     folder.mkdir(parents=True, exist_ok=True)
     shards = shards or [(0, args.num_hidden_layers)]
@@ -69,7 +69,7 @@ def compile_genie_graphs(paths: list[Path], work: Path, out: Path | None, htp_ar
     loads it by, ``genie_verify``), its QNN graph named as Genie orders splits
     (``name_for_genie``), linked into ``out/<name>.bin`` (Genie's ctx-bins list) unless ``out``
     is None (the unshared twins of a weight-shared bundle). -> the binaries in ``out``."""
-    from .htp.compile import compile_graph
+    from ..compile.contexts import compile_graph
 
     work.mkdir(parents=True, exist_ok=True)
     bins = []
@@ -87,7 +87,7 @@ def compile_genie_graphs(paths: list[Path], work: Path, out: Path | None, htp_ar
 
 def name_for_genie(ctx: Path, binary: Path, name: str) -> str:
     """Give the QNN graph in ``binary`` Genie's split naming from ``name``
-    (``prompt_ar16_cl128_2_of_3`` -> ``prompt<letters>_ar16_cl128_2_of_3``, forge/ctxname.py:
+    (``prompt_ar16_cl128_2_of_3`` -> ``prompt<letters>_ar16_cl128_2_of_3``, forge/genie/ctxname.py:
     the form libGenie and GenieX's plugin both take)."""
     from .ctxname import rename_graph
 
@@ -132,13 +132,13 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
     """For each HTP target, ``root/genie-<target>/``: the decoder in Genie's contract
     (``GenieStep``), split as the planner splits the target's graphs, weight-only quantized like
     them when the recipe says so, compiled per arch, with genie_config.json,
-    htp_backend_ext_config.json and tokenizer.json (forge/genie_bundle.py).
+    htp_backend_ext_config.json and tokenizer.json (forge/genie/folder.py).
     ``fixed_point_lut``: an embedding LUT in 16-bit fixed point (half the bytes; Genie copies its
     rows into a uint16 ``inputs_embeds``); False keeps it float32, for a bundle whose media
-    nodes hand the decoder float rows (forge/genie_pipeline.py). -> {target name: folder}."""
-    from .genie_bundle import folder_name, lut_encoding, write_bundle_files
+    nodes hand the decoder float rows (forge/genie/towers.py). -> {target name: folder}."""
+    from ..export.graphs import plan_genie
+    from .folder import folder_name, lut_encoding, write_bundle_files
     from .geniex import write_geniex_files
-    from .graphs import plan_genie
 
     recipe = opts.recipe
     work = root / "_work" / "genie"
@@ -176,7 +176,7 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
         bins = []
         for s, split in enumerate(paths):
             if opts.share_weights:  # devices: one context per split for both variants
-                from .htp.compile import compile_shared
+                from ..compile.contexts import compile_shared
 
                 ctxs = [(p, work / f"{target.name}-{p.stem}.ctx.onnx") for p in split]
                 res = compile_shared(ctxs, target.htp_arch, soc, fp16=True)
@@ -244,8 +244,8 @@ def check_ropes(spec, host_file: Path) -> None:
     import numpy as np
     from safetensors.numpy import safe_open
 
-    from .genie_bundle import rope_block
-    from .genie_verify import genie_inv_freq
+    from .folder import rope_block
+    from .verify import genie_inv_freq
 
     with safe_open(str(host_file), "np") as f:
         for rope in spec.ropes:
@@ -266,8 +266,8 @@ def _weight_only(paths: list[Path], recipe, vocab_size: int, split: int, splits:
     gather stays fp16: the HTP has no NBits gather)."""
     import onnx
 
-    from .export import share_weights
-    from .nbits import quantize_cpu_graph
+    from ..export.onnxexport import share_weights
+    from ..quantize.nbits import quantize_cpu_graph
 
     out = []
     for p in paths:

@@ -4,7 +4,7 @@
       genie_config.json                  the dialog: context, sampler, tokenizer, engine, binaries
       htp_backend_ext_config.json        soc_model, dsp_arch, weight sharing
       tokenizer.json                     the checkpoint's
-      prompt_ar{N}_cl{C}_{i}_of_{n}.bin  the context binaries (forge/genie.py), per split i
+      prompt_ar{N}_cl{C}_{i}_of_{n}.bin  the context binaries (forge/genie/decoder.py), per split i
       token_ar1_cl{C}_{i}_of_{n}.bin     (decoder_{i}_of_{n}.bin: both in one, weight-shared)
       embedding.u16                      Gemma-4: [token embedding | per-layer inputs] rows
                                          (embedding.f32 in a bundle with media nodes)
@@ -22,9 +22,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import BuildError
-from ..manifest import Manifest
-from ..runtime.genie_model import sampler_config
+from ...bundle.errors import BuildError
+from ...bundle.manifest import Manifest
+from ...runtime.genie.model import sampler_config
 
 CONFIG = "genie_config.json"
 EXTENSIONS = "htp_backend_ext_config.json"
@@ -119,7 +119,7 @@ class LutEncoding:
 
     Why 16 bits: Gemma-4-E2B's rows ([token embedding | per-layer inputs], 262,144 x 10,496) are
     11 GB as float32, 5.5 GB so; Genie copies the rows as they are into a graph input of the
-    same encoding (``forge/genie.quantize_input``), where a DequantizeLinear makes them float
+    same encoding (``forge/genie/decoder.quantize_input``), where a DequantizeLinear makes them float
     (measured: the same tokens as the float32 LUT; a float32 input given this LUT reads inf)."""
 
     scale: float
@@ -133,7 +133,7 @@ class LutEncoding:
 
 
 def _lut_parts(host_file: Path, tables: tuple[tuple[str, float], ...]):
-    from ..runtime.hostfile import load_host_tensors
+    from ...bundle.hostfile import load_host_tensors
 
     host = load_host_tensors(host_file)
     parts = [(host[name], scale) for name, scale in tables]

@@ -132,7 +132,7 @@ def loader_hidden(io: dict) -> tuple[str, int] | None:
 
 def blockers(model_type: str, files: dict, folder: Path) -> list[str]:
     """What the plugin would still refuse in a folder that gets metadata.json."""
-    out = []  # (the QNN graph names inside the binaries take its rule: forge/ctxname.py)
+    out = []  # (the QNN graph names inside the binaries take its rule: forge/genie/ctxname.py)
     first = next(io for name, io in sorted(files.items())
                  if (m := GRAPH_NAME.fullmatch(name)) and m.group(4) == "1")
     embeds = first["inputs"].get("inputs_embeds")

@@ -1,14 +1,14 @@
 """Genie pipelines: a bundle's media towers as nodes of Qualcomm's GeniePipeline, beside the
-Genie decoder (forge/genie.py), so a phone's Genie runs image and audio prompts too.
+Genie decoder (forge/genie/decoder.py), so a phone's Genie runs image and audio prompts too.
 
-    <bundle>/genie-<target>/                        (forge/genie_bundle.py: the decoder's files)
+    <bundle>/genie-<target>/                        (forge/genie/folder.py: the decoder's files)
       text-generator.json    {"text-generator": the dialog of genie_config.json}
       text-encoder.json      {"text-encoder": the dialog's embedding LUT and tokenizer.json}
       image-encoder.json     {"image-encoder": {engine: mode image, ctx-bins, vision-param}}
       image-encoder.bin      the tower in Genie's node contract (families/genienode.py)
       audio-encoder.json / audio-encoder.bin        (the same for an audio tower)
       genie_pipeline.json    hexforge's description: nodes, connections, which host array goes
-                             to which node IO, the preprocessor (runtime/genie_pipeline.py)
+                             to which node IO, the preprocessor (runtime/genie/pipelinemodel.py)
 
     prompt: text ─────────────────────────────────▶ textEncoder ─rows─▶┐ EMBEDDING_INPUT, in
             image ─host prep (runtime/vision.py)─▶ imageEncoder ─rows─▶├─▶ textGenerator ─▶ tokens
@@ -30,14 +30,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import BuildError
+from ...bundle.errors import BuildError
 
 PIPELINE = "genie_pipeline.json"
 TEXT_GENERATOR = "text-generator.json"
 TEXT_ENCODER = "text-encoder.json"
 NODE = {"image": "imageEncoder", "audio": "audioEncoder"}  # genie_pipeline.json node keys
 # GenieNode_IOName_t, by name (genie-app scripts spell them so); the numbers are runtime facts
-# (runtime/genie_pipeline.py IO)
+# (runtime/genie/pipelinemodel.py IO)
 OUTPUT_IO = {"image": "GENIE_NODE_IMAGE_ENCODER_EMBEDDING_OUTPUT",
              "audio": "GENIE_NODE_AUDIO_ENCODER_EMBEDDING_OUTPUT"}
 EMBEDDING_INPUT = "GENIE_NODE_TEXT_GENERATOR_EMBEDDING_INPUT"
@@ -57,7 +57,7 @@ def media_row_tail(spec, host_file: Path, media_pad_id: int | None) -> np.ndarra
     if media_pad_id is None:
         raise BuildError("--genie: a media row needs the per-layer columns of a pad token, and "
                          "the host recipe names none (media_pad_id)")
-    from ..runtime.hostfile import load_host_tensors
+    from ...bundle.hostfile import load_host_tensors
 
     host = load_host_tensors(host_file)
     return np.concatenate([np.asarray(host[name][media_pad_id], np.float32) * np.float32(scale)
@@ -168,8 +168,8 @@ def export_nodes(encoders: list, specs: list, hf, fam, args, manifest, root: Pat
     """Each tower that states a Genie node form, exported once (the graph is arch-independent)
     with its fixed-point inputs: {modality: (form, onnx path)}; the others are said and left
     out (their media are refused by ``--backend genie``)."""
-    from ..errors import UnsupportedModelError
-    from .export import export_module, share_weights
+    from ...bundle.errors import UnsupportedModelError
+    from ..export.onnxexport import export_module, share_weights
 
     gspec = fam.genie_spec(hf, args)
     if not gspec.lut:
@@ -197,7 +197,7 @@ def export_nodes(encoders: list, specs: list, hf, fam, args, manifest, root: Pat
         log(f"  exported Genie {form.role} node ({time.perf_counter() - t:.1f}s)")
         out[spec.modality] = (form, path)
         geniex = getattr(enc, "geniex_node", None)
-        if geniex is not None:  # GenieX's own vision graph (forge/geniex.py VISION_ENCODER)
+        if geniex is not None:  # GenieX's own vision graph (forge/genie/geniex.py VISION_ENCODER)
             with fam.float32(hf):
                 gform = geniex(hf, spec, tail)
                 gpath = work / "geniex-vision.onnx"
@@ -210,12 +210,12 @@ def export_nodes(encoders: list, specs: list, hf, fam, args, manifest, root: Pat
 
 def build_genie_pipelines(fam, hf, args, encoders: list, specs: list, targets, opts, root: Path,
                           manifest, log) -> None:
-    """For each HTP target's Genie folder (forge/genie.py made it), the towers as Genie nodes:
+    """For each HTP target's Genie folder (forge/genie/decoder.py made it), the towers as Genie nodes:
     compiled per arch, their node configs, text-generator.json and genie_pipeline.json."""
+    from ..compile.contexts import compile_graph
     from . import geniex
     from .ctxname import rename_graph
-    from .genie_bundle import CONFIG, folder_name
-    from .htp.compile import compile_graph
+    from .folder import CONFIG, folder_name
 
     if not encoders:
         return

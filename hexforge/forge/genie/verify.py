@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import BuildError
+from ...bundle.errors import BuildError
 
 MASKED = -1000.0  # what Genie writes into a float32 mask (docs/genie.md)
 STATES = ("conv_state_", "recurrent_state_")  # Genie's linear-attention tensors
@@ -171,7 +171,7 @@ class GenieGraphs:
         return np.concatenate([self.run(ids[i:i + self.N]) for i in range(0, len(ids), self.N)])
 
 
-# issue 61: the decoder inputs a Genie pipeline's image node feeds (forge/genie_pipeline.py,
+# issue 61: the decoder inputs a Genie pipeline's image node feeds (forge/genie/towers.py,
 # Qwen3-VL's deepstack): on a text prompt Genie writes no row of them
 SIDE_INPUTS = ("visual_pos_masks", "deepstack_visual_embeds_")
 UNWRITTEN = 1e30  # what an unwritten row may hold (Genie's buffers: up to 2e34, measured)
@@ -195,7 +195,7 @@ def open_genie_graphs(ctx_files: dict[int, list[Path]], genie_folder: Path, htp_
                       soc_model: int) -> GenieGraphs:
     import onnxruntime as ort
 
-    from ..runtime import qnn
+    from ...runtime import qnn
 
     cfg = json.loads((genie_folder / "genie_config.json").read_text())
     so = qnn.session_options(qnn.provider_options(htp_arch, soc_model, True), {})
@@ -213,8 +213,8 @@ def verify_genie(graphs: GenieGraphs, ref: dict, quant: str, new_tokens: int,
     ``steps`` and ``continue_after_miss`` as there)."""
     from dataclasses import asdict
 
-    from .quality import compare, log_softmax
-    from .verify import GATES, first_miss, greedy_as_forced, greedy_up_to_miss, kl_failures
+    from ..oracle.quality import compare, log_softmax
+    from ..oracle.verify import GATES, first_miss, greedy_as_forced, greedy_up_to_miss, kl_failures
 
     prompt, tokens = ref["prompt"], ref["tokens"][:steps]
     graphs.reset()
@@ -271,10 +271,10 @@ def verify_genie_bundles(root: Path, manifest, args, refs: dict[str, dict], new_
                          text_name: str) -> dict[str, dict]:
     """Each HTP target's Genie bundle (``genie-<target>/``) judged on the HTP -> {folder: report},
     beside the targets' own in report.json."""
-    from ..runtime import qnn
-    from .genie_bundle import folder_name
-    from .progress import stage
-    from .verify import simulated_steps
+    from ...runtime import qnn
+    from ..oracle.verify import simulated_steps
+    from ..progress import stage
+    from .folder import folder_name
 
     out = {}
     work = root / "_work" / "genie"

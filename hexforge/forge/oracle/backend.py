@@ -1,5 +1,5 @@
-"""The cpu backend the oracle and calibration run a bundle's graphs on (forge/verify.py,
-htp/stage.py): the runtime's, with each weights file mapped once where the runtime would not
+"""The cpu backend the oracle and calibration run a bundle's graphs on (forge/oracle/verify.py,
+forge/compile/stage.py): the runtime's, with each weights file mapped once where the runtime would not
 pack the weights.
 
 Below both of its users, so neither imports the other for it.
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..manifest import GraphSpec
-from ..runtime.backends import Backend, disable_prepacking
+from ...bundle.manifest import GraphSpec
+from ...runtime.backends import Backend, disable_prepacking
 
 
 class OracleCpuBackend(Backend):

@@ -1,7 +1,7 @@
 """One onnxruntime call on one graph file: the checks that compare graphs run through it.
 
 A leaf of the forge (it imports only onnxruntime and the runtime's QNN helpers), so the HTP
-checks (htp/graphcheck.py, htp/probe.py) share it without importing each other.
+checks (forge/compile/graphcheck.py, forge/compile/probe.py) share it without importing each other.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime import qnn
+from ...runtime import qnn
 
 
 def run_graph(path: Path, feeds: dict[str, np.ndarray], so=None) -> dict[str, np.ndarray]:

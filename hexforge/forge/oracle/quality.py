@@ -10,15 +10,15 @@ Why KL and not the cosine of raw logits: a softmax ignores a constant added to e
 cosine does not (an int4 cpu bundle of SmolLM2 scored logits cos 0.006 with top-1 0.91).
 
 The text is English prose written for this purpose, and neither the calibration text
-(forge/calib.py) nor the oracle's prompt (forge/verify.py): a build never sees it before it is
-judged on it. ``--eval-text FILE`` replaces it.
+(forge/quantize/calibtext.py) nor the oracle's prompt (forge/oracle/verify.py): a build never
+sees it before it is judged on it. ``--eval-text FILE`` replaces it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..errors import BuildError
+from ...bundle.errors import BuildError
 
 EVAL_TEXT = (
     "The lighthouse keeper woke before dawn, as he had done for thirty years. He climbed the "
@@ -51,7 +51,7 @@ MAX_EVAL_BYTES = 1 << 20
 
 def eval_text(path: str | None) -> str:
     """The built-in held-out text, or the UTF-8 text of ``--eval-text FILE``."""
-    from .calib import read_text_option
+    from ..quantize.calibtext import read_text_option
 
     return read_text_option("--eval-text", path, MAX_EVAL_BYTES) if path else EVAL_TEXT
 
@@ -146,8 +146,8 @@ def rows_head(engine):
     import onnx
     import onnxruntime as ort
 
-    from ..manifest import confine
-    from ..runtime.backends import configure_threads, disable_prepacking
+    from ...bundle.manifest import confine
+    from ...runtime.backends import configure_threads, disable_prepacking
 
     if engine.target.htp_arch is not None:
         return None
@@ -188,7 +188,7 @@ def twin_head(path, hidden_dtype: str = "float32"):
     teacher-forced ones, on the simulator) measure."""
     import onnxruntime as ort
 
-    from ..runtime.backends import configure_threads
+    from ...runtime.backends import configure_threads
 
     so = ort.SessionOptions()
     so.log_severity_level = 3

@@ -16,16 +16,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import BackendError
-from ..manifest import ENCODER_ROLES, GraphSpec, Manifest
-from ..runtime import qnn
-from ..runtime.backends import Backend
-from ..runtime.engine import Engine
-from ..runtime.sampling import greedy
-from ..runtime.text import TextTokenizer
-from .htp.recipes import canonical
-from .oracle_backend import OracleCpuBackend
-from .progress import stage
+from ...bundle.errors import BackendError
+from ...bundle.manifest import ENCODER_ROLES, GraphSpec, Manifest
+from ...runtime import qnn
+from ...runtime.backends import Backend
+from ...runtime.engine import Engine
+from ...runtime.sampling import greedy
+from ...runtime.text import TextTokenizer
+from ..progress import stage
+from ..quantize.recipes import canonical
+from .backend import OracleCpuBackend
 
 VERIFY_TEXT = ("The capital of France is Paris, and the river that runs through it is the Seine. "
                "Static shapes, quantized weights and a careful oracle make a model run on an NPU. ")
@@ -35,7 +35,7 @@ VERIFY_TEXT = ("The capital of France is Paris, and the river that runs through 
 class Gate:
     graph_cos: float | None  # every decoder graph's hidden state, every row (logits are judged
     # by KL); None: reported, not gated
-    kl: float  # mean KL(HF ‖ bundle), teacher-forced prompt and held-out text (forge/quality.py)
+    kl: float  # mean KL(HF ‖ bundle), teacher-forced prompt and held-out text (forge/oracle/quality.py)
     top1: float  # top-1 agreement with HF, teacher-forced prompt and held-out text
     greedy_exact: bool
 
@@ -148,7 +148,7 @@ def hf_reference(family, hf, prompt: list[int], new_tokens: int,
 
 @dataclass(frozen=True)
 class EvalText:
-    """The held-out text the oracle scores every target on (forge/quality.py)."""
+    """The held-out text the oracle scores every target on (forge/oracle/quality.py)."""
 
     text: str
     name: str = "built-in"
@@ -173,7 +173,7 @@ def hf_references(bundle: Path, manifest: Manifest, family, hf, targets: list[st
     """HF's side of the oracle for each target (one HF run per distinct prompt), computed before
     any graph loads: the caller may then free the HF model (``verify_bundle(references=...)``).
     A bf16/fp16-loaded model computes as fp32 (``family.float32_forward``)."""
-    from ..manifest import confine
+    from ...bundle.manifest import confine
 
     tok = TextTokenizer(confine(bundle, manifest.tokenizer.dir))
     evaluation = evaluation or default_eval()
@@ -332,7 +332,7 @@ SIMULATED_NBITS_TOKENS = 8
 
 def simulated_steps(spec, new_tokens: int) -> int:
     """The teacher-forced / greedy tokens target ``spec`` is judged on in the x86 simulator."""
-    from .htp.recipes import built_recipe
+    from ..quantize.recipes import built_recipe
 
     return min(new_tokens, SIMULATED_NBITS_TOKENS) if built_recipe(spec).weight_only \
         else new_tokens
@@ -342,8 +342,8 @@ def simulated_twin_head(bundle: Path, spec, sources: dict[str, str] | None, engi
     """On the x86 simulator, a weight-only target's held-out text goes through its head's CPU
     twin (``quality.twin_head``: the graph the head binary was compiled from, ``sources``), its
     decoder rows still the binaries'; None elsewhere (the target's own head)."""
-    from ..manifest import confine
-    from .htp.recipes import built_recipe
+    from ...bundle.manifest import confine
+    from ..quantize.recipes import built_recipe
     from .quality import twin_head
 
     if spec.htp_arch is None or qnn.is_arm_host() or not built_recipe(spec).weight_only:
@@ -375,7 +375,7 @@ def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[st
     ``qdq_twins`` (graph name -> the QDQ graph it was compiled from) gets them judged on the CPU
     EP too (``qdq_on_cpu``), with the towers' float graphs ``encoders`` (default: the cpu
     target's): whether the quantization or the HTP lost the accuracy."""
-    from ..manifest import confine
+    from ...bundle.manifest import confine
 
     tok = TextTokenizer(confine(bundle, manifest.tokenizer.dir))
     report = {}
@@ -475,8 +475,8 @@ def qdq_twin(manifest: Manifest, target: str, files: dict[str, str],
 
 def verify_encoders(engine, manifest, hf, htp: bool, cpu_weights: str | None = None) -> dict:
     """Each encoder's example inputs through the target's graph vs HF: cosine of valid rows."""
-    from ..families import encoder_families
-    from .encoders import encoder_gate, example_feeds
+    from ...families import encoder_families
+    from ..export.encoders import encoder_gate, example_feeds
 
     gate = encoder_gate(htp, cpu_weights)
     report = {}

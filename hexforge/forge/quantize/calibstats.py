@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import BuildError
+from ...bundle.errors import BuildError
 
 
 def weight_key(t) -> str:

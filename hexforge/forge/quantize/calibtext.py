@@ -1,6 +1,6 @@
 """The calibration text: activation ranges (QDQ), norm prescales, GPTQ Hessians all come from it.
 
-Deliberately not the oracle's text (forge/verify.py), so the oracle's numbers are
+Deliberately not the oracle's text (forge/oracle/verify.py), so the oracle's numbers are
 calibration-independent. ``--calib FILE`` replaces it.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import BuildError
+from ...bundle.errors import BuildError
 
 CALIB_TEXT = (
     "Once upon a time, in a small village by the sea, there lived an old fisherman and his cat. "

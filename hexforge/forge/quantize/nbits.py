@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import BuildError
-from .memory import release_heap
+from ...bundle.errors import BuildError
+from ..heap import release_heap
 
 # ---- cpu target: weight-only int8 / int4 through onnxruntime's MatMulNBits ----------------------
 # name -> (bits, block size along K). accuracy_level 4: the activations are quantized to int8 per
@@ -56,7 +56,7 @@ def host_table_formats(weights: str, embed: str, extras: list[str], tensors: dic
     peer runs them at 4 bits to compare against; ``int4_extras`` (--int4-per-layer-tables, int4
     weights) puts them in the weights' int4 blocks where those divide their width. Qwen3.5-0.8B's
     embedding: 508 MB bf16, 286 MB int8."""
-    from ..runtime.qtables import INT8_BLOCK
+    from ...bundle.qtables import INT8_BLOCK
 
     fmt = check_cpu_weights(weights)
     if fmt is None:
@@ -97,7 +97,7 @@ def quantize_cpu_graph(path: Path, bits: int, block_size: int, vocab_size: int |
     import onnx
     from onnx import helper, numpy_helper
 
-    from .export import append_external, read_external
+    from ..export.onnxexport import append_external, read_external
 
     model = onnx.load(str(path), load_external_data=False)
     folder, data = path.parent, path.name + ".data"

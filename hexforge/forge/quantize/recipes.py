@@ -1,14 +1,14 @@
 """Quantization recipes for HTP targets (``--quant``): data, one ``QuantRecipe`` per name.
 
 The planner reads ``bytes_per_weight``; the QDQ pass (qdq.py) and the weight-only pass
-(forge/nbits.py) read the weight and activation formats.
+(forge/quantize/nbits.py) read the weight and activation formats.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ...errors import BuildError, BundleError
+from ...bundle.errors import BuildError, BundleError
 
 
 @dataclass(frozen=True)

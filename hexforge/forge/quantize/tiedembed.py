@@ -9,7 +9,7 @@
     └──────────────────────────────┘       └──────────────────────────────────────────┘
 
 A tied head's weight is the embedding table transposed, and both go through onnxruntime's
-4- or 8-bit quantizer with rows as its N, so the two hold the same bytes (runtime/qtables.py
+4- or 8-bit quantizer with rows as its N, so the two hold the same bytes (bundle/qtables.py
 ``Int4Table``, ``Int8Table``). Where they do, byte for byte, the table leaves host.safetensors and
 the manifest points at the head's ranges (``SharedRows``): Qwen3-0.6B stores 82 MB less at
 int4-b128, 175 MB at int8. Bundles with HTP targets keep their own table (forge/pipeline.py):
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..manifest import SharedRows, TargetSpec
-from ..runtime.hostfile import check_safetensors_header
-from ..runtime.qtables import INT4_SCALES, INT8_SCALES
+from ...bundle.hostfile import check_safetensors_header
+from ...bundle.manifest import SharedRows, TargetSpec
+from ...bundle.qtables import INT4_SCALES, INT8_SCALES
 
 
 def _external_range(model, name: str) -> tuple[str, int, int] | None:

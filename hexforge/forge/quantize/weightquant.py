@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import BuildError
+from ...bundle.errors import BuildError
 
 
 def rtn_int8(w: np.ndarray, block: int | None = None,

@@ -7,8 +7,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CheckpointError
-from ..manifest import MANIFEST_NAME
+from ...bundle.errors import CheckpointError
+from ...bundle.manifest import MANIFEST_NAME
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -44,8 +44,8 @@ def _read_json(path: Path) -> dict:
 
 def read_checkpoint(path: str | Path, log=None) -> Checkpoint:
     """A HF checkpoint dir; a hub id ``ORG/NAME`` with nothing on disk by that name, resolved in
-    the HF cache (``forge/hub.py``); or a GGUF file (or a dir holding one), converted once into
-    a cached checkpoint dir (``forge/gguf.py``), whose dequantized fp32 model is then the oracle."""
+    the HF cache (``forge/source/hub.py``); or a GGUF file (or a dir holding one), converted once into
+    a cached checkpoint dir (``forge/source/gguf.py``), whose dequantized fp32 model is then the oracle."""
     from .gguf import find_gguf, gguf_checkpoint
     from .hub import hub_checkpoint, is_hub_id
 

@@ -31,8 +31,8 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import CheckpointError
-from .partial import TempDir, remove_stale
+from ...bundle.errors import CheckpointError
+from ..partial import TempDir, remove_stale
 
 GGUF_MAGIC = b"GGUF"
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..errors import CheckpointError
+from ...bundle.errors import CheckpointError
 
 # config, weights, tokenizer, generation defaults, chat template, media processor configs
 CHECKPOINT_FILES = [

@@ -23,8 +23,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import BundleError
-from ..manifest import MANIFEST_NAME, confine
+from ...bundle.errors import BundleError
+from ...bundle.manifest import MANIFEST_NAME, confine
 
 CONFIG = "genie_config.json"
 MAX_CONFIG_BYTES = 1 << 20
@@ -90,7 +90,7 @@ def _check_paths(folder: Path, config: dict) -> list[Path]:
 
 
 def _check_binaries(bins: list[Path]) -> None:
-    from .qnn import binary_info  # the header text alone: no QNN library is loaded
+    from ..qnn import binary_info  # the header text alone: no QNN library is loaded
 
     for b in bins:
         binary_info(b)  # "not a QNN HTP context binary (no soc/arch header)"
@@ -124,8 +124,8 @@ def _check_against_bundle(folder: Path, config: dict, digests: bool | None) -> N
     bundle = folder.parent
     if not (bundle / MANIFEST_NAME).is_file():
         return  # a Genie folder on its own (copied out, or AI Hub's): the checks above only
-    from ..bundlefiles import check_load
-    from ..manifest import load_manifest, refuse_symlinks_outside
+    from ...bundle.bundlefiles import check_load
+    from ...bundle.manifest import load_manifest, refuse_symlinks_outside
 
     m = load_manifest(bundle, check_files=False)  # the other targets' files are not read here
     refuse_symlinks_outside(folder)  # nor is anything through a link out of the Genie folder
@@ -160,7 +160,7 @@ def check_prompt_fits(n_prompt: int, config: dict) -> None:
     context: past that it logs "Context Size was exceeded." and returns no token and no error
     (measured: CL 128, N 64: 65 tokens answer, 66 do not; N 16: 113 / 114), though decoding
     runs on to the context's end. Refused here in one line instead of an empty answer."""
-    from ..errors import RequestError
+    from ...bundle.errors import RequestError
 
     C = int(config["dialog"]["context"]["size"])
     N = prefill_len(config)

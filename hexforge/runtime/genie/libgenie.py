@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..errors import BackendError
+from ...bundle.errors import BackendError
 
 # GenieCommon.h: 0 success, positive values are warnings, negative ones errors
 STATUS_NAMES = {0: "SUCCESS", 1: "WARNING_ABORTED", 2: "WARNING_BOUND_HANDLE",

@@ -1,5 +1,5 @@
 """``--backend genie``: a bundle's Genie folder run through libGenie, with the Model API's
-``generate`` / ``stream`` (runtime/genie.py is the C API; this is the bundle side).
+``generate`` / ``stream`` (runtime/genie/libgenie.py is the C API; this is the bundle side).
 
     BUNDLE/genie-v81/genie_config.json   (build --genie), or a Genie folder itself
       └─ config, made runnable here: paths absolute, BOS off (hexforge tokenizes, its tokenizer's
@@ -21,11 +21,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..errors import BundleError, RequestError
-from ..manifest import GenerationDefaults, load_manifest
-from . import genie
-from .genie_checks import check_folder, check_prompt_fits
-from .options import (
+from ...bundle.errors import BundleError, RequestError
+from ...bundle.manifest import GenerationDefaults, load_manifest
+from ..options import (
     Done,
     GenerationMethods,
     GenerationOptions,
@@ -34,7 +32,9 @@ from .options import (
     check_request,
     request_clock,
 )
-from .text import ChatTemplate, TextTokenizer, encode_prompt
+from ..text import ChatTemplate, TextTokenizer, encode_prompt
+from . import libgenie as genie
+from .checks import check_folder, check_prompt_fits
 
 CONFIG = "genie_config.json"
 
@@ -72,7 +72,7 @@ def absolute_paths(config: dict, folder: Path) -> dict:
     The keys that name files are ``genie_checks.named_files``' (one list for both)."""
     import re
 
-    from .genie_checks import named_files
+    from .checks import named_files
 
     cfg = copy.deepcopy(config)
     for where, path in list(named_files(cfg)):
@@ -147,7 +147,7 @@ class GenieModel(GenerationMethods):
         self.bundle = Path(bundle)
         self.folder = find_folder(self.bundle, arch if arch is None or arch.startswith("v")
                                   else f"v{arch}")
-        # integrity (genie_checks.py): the folder's files, paths and tokenizer judged before
+        # integrity (checks.py): the folder's files, paths and tokenizer judged before
         # libGenie sees them
         self.config = check_folder(self.folder)
         _refuse_shared_weights_off_device(self.folder, self.config)
