@@ -312,8 +312,8 @@ def main() -> None:
 
     from realshape import make_checkpoint
 
-    from hexforge.bench import peak_rss_mb
-    from hexforge.inspect import inspect_bundle
+    from hexforge.commands.bench import peak_rss_mb
+    from hexforge.commands.inspect import inspect_bundle
     from hexforge.runtime.backends import cpu_threads
 
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731

@@ -1,5 +1,5 @@
 """What one graph's export adds to the build process at its peak, against --context: the
-measurement behind ``forge/memory.py``'s export_need_bytes and ``forge/budget.py``'s estimate.
+measurement behind ``forge/heap.py``'s export_need_bytes and ``forge/budget.py``'s estimate.
 
     python bench/export_memory.py CKPT --role prefill --context 8192 [--htp] [--json out.json]
 
@@ -39,8 +39,8 @@ def main() -> None:
     import torch
 
     from hexforge.families import load_family
-    from hexforge.forge.checkpoint import read_checkpoint
-    from hexforge.forge.export import export_module
+    from hexforge.forge.export.onnxexport import export_module
+    from hexforge.forge.source.checkpoint import read_checkpoint
 
     ck = read_checkpoint(a.checkpoint)
     fam = load_family(ck.model_type).FAMILY

@@ -110,8 +110,8 @@ def main() -> int:
     import torch
 
     from hexforge.families import load_family
-    from hexforge.forge.checkpoint import read_checkpoint
-    from hexforge.forge.quality import eval_text
+    from hexforge.forge.oracle.quality import eval_text
+    from hexforge.forge.source.checkpoint import read_checkpoint
     from hexforge.runtime.text import TextTokenizer
 
     work = Path(a.work)

@@ -9,7 +9,7 @@ Each configuration varies the axes a family's Genie mapping depends on — head 
 windows shorter and longer than the prompt, rotary fractions and M-RoPE sections, tied and
 untied heads, KV-sharing counts, per-layer inputs, splits, image sizes — and each bundle is
 asked prompts around the prefill length and up to the most Genie's prefill takes
-(CL - N + 1, ``runtime/genie_checks.check_prompt_fits``). tests/test_genie_conformance.py runs
+(CL - N + 1, ``runtime/genie/checks.check_prompt_fits``). tests/test_genie_conformance.py runs
 MATRIX; this script draws new configurations at random for longer runs and prints each one's
 overrides, so a failing draw is a command to rerun.
 """
@@ -30,7 +30,7 @@ NEW_TOKENS = 10
 
 @dataclass(frozen=True)
 class Variant:
-    """One tiny configuration: ``family`` (a hexforge.tiny TINY_CONFIGS key), its seed, config
+    """One tiny configuration: ``family`` (a hexforge.forge.source.tiny TINY_CONFIGS key), its seed, config
     overrides and build options beyond the fixed ones (fp16, v81, --genie, --no-verify)."""
 
     name: str
@@ -130,7 +130,7 @@ def draw(family: str, rng: random.Random, index: int) -> Variant:
 def build_variant(v: Variant, folder: Path) -> Path:
     """The variant's checkpoint and bundle under ``folder`` -> the bundle."""
     from hexforge.forge.pipeline import BuildOptions, build
-    from hexforge.tiny import make_tiny_checkpoint
+    from hexforge.forge.source.tiny import make_tiny_checkpoint
 
     ckpt = folder / "ckpt"
     if not (ckpt / "config.json").exists():
@@ -163,12 +163,12 @@ def compare(bundle: Path, v: Variant, work: Path) -> list[str]:
     are not compared (their prefixes differ)."""
     import hexforge
     from hexforge.runtime.compare import differs_past_ties, greedy_margins
-    from hexforge.runtime.genie_model import GenieModel
+    from hexforge.runtime.genie.model import GenieModel
 
     sim = hexforge.load(bundle, backend="qnn-sim")
     bad = []
     if v.image is not None:
-        from hexforge.runtime.genie_pipeline import open_genie
+        from hexforge.runtime.genie.pipelinemodel import open_genie
 
         image = _png(work, v.image)
         want = sim.generate("Describe it.", max_new_tokens=NEW_TOKENS, ignore_eos=True,
@@ -221,7 +221,7 @@ def main() -> None:
     ap.add_argument("--family", action="append",
                     help="llama, qwen3, gemma3, gemma4, qwen3_5, qwen3_vl (default: all)")
     a = ap.parse_args()
-    from hexforge.errors import BuildError
+    from hexforge.bundle.errors import BuildError
 
     families = a.family or ["llama", "qwen3", "gemma3", "gemma4", "qwen3_5", "qwen3_vl"]
     rng = random.Random(a.seed)
@@ -233,7 +233,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             if not (folder / "ckpt" / "config.json").exists():
-                from hexforge.tiny import make_tiny_checkpoint
+                from hexforge.forge.source.tiny import make_tiny_checkpoint
 
                 make_tiny_checkpoint(v.family, folder / "ckpt", seed=v.seed, **v.config)
         except Exception as e:  # a draw HF's own model refuses (e.g. KV sharing without PLE)

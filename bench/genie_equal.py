@@ -47,14 +47,14 @@ def main() -> None:
 
     t = time.perf_counter()
     if a.image or a.audio:  # a text prompt with the medium, through GeniePipeline
-        from hexforge.runtime.genie_pipeline import open_genie
+        from hexforge.runtime.genie.pipelinemodel import open_genie
 
         media = dict(images=[str(a.image)] if a.image else None,
                      audios=[str(a.audio)] if a.audio else None)
         prompt: str | list[int] = "Describe it."
         model = open_genie(a.bundle)
     else:
-        from hexforge.runtime.genie_model import GenieModel
+        from hexforge.runtime.genie.model import GenieModel
 
         media = {}
         prompt = [1000 + 37 * i for i in range(a.prompt_ids)]  # in every seed's vocabulary

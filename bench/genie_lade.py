@@ -31,8 +31,8 @@ def run(folder: Path, config: dict, text: str, dialog: dict
         ) -> tuple[str, list[str], int, int]:
     """-> (the answer, every graph call of the query, the index of its first AR-1 call, Genie's
     status)."""
-    from hexforge.runtime import genie
-    from hexforge.runtime.genie_model import absolute_paths
+    from hexforge.runtime.genie import libgenie as genie
+    from hexforge.runtime.genie.model import absolute_paths
 
     cfg = absolute_paths(config, folder)
     cfg["dialog"].update(dialog)
@@ -59,8 +59,8 @@ def main() -> int:
     from speculative import TASKS
     from tokenizers import Tokenizer
 
-    from hexforge.runtime import genie
-    from hexforge.runtime.genie_model import find_folder
+    from hexforge.runtime.genie import libgenie as genie
+    from hexforge.runtime.genie.model import find_folder
     from hexforge.runtime.text import ChatTemplate
 
     bundle = Path(a.bundle)

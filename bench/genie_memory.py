@@ -26,7 +26,7 @@ and hexforge's own code says what a ``--genie --target v81`` build of it would p
   target (docs/realsize.md: Qwen3-VL-2B's vision 829 MB; Gemma-4-E4B's vision + audio 1.48 GB,
   its 6.46 GB v81 target less the 4.98 GB decoder), not the Genie node binaries themselves;
   a shape without a measurement: ``fam.tower_parameters`` x 2 bytes (fp16) x 1.04. Qwen3.5's
-  tower makes no node (its LUT has no media row tail: forge/genie_pipeline.py leaves it out),
+  tower makes no node (its LUT has no media row tail: forge/genie/towers.py leaves it out),
   yet its LUT is float32 all the same, as pipeline.py decides by the towers alone.
 - KV / state at ``--context`` rows, fp16, one set (AR-N and AR-1 read the same buffers): from
   ``fam.state_spec`` -- each kv_full / kv_sliding layer 2 x kv_heads x head_dim x context x 2 B
@@ -145,7 +145,7 @@ def options(quant: str, context: int, prefill_len: int):
 def contexts(fam, hf, shards, bpw: float, hbpw: float, gather: int) -> list[int]:
     """Each split's context bytes: its layers (+ the head on the last, + the token table on the
     first where the graphs gather it) x CONTEXT_OVERHEAD."""
-    from hexforge.forge.graphs import CONTEXT_OVERHEAD
+    from hexforge.forge.export.graphs import CONTEXT_OVERHEAD
 
     layers = fam.layer_weight_bytes(hf, bpw)
     head = fam.head_weight_bytes(hf, hbpw)
@@ -158,7 +158,7 @@ def contexts(fam, hf, shards, bpw: float, hbpw: float, gather: int) -> list[int]
 
 def lut_bytes(fam, hf, args, towers: bool) -> tuple[int, int, int, int]:
     """(bytes, rows, width, bytes a value) of Genie's embedding LUT."""
-    from hexforge.forge.genie_bundle import NEVER_ROW
+    from hexforge.forge.genie.folder import NEVER_ROW
 
     spec = fam.genie_spec(hf, args)
     if not spec.lut:
@@ -186,8 +186,8 @@ def state_bytes(fam, args, context: int) -> int:
 
 
 def plan(fam, hf, args, quant: str, context: int, prefill_len: int, log=lambda m: None) -> dict:
-    from hexforge.forge.graphs import head_bytes_per_weight, plan_genie, plan_target
-    from hexforge.targets import get_target
+    from hexforge.bundle.targets import get_target
+    from hexforge.forge.export.graphs import head_bytes_per_weight, plan_genie, plan_target
 
     target = get_target("v81")
     opts = options(quant, context, prefill_len)
@@ -206,7 +206,7 @@ def plan(fam, hf, args, quant: str, context: int, prefill_len: int, log=lambda m
 
 
 def row(label: str, shape: str, quant: str, context: int, prefill_len: int) -> dict:
-    from hexforge.forge.graphs import CONTEXT_OVERHEAD
+    from hexforge.forge.export.graphs import CONTEXT_OVERHEAD
 
     fam, hf, args = meta_model(shape)
     towers = shape in TOWERS

@@ -34,7 +34,7 @@ def run_one(config: Path, ids: list[int], n: int) -> dict:
     (Genie leaves the first one's buffers behind: the second shows whether the graph survives
     a cache it did not clear). -> {"tokens", "again", "status", "log"}. Genie's whole log (info
     level) goes to genie.log beside the config as it comes."""
-    from hexforge.runtime import genie
+    from hexforge.runtime.genie import libgenie as genie
 
     out: dict = {"tokens": None, "again": None, "status": None, "log": []}
     with open(config.parent / "genie.log", "w") as f:
@@ -76,7 +76,7 @@ def genie_config(bins: list[Path], folder: Path, manifest, tokenizer_json: Path,
     """A Genie config around ``bins`` (absolute paths) in ``folder``; ``extra`` is merged into
     the dialog block. BOS is off: the probe passes hexforge's own token ids, BOS included."""
     from hexforge.families.base import GenieRope, GenieSpec
-    from hexforge.forge.genie_bundle import EXTENSIONS, backend_extensions, dialog_config
+    from hexforge.forge.genie.folder import EXTENSIONS, backend_extensions, dialog_config
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / EXTENSIONS).write_text(json.dumps(backend_extensions(soc_model, arch, False)))
@@ -126,16 +126,16 @@ def main() -> int:
     if not a.work:
         ap.error("--work is required")
 
+    from hexforge.bundle.manifest import load_manifest
+    from hexforge.bundle.targets import TARGETS
     from hexforge.families import load_family
     from hexforge.families.blocks import calibrate_norm_scales
     from hexforge.families.genieio import DenseGenieStep, GenieContract
-    from hexforge.forge.genie import compile_genie_graphs, export_genie_graphs
-    from hexforge.forge.htp.compile import compile_shared
+    from hexforge.forge.compile.contexts import compile_shared
+    from hexforge.forge.genie.decoder import compile_genie_graphs, export_genie_graphs
     from hexforge.forge.pipeline import BuildOptions, build
-    from hexforge.manifest import load_manifest
+    from hexforge.forge.source.tiny import make_tiny_checkpoint
     from hexforge.runtime.model import Model
-    from hexforge.targets import TARGETS
-    from hexforge.tiny import make_tiny_checkpoint
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

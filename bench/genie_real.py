@@ -38,7 +38,7 @@ def prompt_ids(model, name: str, n: int) -> list[int]:
         text = model.apply_chat_template([{"role": "user",
                                            "content": "What is the capital of France?"}])
         return model.encode(text)
-    from hexforge.forge.quality import eval_text
+    from hexforge.forge.oracle.quality import eval_text
 
     ids = model.encode(eval_text(None) * 4)
     if len(ids) < n:
@@ -59,9 +59,9 @@ def main() -> int:
     a = ap.parse_args()
 
     import hexforge
-    from hexforge.forge.checkpoint import read_checkpoint
     from hexforge.forge.pipeline import BuildOptions, build
-    from hexforge.runtime.genie_model import GenieModel
+    from hexforge.forge.source.checkpoint import read_checkpoint
+    from hexforge.runtime.genie.model import GenieModel
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -87,7 +87,7 @@ def bundle_of(model: str, work: Path) -> Path:
 def preprocess(bundle: Path, modality: str, item: str) -> tuple[object, dict, int]:
     """(the tower's EncoderSpec, its graph inputs, its soft-token count) for one item, by the
     host preprocessing every backend feeds the towers with."""
-    from hexforge.manifest import load_manifest
+    from hexforge.bundle.manifest import load_manifest
     from hexforge.runtime.multimodal import decode_media
 
     manifest = load_manifest(bundle)
@@ -117,8 +117,9 @@ def genie_rows(bundle: Path, modality: str, feeds: dict) -> np.ndarray:
     """The Genie node's rows [S, LUT width] for the same inputs through libGenie: one node in a
     pipeline of its own, rows from its embedding callback; the image node's vision-param set
     to the image's patch grid as a request does."""
-    from hexforge.runtime import genie
-    from hexforge.runtime.genie_pipeline import PIPELINE, Node, Pipeline, media_feeds, node_paths, patch_grid
+    from hexforge.runtime.genie import libgenie as genie
+    from hexforge.runtime.genie.libpipeline import Node, Pipeline
+    from hexforge.runtime.genie.pipelinemodel import PIPELINE, media_feeds, node_paths, patch_grid
 
     folder = bundle / "genie-v81"
     desc = json.loads((folder / PIPELINE).read_text())
@@ -145,7 +146,7 @@ def genie_rows(bundle: Path, modality: str, feeds: dict) -> np.ndarray:
 
 
 def compare(want: np.ndarray, got: np.ndarray) -> dict:
-    from hexforge.forge.verify import cosine_rows
+    from hexforge.forge.oracle.verify import cosine_rows
 
     got = got[: want.shape[0], : want.shape[1]]
     cos = cosine_rows(got, want)

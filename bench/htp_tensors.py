@@ -1,6 +1,6 @@
 """Which op of an HTP target loses the accuracy? Per-tensor relative error vs the float graph, of
 the QDQ graph on the CPU EP (the quantization alone) and compiled for the HTP (simulator on x86),
-for one graph call on the oracle prompt (hexforge/forge/htp/probe.py).
+for one graph call on the oracle prompt (hexforge/forge/compile/probe.py).
 
     hexforge build CKPT -o B --target v81 --quant w8a16 --keep-work [--no-verify]
     python bench/htp_tensors.py B [--target v81] [--graph s0.decode] [--step 8] [--worst 20]
@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
-    from hexforge.forge.htp.probe import tensor_errors
+    from hexforge.forge.compile.probe import tensor_errors
 
     rows = tensor_errors(a.bundle, a.target, a.graph, a.step)
     ops = [r for r in rows if r.op != "output"]

@@ -51,9 +51,9 @@ def gguf(name: str, work: Path) -> Path:
 
 def row(model: str, quant: str, context: int, prefill_len: int, work: Path, keep: bool,
         keep_work: bool = False) -> dict:
+    from hexforge.bundle.targets import TARGETS
+    from hexforge.commands.inspect import inspect_bundle
     from hexforge.forge.pipeline import BuildOptions, build
-    from hexforge.inspect import inspect_bundle
-    from hexforge.targets import TARGETS
 
     out = work / f"{model}-{quant}-c{context}"
     opts = BuildOptions(targets="v81", quant=quant, context=context, prefill_len=prefill_len,
@@ -105,8 +105,8 @@ def optrace_report(src: Path, fp16: bool, title: str, top: int,
     EP ``options``) under Hextimate, markdown."""
     import tempfile
 
-    from hexforge.estimate import estimate_graph, op_breakdown, optrace
-    from hexforge.targets import TARGETS
+    from hexforge.bundle.targets import TARGETS
+    from hexforge.forge.compile.hextimate import estimate_graph, op_breakdown, optrace
 
     soc = TARGETS["v81"].estimator
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,10 +127,10 @@ def optrace_report(src: Path, fp16: bool, title: str, top: int,
 
 def optrace_table(bundle: Path, graph: str, top: int) -> str:
     """``optrace_report`` of one graph of a --keep-work bundle's v81 target."""
-    from hexforge.estimate_bundle import work_sources
-    from hexforge.forge.htp.compile import compile_options
-    from hexforge.forge.htp.recipes import get_recipe
-    from hexforge.manifest import load_manifest
+    from hexforge.bundle.manifest import load_manifest
+    from hexforge.commands.estimate import work_sources
+    from hexforge.forge.compile.contexts import compile_options
+    from hexforge.forge.quantize.recipes import get_recipe
 
     spec = load_manifest(bundle).targets["v81"]
     sources = work_sources(bundle, spec)

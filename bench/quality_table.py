@@ -57,8 +57,8 @@ def hf_reference(name: str, work: Path, tokens: int) -> HFReference:
     """``name`` (smollm2 / gemma3) loaded by transformers from its GGUF, and its fp32 logits on
     the first ``tokens`` of the held-out text."""
     from hexforge.families import load_family
-    from hexforge.forge.checkpoint import read_checkpoint
-    from hexforge.forge.quality import EVAL_TEXT, eval_ids, hf_logits
+    from hexforge.forge.oracle.quality import EVAL_TEXT, eval_ids, hf_logits
+    from hexforge.forge.source.checkpoint import read_checkpoint
     from hexforge.runtime.text import TextTokenizer
 
     ck = read_checkpoint(gguf(name, work))
@@ -78,7 +78,7 @@ def references(work: Path, tokens: int):
 
 def floor(name: str, block: int, work: Path) -> float:
     """HF's KL with its decoder Linear weights rounded to nearest int4 in ``block``s."""
-    from hexforge.forge.quality import fake_quant_floor
+    from hexforge.forge.oracle.quality import fake_quant_floor
 
     r = hf_reference(name, work, 256)
     return fake_quant_floor(r.hf, 4, block, r.ids, r.ref, r.fam.reference_layers(r.hf))["kl_mean"]
@@ -86,11 +86,11 @@ def floor(name: str, block: int, work: Path) -> float:
 
 def cpu_twin(bundle: Path, name: str, target: str, tokens: int, work: Path) -> dict:
     """The oracle's report on ``target``'s compiled-from graphs (``_work/``), run on the CPU EP."""
+    from hexforge.bundle.manifest import load_manifest
     from hexforge.families import load_family
-    from hexforge.forge.checkpoint import read_checkpoint
-    from hexforge.forge.htp.probe import qdq_graph_files
-    from hexforge.forge.verify import _qdq_on_cpu, hf_references
-    from hexforge.manifest import load_manifest
+    from hexforge.forge.compile.probe import qdq_graph_files
+    from hexforge.forge.oracle.verify import _qdq_on_cpu, hf_references
+    from hexforge.forge.source.checkpoint import read_checkpoint
     from hexforge.runtime.text import TextTokenizer
 
     ck = read_checkpoint(gguf(name, work))
@@ -108,9 +108,9 @@ def cpu_twin(bundle: Path, name: str, target: str, tokens: int, work: Path) -> d
 
 def row(spec: str, work: Path, context: int, tokens: int, twin: bool = False,
         kv_values: str = "fp16") -> str:
-    from hexforge.errors import ParityGateError
-    from hexforge.forge.htp.recipes import canonical
+    from hexforge.bundle.errors import ParityGateError
     from hexforge.forge.pipeline import BuildOptions, build
+    from hexforge.forge.quantize.recipes import canonical
 
     name, target, prec = spec.split(":")
     out = work / (spec.replace(":", "-") + ("" if kv_values == "fp16" else f"-kv{kv_values}"))

@@ -160,7 +160,7 @@ def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: 
         GenerationConfig,
     )
 
-    from hexforge.tiny import (
+    from hexforge.forge.source.tiny import (
         MM_TOKENS,
         condition_gemma4_vision_tower,
         make_tokenizer,
@@ -212,7 +212,7 @@ def write_random(config, auto, out: Path, dtype: str, base: str, unit_conditions
     made on the meta device and materialized one unit at a time — the largest module under
     ``unit_bytes``, a module named in ``unit_conditions``, or a single tensor-holding module —
     initialized by its own PreTrainedModel's ``_init_weights``, conditioned
-    (hexforge.tiny.condition_params / condition_buffers, and ``unit_conditions[name](module)``
+    (hexforge.forge.source.tiny.condition_params / condition_buffers, and ``unit_conditions[name](module)``
     for named units), queued for the current file in the dtype it was made in, and sent back to
     meta. Gemma-4-E4B's 7.9B parameters (15.9 GB bf16) peak at its largest tensor,
     the 5.6 GB per-layer embedding table. -> the parameter count."""
@@ -220,7 +220,7 @@ def write_random(config, auto, out: Path, dtype: str, base: str, unit_conditions
     from safetensors.torch import save_file
     from transformers import PreTrainedModel
 
-    from hexforge.tiny import condition_buffers, condition_params
+    from hexforge.forge.source.tiny import condition_buffers, condition_params
 
     torch.manual_seed(seed)
     with torch.device("meta"):

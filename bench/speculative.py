@@ -106,8 +106,8 @@ def bundle_hextimate(bundle: Path) -> dict:
     """hextimate_speedup's graph times from an HTP bundle built with ``--htp-verify --estimate``
     (its report.json): each role's graphs summed over the shards, of its first HTP target
     that has verify graphs."""
-    from hexforge.estimate_bundle import stored_estimates
-    from hexforge.manifest import load_manifest
+    from hexforge.bundle.manifest import load_manifest
+    from hexforge.commands.estimate import stored_estimates
 
     m = load_manifest(bundle)
     for name, est in stored_estimates(bundle, m).items():
@@ -142,7 +142,7 @@ def main() -> None:
         us = bundle_hextimate(src) if src.is_dir() else json.loads(src.read_text())
 
     import hexforge
-    from hexforge.inspect import decode_bytes_per_token
+    from hexforge.commands.inspect import decode_bytes_per_token
 
     model = hexforge.load(a.bundle)
     m, t = model.manifest, model.manifest.targets[model.target]

@@ -11,7 +11,7 @@ def load(bundle, backend: str = "cpu", arch: str | int | None = None, target: st
     """Load a built bundle -> ``hexforge.runtime.Model`` (its ``generate`` / ``stream`` / ``chat``
     take the typed keywords of ``hexforge.runtime.GenerationOptions``). backend: cpu | qnn |
     qnn-sim | auto | genie (the bundle's Genie folder through libGenie: a ``GenieModel`` of
-    runtime/genie_model.py, the same methods); arch: the device's Hexagon arch (e.g. "v81") for
+    runtime/genie/model.py, the same methods); arch: the device's Hexagon arch (e.g. "v81") for
     HTP targets; target: a bundle target by name (default: the backend's); allow_cpu_fallback:
     HTP nodes the device does not claim run on the CPU instead of refusing to load;
     check_digests: every file's SHA-256 against the manifest (True), only where this machine has

@@ -100,7 +100,7 @@ def once(tmp_path_factory):
 @pytest.fixture(scope="session")
 def ckpt(once):
     """ckpt("llama") -> path of a tiny checkpoint, made once per run."""
-    from hexforge.tiny import make_tiny_checkpoint
+    from hexforge.forge.source.tiny import make_tiny_checkpoint
 
     return lambda family: once(("ckpt", family),
                                lambda d: make_tiny_checkpoint(family, d / "ckpt")) / "ckpt"
@@ -141,7 +141,7 @@ def hf_model(ckpt):
 @pytest.fixture(scope="session")
 def hf_greedy(hf_model):
     """hf_greedy(family, prompt_ids, n) -> HF generate greedy tokens (fp32, EOS off), cached."""
-    from hexforge.forge.verify import hf_greedy_tokens
+    from hexforge.forge.oracle.verify import hf_greedy_tokens
 
     cache = {}
 
@@ -181,7 +181,7 @@ def text_with_tokens(tokenizer_dir: Path, n: int) -> str:
     """A prefix of a fixed text whose encoding (with special tokens) is exactly n tokens."""
     from tokenizers import Tokenizer
 
-    from hexforge.forge.verify import VERIFY_TEXT
+    from hexforge.forge.oracle.verify import VERIFY_TEXT
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     text = VERIFY_TEXT * 8
@@ -224,7 +224,7 @@ REAL_N = 64
 @pytest.fixture(scope="session", autouse=True)
 def _gguf_cache(tmp_path_factory):
     """GGUF conversions go to a cache of this run: each real model is converted once (two
-    workers converting one file at once both finish: forge/gguf.py renames into place)."""
+    workers converting one file at once both finish: forge/source/gguf.py renames into place)."""
     os.environ["HEXFORGE_CACHE"] = str(run_folder(tmp_path_factory, "hexforge-cache"))
 
 
@@ -285,7 +285,7 @@ def real_bundle(real_gguf, tmp_path_factory):
 def real_hf(real_gguf):
     """real_hf(name) -> (family, the HF fp32 oracle model, its checkpoint dir), loaded once."""
     from hexforge.families import load_family
-    from hexforge.forge.checkpoint import read_checkpoint
+    from hexforge.forge.source.checkpoint import read_checkpoint
 
     models = {}
 
@@ -309,7 +309,7 @@ def qairt(tmp_path):
     """A QAIRT SDK stand-in: QAIRT's layout and version file; genie-t2t-run and genie-app run
     the wheel's libGenie (tests/genie_t2t_standin.py, genie_app_standin.py), the libraries are
     placeholders."""
-    from hexforge.deploy import qairt_files
+    from hexforge.commands.deploy import qairt_files
 
     root = tmp_path / "qairt"
     for rel in qairt_files(81) + qairt_files(81, "genie-app"):

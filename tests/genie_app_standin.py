@@ -1,6 +1,6 @@
 """A stand-in for QAIRT's Android ``genie-app`` in the deploy tests: ``genie-app -s SCRIPT`` read a
 line at a time, each command making the GenieNode / GeniePipeline calls genie-app makes for it
-(those hexforge/genie_app.py writes; any other command fails, as an ill-formatted one does in
+(those hexforge/commands/genie_app.py writes; any other command fails, as an ill-formatted one does in
 genie-app), on x86 by the onnxruntime-qnn wheel's libGenie over the HTP simulator, in the folder
 the adb stand-in pushed to: Genie resolves the configs' paths against it, so an answer says the
 pushed folder holds all Genie reads.
@@ -23,8 +23,8 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    from hexforge.runtime import genie
-    from hexforge.runtime.genie_pipeline import IO, TOKEN_CB, load
+    from hexforge.runtime.genie import libgenie as genie
+    from hexforge.runtime.genie.libpipeline import IO, TOKEN_CB, load
 
     if argv[:1] != ["-s"] or len(argv) != 2:
         print("usage: genie-app -s SCRIPT", file=sys.stderr)

@@ -16,7 +16,7 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    from hexforge.runtime import genie
+    from hexforge.runtime.genie import libgenie as genie
 
     ap = argparse.ArgumentParser()
     ap.add_argument("-c", "--config", required=True)

@@ -22,7 +22,11 @@ def test_regression_the_real_size_checkpoint_held_the_whole_model_in_memory(tmp_
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from hexforge.tiny import LAYER_SCALAR_RANGE, condition_gemma4_vision_tower, make_tiny_checkpoint
+    from hexforge.forge.source.tiny import (
+        LAYER_SCALAR_RANGE,
+        condition_gemma4_vision_tower,
+        make_tiny_checkpoint,
+    )
 
     rs = bench_script("realshape")
     ref = make_tiny_checkpoint("gemma4_mm", tmp_path / "ref")

@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from hexforge.errors import BuildError, CheckpointError, ParityGateError
+from hexforge.bundle.errors import BuildError, CheckpointError, ParityGateError
+from hexforge.bundle.manifest import load_manifest
+from hexforge.forge.export.plan import _greedy, plan_shards
 from hexforge.forge.pipeline import BuildOptions, build
-from hexforge.forge.plan import _greedy, plan_shards
-from hexforge.manifest import load_manifest
 
 
 def test_planner_packs_contiguous_layers_under_ceiling():
@@ -28,10 +28,10 @@ def test_a_recipes_old_name_is_an_alias_of_its_new_one():
     w8-fp16 and w8a16-qdq (fixed-point, uint16 activations) w8-u16; a bundle built under an
     old name is still judged by its recipe's gate and read as its recipe; an unknown name is
     one line naming the choices."""
-    from hexforge.errors import BundleError
-    from hexforge.forge.htp.recipes import ALIASES, RECIPES, built_recipe
-    from hexforge.forge.verify import GATES, gate_of
-    from hexforge.manifest import TargetSpec
+    from hexforge.bundle.errors import BundleError
+    from hexforge.bundle.manifest import TargetSpec
+    from hexforge.forge.oracle.verify import GATES, gate_of
+    from hexforge.forge.quantize.recipes import ALIASES, RECIPES, built_recipe
 
     assert BuildOptions(quant="w8a16").recipe is RECIPES["w8-fp16"]
     assert BuildOptions(quant="w8a16-qdq").recipe is RECIPES["w8-u16"]
@@ -70,9 +70,9 @@ def test_regression_a_heads_fp32_bytes_over_the_cpu_ceiling_failed_the_build(ckp
     """Qwen3.5-4B's tied 248,320 x 2,560 head is 2.5 GB in fp32, over the cpu target's 2 GB
     shard ceiling: the build stopped there, though a head has no layers to split and the cpu
     target's weights are external files. The ceiling binds the head on HTP targets only."""
+    from hexforge.bundle.targets import get_target
     from hexforge.families.llama import FAMILY
-    from hexforge.forge.graphs import plan_target
-    from hexforge.targets import get_target
+    from hexforge.forge.export.graphs import plan_target
 
     # 750 M weights: 3 GB in fp32 (the build's memory estimate counts them: ~6 GB, it fits)
     monkeypatch.setattr(type(FAMILY), "head_weight_bytes", lambda self, hf, bpw: int(0.75e9 * bpw))
@@ -90,9 +90,9 @@ def test_regression_the_planner_filled_a_context_to_its_ceiling_with_weights_alo
     compiled to a 1.847 GB binary, and the context is what must load on the device. The
     target's ceiling now leaves room for the binary's overhead; --max-shard-bytes stays a budget
     for the weights themselves."""
+    from hexforge.bundle.targets import get_target
     from hexforge.families.llama import FAMILY
-    from hexforge.forge.graphs import plan_target
-    from hexforge.targets import get_target
+    from hexforge.forge.export.graphs import plan_target
 
     layer = 118_666_667  # a Qwen3.5-4B layer's int8 weights with a scale per 32
     # 30 layers: two shards of 15 fill the ceiling with weights alone; the context needs three
@@ -111,9 +111,9 @@ def test_the_disk_estimate_covers_the_peak_measured_on_gemma_4_e4b(monkeypatch):
     weights quantized beside the float graphs), and its cpu target 18.6 GB (docs/realsize.md):
     the estimate a build says in its first minutes covers each without crying wolf. The
     layers' parameter counts are the real checkpoint's."""
+    from hexforge.bundle.targets import parse_targets
     from hexforge.families.llama import FAMILY
-    from hexforge.forge.graphs import disk_need
-    from hexforge.targets import parse_targets
+    from hexforge.forge.export.graphs import disk_need
 
     sliding, full = 93_729_792, 106_837_504  # the 18 KV-shared layers have no k/v projections
     layers = ([sliding] * 5 + [full]) * 4 + ([91_108_096] * 5 + [101_594_112]) * 3
@@ -260,7 +260,7 @@ def test_regression_exporter_side_files_were_left_in_the_bundle(tmp_path):
     import onnx
     from onnx import helper, numpy_helper
 
-    from hexforge.forge.export import gather_side_files
+    from hexforge.forge.export.onnxexport import gather_side_files
 
     rng = np.random.default_rng(0)
     w1, w2 = (rng.standard_normal((64, 64)).astype(np.float32) for _ in range(2))
@@ -289,7 +289,7 @@ def test_share_weights_streams_the_exporters_external_weights_into_one_deduplica
     import onnxruntime as ort
     from onnx import helper, numpy_helper
 
-    from hexforge.forge.export import share_weights
+    from hexforge.forge.export.onnxexport import share_weights
 
     rng = np.random.default_rng(1)
     w, b = rng.standard_normal((64, 64)).astype(np.float32), rng.standard_normal(64).astype(np.float32)
@@ -320,7 +320,7 @@ def test_regression_gathered_weights_were_inlined_past_protobufs_2_gb(tmp_path):
     import onnx
     from onnx import helper, numpy_helper
 
-    from hexforge.forge.export import gather_side_files
+    from hexforge.forge.export.onnxexport import gather_side_files
 
     rng = np.random.default_rng(0)
     nodes, inits, x = [], [], "x"
@@ -347,7 +347,7 @@ def test_regression_constant_value_side_files_were_left_in_the_bundle(tmp_path):
     import onnx
     from onnx import helper, numpy_helper
 
-    from hexforge.forge.export import gather_side_files
+    from hexforge.forge.export.onnxexport import gather_side_files
 
     rng = np.random.default_rng(0)
     w, c = rng.standard_normal((64, 64)).astype(np.float32), rng.standard_normal(64).astype(np.float32)
@@ -374,8 +374,8 @@ def test_exports_side_by_side_write_what_one_at_a_time_writes(ckpt, tmp_path):
     """export_modules forks a child per graph (a shard's prefill / decode / verify at once): the
     same files and IO specs as exporting them in turn in this process."""
     from hexforge.families import load_family
-    from hexforge.forge.checkpoint import read_checkpoint
-    from hexforge.forge.export import export_modules
+    from hexforge.forge.export.onnxexport import export_modules
+    from hexforge.forge.source.checkpoint import read_checkpoint
 
     c = read_checkpoint(ckpt("qwen3"), lambda m: None)
     fam = load_family(c.model_type).FAMILY
@@ -428,7 +428,7 @@ def test_a_failed_or_killed_export_child_is_a_one_line_build_error(tmp_path, kil
 
     import torch
 
-    from hexforge.forge.export import export_modules
+    from hexforge.forge.export.onnxexport import export_modules
 
     started, finished = tmp_path / "started", tmp_path / "finished"
 
@@ -466,7 +466,7 @@ def test_regression_an_export_child_killed_writing_its_result_was_a_json_error(t
     import os
     import signal
 
-    from hexforge.forge.export import export_modules
+    from hexforge.forge.export.onnxexport import export_modules
 
     class KilledWriting(_Fails):
         def __init__(self, name: str):
@@ -491,8 +491,8 @@ def test_exports_side_by_side_only_while_memory_holds_them(tmp_path, monkeypatch
 
     import torch
 
-    from hexforge.forge import memory
-    from hexforge.forge.export import export_modules, export_need
+    from hexforge.forge import heap as memory
+    from hexforge.forge.export.onnxexport import export_modules, export_need
 
     class Marks(torch.nn.Module):
         io = _Fails(False).io
@@ -530,7 +530,7 @@ def test_regression_side_by_side_exports_overwrote_each_others_tensor_files(tmp_
 
     import torch
 
-    from hexforge.forge import export
+    from hexforge.forge.export import onnxexport as export
 
     def exporter_like(module, path, exporter, fold=False):
         side = path.parent / "onnx__MatMul_5298"  # the same name in both graphs

@@ -34,7 +34,7 @@ def nothing_left(folder: Path) -> None:
 @pytest.fixture()
 def gguf_cache() -> Path:
     """The run's GGUF conversion cache (conftest sets HEXFORGE_CACHE for the session)."""
-    from hexforge.forge.gguf import cache_root
+    from hexforge.forge.source.gguf import cache_root
 
     return cache_root()
 
@@ -77,10 +77,10 @@ def test_the_default_context_fits_a_model_trained_on_fewer_positions(tmp_path, m
     less", for a flag the user never typed. The default is lowered to the model's positions with
     a note in the log (the build stopped here at its memory check, before any export); a
     --context the user gives past them, 2048 as well, is refused as before."""
-    from hexforge import cli
+    from hexforge.commands import cli
     from hexforge.forge import pipeline
     from hexforge.forge.options import DEFAULT_CONTEXT, BuildOptions
-    from hexforge.tiny import make_tiny_checkpoint
+    from hexforge.forge.source.tiny import make_tiny_checkpoint
 
     short = make_tiny_checkpoint("llama", tmp_path / "ckpt", max_position_embeddings=512)
     assert BuildOptions().context is DEFAULT_CONTEXT == 2048
@@ -125,7 +125,7 @@ def test_a_bundle_given_to_build_is_named_as_a_bundle(tmp_path):
 def long_ckpt(tmp_path_factory) -> Path:
     """A tiny llama that claims 2^30 positions: its caches at that context (1.6 TB in fp32) fit
     no machine."""
-    from hexforge.tiny import make_tiny_checkpoint
+    from hexforge.forge.source.tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("long") / "ckpt",
                                 max_position_embeddings=2**30)
@@ -138,7 +138,7 @@ def test_context_that_does_not_fit_in_memory_is_one_line_exit_2(long_ckpt, tmp_p
     22 GB and left a hidden 112 MB temp dir)."""
     import re
 
-    from hexforge.forge.memory import available_bytes
+    from hexforge.forge.heap import available_bytes
 
     line = one_line(hexforge("build", long_ckpt, "-o", tmp_path / "out",
                              "--context", str(2**30)))
@@ -160,11 +160,11 @@ def test_context_that_does_not_fit_in_memory_is_one_line_exit_2(long_ckpt, tmp_p
 
 
 def _budget_of(ckpt_dir: Path):
+    from hexforge.bundle.targets import parse_targets
     from hexforge.families import load_family
     from hexforge.forge.budget import graph_jobs
-    from hexforge.forge.checkpoint import read_checkpoint
     from hexforge.forge.options import BuildOptions
-    from hexforge.targets import parse_targets
+    from hexforge.forge.source.checkpoint import read_checkpoint
 
     ck = read_checkpoint(ckpt_dir)
     fam = load_family(ck.model_type).FAMILY
@@ -219,8 +219,8 @@ def test_regression_side_by_side_exports_ignored_their_caches(tmp_path, monkeypa
     import torch
 
     from hexforge.families.graphio import GraphIO
-    from hexforge.forge import memory
-    from hexforge.forge.export import export_modules, export_need
+    from hexforge.forge import heap as memory
+    from hexforge.forge.export.onnxexport import export_modules, export_need
 
     class Cached(torch.nn.Module):
         io = GraphIO(inputs=[("past", "state:x")], outputs=[("y", "hidden")])
@@ -263,7 +263,7 @@ def test_a_build_says_its_memory_need_beside_what_is_available(ckpt, tmp_path):
 def test_regression_a_gguf_conversion_printed_transformers_per_tensor_bar(real_gguf, tmp_path):
     """Converting a GGUF printed transformers' "Converting and de-quantizing GGUF tensors" bar,
     272 redraws of it, under the build's own line (TQDM_DISABLE was set after tqdm had read it)."""
-    code = ("import sys; from hexforge.forge.gguf import gguf_checkpoint; "
+    code = ("import sys; from hexforge.forge.source.gguf import gguf_checkpoint; "
             "print(gguf_checkpoint(sys.argv[1], log=print))")
     r = subprocess.run([sys.executable, "-c", code, str(real_gguf("smollm2"))],
                        capture_output=True, text=True, timeout=900,

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from hexforge.errors import BundleError
-from hexforge.manifest import Manifest, confine, load_manifest, save_manifest
+from hexforge.bundle.errors import BundleError
+from hexforge.bundle.manifest import Manifest, confine, load_manifest, save_manifest
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_external_data_escaping_the_bundle_is_refused(copy, tmp_path):
                 e.value = "../../../etc/passwd"
     onnx.save(model, str(g))
     # a crafted bundle records the crafted file's size and digest too: the loader's own check
-    from hexforge.bundlefiles import record
+    from hexforge.bundle.bundlefiles import record
 
     _edit(copy, lambda m: m.__setitem__("file_records",
                                         [r.model_dump() for r in record(copy)]))

@@ -99,7 +99,7 @@ def test_regression_inspect_wrote_layers_closed_where_the_build_log_writes_them_
         bundle):
     """``hexforge inspect`` printed a shard's layers as [0, 6] where the build log prints
     [0,6): one formatter (inspect.layer_span) for both now."""
-    from hexforge.inspect import layer_span
+    from hexforge.bundle.describe import layer_span
 
     r = hexforge("inspect", bundle("llama"))
     assert r.returncode == 0 and "[0,6)" in r.stdout and "[0, 6]" not in r.stdout, r.stdout
@@ -131,7 +131,7 @@ def test_cli_passes_every_build_option(monkeypatch, tmp_path):
     hand copy forgot was silently dropped, as --image-size was)."""
     import dataclasses
 
-    from hexforge import cli
+    from hexforge.commands import cli
     from hexforge.forge import pipeline
     from hexforge.forge.options import BuildOptions
 
@@ -195,7 +195,7 @@ def test_families_accept_hfs_defaults_for_the_fields_they_check():
     config that spells the default out must build the same."""
     from transformers import Gemma3TextConfig, Gemma4TextConfig
 
-    from hexforge.errors import UnsupportedModelError
+    from hexforge.bundle.errors import UnsupportedModelError
     from hexforge.families import load_family
 
     for model_type, defaults in (("gemma4_text", Gemma4TextConfig()),
@@ -229,7 +229,7 @@ def test_configuration_doc_names_every_option_and_environment_variable():
     import argparse
     import re
 
-    from hexforge.cli import parser
+    from hexforge.commands.cli import parser
 
     root = Path(__file__).parents[1]
     doc = (root / "docs" / "configuration.md").read_text()
@@ -297,7 +297,7 @@ def test_a_hub_snapshot_gives_back_the_pages_of_its_blobs(ckpt, tmp_path):
     that read the checkpoint) must find the mapped blobs through them."""
     import numpy as np
 
-    from hexforge.forge.memory import release_mapped_pages
+    from hexforge.forge.heap import release_mapped_pages
 
     snap = _hf_cache_with(ckpt("llama"), tmp_path / "hub", "hexforge-test/tiny-llama")
     weights = np.memmap(next(snap.glob("*.safetensors")), mode="r")
@@ -329,7 +329,7 @@ def test_a_command_whose_extra_is_not_installed_names_it_in_one_line(bundle, ckp
                 if name.split('.')[0] == {blocked!r}:
                     raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
         sys.meta_path.insert(0, Block())
-        from hexforge.cli import main
+        from hexforge.commands.cli import main
         sys.exit(main({argv!r}))
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -342,7 +342,7 @@ def test_a_command_whose_extra_is_not_installed_names_it_in_one_line(bundle, ckp
 def test_the_demo_prints_a_slow_rate_with_its_digits():
     """The demo's simulator line read "decode 0 tok/s" (0.42 tok/s through ``:.0f``): a rate
     under 10 keeps two significant digits, a larger one stays whole."""
-    from hexforge.demo import rate
+    from hexforge.commands.demo import rate
 
     assert [rate(v) for v in (0.42, 0.0421, 3.456, 57.4, 1234.5, 0.0)] == [
         "0.42", "0.042", "3.5", "57", "1234", "0"]
@@ -354,7 +354,7 @@ def test_help_states_the_whole_description():
     subcommand."""
     import argparse
 
-    from hexforge.cli import parser
+    from hexforge.commands.cli import parser
 
     p = parser()
     text = p.format_help()
@@ -371,7 +371,7 @@ def test_chat_banner_names_both_ways_out_and_both_leave(monkeypatch, capsys):
     from types import SimpleNamespace
 
     import hexforge
-    from hexforge import cli
+    from hexforge.commands import cli
 
     model = SimpleNamespace(engine=SimpleNamespace(verify_len=8),
                             manifest=SimpleNamespace(encoders=[]),

@@ -1,5 +1,6 @@
 """The code's shape, read from its source with ``ast``: no import circle in hexforge/ (module
-level and inside functions), no function over the length a reader takes in at once."""
+level and inside functions), imports one way between its packages (bundle <- forge, runtime <-
+commands), no function over the length a reader takes in at once."""
 
 from __future__ import annotations
 
@@ -129,3 +130,48 @@ def test_the_length_check_counts_nested_functions_in_their_holder(tmp_path):
     (pkg / "a.py").write_text(f"def outer():\n    def inner():\n{inner}\n    return inner\n")
     got = dict((name.split()[-1], n) for n, name in function_lengths(pkg))
     assert got == {"outer": 123, "inner": 121}
+
+
+# The four packages by role, and what each may never import (module level or inside a function):
+# the bundle format is the floor both sides stand on; the build (forge/) and the runtime never reach
+# up to the commands; the runtime never reaches the build; the families (the one place a model is
+# described) are used by the build and stand below it.
+NEVER = {
+    "bundle": {"forge", "runtime", "commands", "families"},
+    "runtime": {"forge", "commands"},
+    "families": {"forge", "commands"},
+    "forge": {"commands"},
+}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from one package into another it may never import, as "a -> b"."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if _layer(b) in NEVER.get(_layer(a) or "", set()))
+
+
+def test_imports_run_one_way_between_bundle_forge_runtime_and_commands():
+    bad = layer_violations(import_graph())
+    assert not bad, ("imports against the layers (bundle <- forge, runtime <- commands):\n"
+                     + "\n".join(bad))
+
+
+def test_the_layer_check_finds_an_import_up_inside_a_function(tmp_path):
+    """The check itself can fail: the bundle importing the build (forge/) inside a function, and the build
+    importing a command, are both found; commands importing the build is none."""
+    pkg = tmp_path / "hexforge"
+    for sub in ("bundle", "forge", "commands"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "bundle" / "manifest.py").write_text("def f():\n    from ..forge.pipeline import g\n")
+    (pkg / "forge" / "pipeline.py").write_text("from ..commands import inspect\n")
+    (pkg / "commands" / "inspect.py").write_text("from ..forge.pipeline import g\n")
+    assert layer_violations(import_graph(pkg)) == [
+        "hexforge.bundle.manifest -> hexforge.forge.pipeline",
+        "hexforge.forge.pipeline -> hexforge.commands.inspect"]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hexforge.cli import main
-from hexforge.deploy import qairt_files
+from hexforge.commands.cli import main
+from hexforge.commands.deploy import qairt_files
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +204,7 @@ def test_an_image_needs_a_bundle_with_a_genie_pipeline(bundle_copy, qairt, phone
     assert "--image needs --prompt" in capsys.readouterr().err
 
 
-# ---- --runtime geniex (hexforge/deploy_geniex.py): GenieX's CLI in place of genie-t2t-run ----
+# ---- --runtime geniex (hexforge/commands/deploy_geniex.py): GenieX's CLI in place of genie-t2t-run ----
 
 GENIEX_STANDIN = """#!/bin/sh
 # the geniex stand-in: says what it was asked and where the SDK would look for its plugin
@@ -217,7 +217,7 @@ echo "plugin: $(ls "$GENIEX_PLUGIN_PATH"/qairt/libgeniex_plugin.so)"
 def geniex(tmp_path):
     """GenieX's Android files as --geniex takes them (the CLI package's layout: the SDK's lib/
     contents beside ``geniex``), the libraries placeholders, ``geniex`` a shell stand-in."""
-    from hexforge.deploy_geniex import geniex_files
+    from hexforge.commands.deploy_geniex import geniex_files
 
     root = tmp_path / "geniex"
     extra = ["qairt/libgeniex_vlm.so", "qairt/htp-files/libQnnHtpPrepare.so"]
@@ -238,7 +238,7 @@ def test_geniex_dry_run_pushes_metadata_and_geniex_and_runs_geniex_infer(bundle_
                                                                          phone, capsys):
     import shlex
 
-    from hexforge.deploy_geniex import GENIEX_DEVICE_DIR
+    from hexforge.commands.deploy_geniex import GENIEX_DEVICE_DIR
 
     assert deploy_gx(bundle_copy, geniex, "--dry-run", "--prompt", "It's \"Hi\" $(x)",
                      "--serial", "X", "-n", "7") == 0
@@ -265,7 +265,7 @@ def test_geniex_dry_run_pushes_metadata_and_geniex_and_runs_geniex_infer(bundle_
 
 def test_geniex_pushes_to_the_phone_and_a_second_deploy_pushes_nothing(bundle_copy, geniex,
                                                                        phone, capfd):
-    from hexforge.deploy_geniex import GENIEX_DEVICE_DIR
+    from hexforge.commands.deploy_geniex import GENIEX_DEVICE_DIR
 
     assert deploy_gx(bundle_copy, geniex, "--prompt", "Hi") == 0
     out = capfd.readouterr().out

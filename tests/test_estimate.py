@@ -1,4 +1,4 @@
-"""Hextimate, QNN's on-host estimator (hexforge/estimate.py, estimate_bundle.py): real compiles
+"""Hextimate, QNN's on-host estimator (hexforge/forge/compile/hextimate.py, steptime.py): real compiles
 for SA8797 (v81) through the QNN EP, on tiny graphs. No timing of this machine is asserted: the
 estimator's cycles are a model of the HTP, the same on any host."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hexforge.estimate import estimate_graph, parse_profile
-from hexforge.estimate_bundle import estimate_target
-from hexforge.manifest import load_manifest
-from hexforge.targets import TARGETS
+from hexforge.bundle.manifest import load_manifest
+from hexforge.bundle.targets import TARGETS
+from hexforge.forge.compile.hextimate import estimate_graph, parse_profile
+from hexforge.forge.compile.steptime import estimate_target
 
 pytest.importorskip("onnxruntime_qnn")
 
@@ -41,8 +41,8 @@ def test_estimate_of_one_graph_is_identical_twice_and_in_another_process(tmp_pat
     src = matmul_graph(tmp_path / "mm.onnx", 1024, 1024)
     a = estimate_graph(src, 81, V81.estimator, fp16=True)
     b = estimate_graph(src, 81, V81.estimator, fp16=True)
-    code = ("import json, sys; from pathlib import Path; from hexforge.estimate import "
-            "estimate_graph; from hexforge.targets import TARGETS; "
+    code = ("import json, sys; from pathlib import Path; from hexforge.forge.compile.hextimate import "
+            "estimate_graph; from hexforge.bundle.targets import TARGETS; "
             f"print(json.dumps(estimate_graph(Path({str(src)!r}), 81, TARGETS['v81'].estimator, "
             "True).to_dict()))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -76,7 +76,7 @@ def test_regression_estimate_read_an_appended_profile_twice(tmp_path):
 
 
 def test_a_phone_soc_gives_no_estimate_in_one_line(tmp_path):
-    from hexforge.errors import BackendError
+    from hexforge.bundle.errors import BackendError
 
     src = matmul_graph(tmp_path / "mm.onnx", 256, 256)
     with pytest.raises(BackendError, match="no performance estimate") as e:
@@ -92,7 +92,7 @@ def test_regression_an_optrace_estimate_wrote_its_schematic_into_the_working_fol
     without one); the other levels, a compile and a simulator run leave nothing there either."""
     import onnxruntime as ort
 
-    from hexforge.forge.htp.compile import compile_graph
+    from hexforge.forge.compile.contexts import compile_graph
     from hexforge.runtime import qnn
 
     cwd = tmp_path / "cwd"

@@ -1,4 +1,4 @@
-"""cpu graph fusions (forge/fuse.py): each rewrite keeps the graph's values, on hand-made graphs
+"""cpu graph fusions (forge/export/fuse.py): each rewrite keeps the graph's values, on hand-made graphs
 with the shapes that break a careless rewrite, and lands in the built bundles."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from hexforge.forge.fuse import fuse_skip_norms, pack_sibling_matmuls
+from hexforge.forge.export.fuse import fuse_skip_norms, pack_sibling_matmuls
 
 H = 64
 
@@ -68,7 +68,7 @@ def test_skip_norm_fusion_leaves_a_broadcasting_add_alone():
 
 def _quantized_siblings(tmp_path, n_out=(48, 16, 16)):
     """Three MatMuls on one input (q/k/v), quantized to int4 MatMulNBits the way the build does."""
-    from hexforge.forge.nbits import quantize_cpu_graph
+    from hexforge.forge.quantize.nbits import quantize_cpu_graph
 
     rng = np.random.default_rng(1)
     K = 64

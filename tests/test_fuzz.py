@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hexforge.errors import BundleError, MediaError, RequestError
+from hexforge.bundle.errors import BundleError, MediaError, RequestError
 
 EXAMPLES = int(os.environ.get("HEXFORGE_FUZZ_EXAMPLES", "300"))
 # CI: the same examples every run; a long run (env var set) explores new ones each time
@@ -85,7 +85,7 @@ def _paths(obj, prefix=()):
 
 
 def test_fuzz_manifest_loader(work):
-    from hexforge.manifest import load_manifest
+    from hexforge.bundle.manifest import load_manifest
 
     good = (work / "manifest.json").read_bytes()
     base = json.loads(good)
@@ -138,7 +138,7 @@ def safetensors_blobs(draw, good: bytes) -> bytes:
 
 
 def test_fuzz_safetensors_reader(work, tmp_path):
-    from hexforge.runtime.hostfile import load_host_tensors
+    from hexforge.bundle.hostfile import load_host_tensors
 
     good = (work / "host.safetensors").read_bytes()
     path = tmp_path / "host.safetensors"
@@ -172,7 +172,7 @@ def external_weights(graph_path: Path) -> Path:
 
 
 def test_fuzz_truncated_and_corrupted_graphs(work):
-    from hexforge.manifest import load_manifest
+    from hexforge.bundle.manifest import load_manifest
     from hexforge.runtime.backends import Backend
 
     m = load_manifest(work)
@@ -271,7 +271,7 @@ def test_fuzz_audio_decoder():
 
 # ---- regressions: each a crash the fuzzer (or the checks) found, named after the bug ------------
 def test_regression_deeply_nested_manifest_json_escaped_as_recursionerror(work):
-    from hexforge.manifest import load_manifest
+    from hexforge.bundle.manifest import load_manifest
 
     good = (work / "manifest.json").read_bytes()
     try:
@@ -283,8 +283,8 @@ def test_regression_deeply_nested_manifest_json_escaped_as_recursionerror(work):
 
 
 def test_regression_deeply_nested_checkpoint_config_escaped_as_recursionerror(tmp_path):
-    from hexforge.errors import CheckpointError
-    from hexforge.forge.checkpoint import read_checkpoint
+    from hexforge.bundle.errors import CheckpointError
+    from hexforge.forge.source.checkpoint import read_checkpoint
 
     (tmp_path / "config.json").write_text('{"a":' + "[" * 100_000)
     with pytest.raises(CheckpointError, match="too deeply"):
@@ -304,7 +304,7 @@ def test_regression_chat_template_non_template_errors_escaped_untyped(template, 
 
 
 def test_regression_safetensors_header_length_past_the_end_reached_the_library(tmp_path):
-    from hexforge.runtime.hostfile import load_host_tensors
+    from hexforge.bundle.hostfile import load_host_tensors
 
     p = tmp_path / "h.safetensors"
     p.write_bytes((2**63).to_bytes(8, "little") + b"{}")
@@ -313,7 +313,7 @@ def test_regression_safetensors_header_length_past_the_end_reached_the_library(t
 
 
 def test_regression_truncated_external_weights_were_not_named(work):
-    from hexforge.manifest import load_manifest
+    from hexforge.bundle.manifest import load_manifest
     from hexforge.runtime.backends import Backend
 
     m = load_manifest(work)
@@ -332,7 +332,7 @@ def test_regression_chat_message_without_a_role_was_rendered_as_role_none(bundle
     from fastapi.testclient import TestClient
 
     import hexforge
-    from hexforge.serve import create_app
+    from hexforge.commands.serve import create_app
 
     client = TestClient(create_app(hexforge.load(bundle("llama")), "tiny"))
     r = client.post("/v1/chat/completions", json={"messages": [{"content": "hi"}]})

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hexforge
-from hexforge.errors import RequestError
+from hexforge.bundle.errors import RequestError
 from tests.conftest import N, prompt_ids
 
 W = 8  # the tiny config's sliding window
@@ -208,7 +208,7 @@ def test_htp_activation_matmul_input1_keeps_16_bits(tmp_path):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from hexforge.forge.htp.qdq import int16_matmul_rhs
+    from hexforge.forge.quantize.qdq import int16_matmul_rhs
     from hexforge.runtime import qnn
     rng = np.random.default_rng(0)
     a = rng.normal(size=(1, 1, 8, 64)).astype(np.float32)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hexforge.errors import MediaError
+from hexforge.bundle.errors import MediaError
 from hexforge.families.gemma4_audio import ENCODER, chirp
 from hexforge.runtime.audio import Gemma4AudioPrep
 
@@ -61,8 +61,8 @@ def example(spec, hf):
 @pytest.fixture(scope="module")
 def onnx_graph(hf, spec, tmp_path_factory):
     """The graph exported the way the build does it: norm prescales recorded on the example."""
-    from hexforge.forge.encoders import calibrate_encoder_norms
-    from hexforge.forge.export import export_module
+    from hexforge.forge.export.encoders import calibrate_encoder_norms
+    from hexforge.forge.export.onnxexport import export_module
 
     calibrate_encoder_norms([ENCODER], [spec], hf)
     path = tmp_path_factory.mktemp("g4audio") / "audio.onnx"
@@ -250,7 +250,7 @@ def test_qnn_sim_fp16_matches_hf(onnx_graph, example):
     """Compiled for v81 fp16 with CPU fallback disabled (every node on the HTP), run simulated."""
     import onnxruntime as ort
 
-    from hexforge.forge.htp.compile import compile_graph
+    from hexforge.forge.compile.contexts import compile_graph
     from hexforge.runtime import qnn
 
     inputs, ref = example

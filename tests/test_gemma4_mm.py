@@ -223,7 +223,7 @@ def test_cli_chat_attaches_an_image_to_the_next_message(mm, media, monkeypatch, 
     """``hexforge chat``: /image PATH goes with the next message (a missing file is refused
     there and then); the replies are the Python session's."""
     import hexforge
-    from hexforge.cli import main
+    from hexforge.commands.cli import main
 
     _, b = mm
     lines = iter(["Hi there!", "/image no-such.png", f"/image {media['image']}", "What is this?",
@@ -250,7 +250,7 @@ def test_text_only_prompt_on_the_multimodal_bundle_equals_hf(mm, hf):
 
 def test_placeholder_count_must_match_the_media(mm, media):
     import hexforge
-    from hexforge.errors import RequestError
+    from hexforge.bundle.errors import RequestError
 
     _, b = mm
     model = hexforge.load(b)
@@ -318,7 +318,7 @@ def test_server_takes_images_and_audio_as_data_urls(mm, media):
     from fastapi.testclient import TestClient
 
     import hexforge
-    from hexforge.serve import create_app
+    from hexforge.commands.serve import create_app
 
     _, b = mm
     model = hexforge.load(b)
@@ -354,7 +354,7 @@ def test_server_takes_an_image_in_a_later_message(mm, media):
     from fastapi.testclient import TestClient
 
     import hexforge
-    from hexforge.serve import create_app
+    from hexforge.commands.serve import create_app
 
     _, b = mm
     model = hexforge.load(b)
@@ -375,7 +375,7 @@ def test_server_takes_an_image_in_a_later_message(mm, media):
 
 
 def test_encoder_build_options_are_checked_before_export(mm, tmp_path):
-    from hexforge.errors import BuildError, CheckpointError
+    from hexforge.bundle.errors import BuildError, CheckpointError
     from hexforge.forge.pipeline import BuildOptions, build
 
     ckpt_dir, _ = mm

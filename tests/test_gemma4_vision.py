@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from hexforge.errors import BundleError, MediaError
+from hexforge.bundle.errors import BundleError, MediaError
 from hexforge.families.gemma4_vision import ENCODER, INPUT_KEYS
-from hexforge.forge.verify import cosine_rows
+from hexforge.forge.oracle.verify import cosine_rows
 from hexforge.runtime.vision import Gemma4ImagePrep
 
 # (height, width): 1-pixel and 1×2 images (upscaled), very wide / tall ones (one pooled row or
@@ -81,8 +81,8 @@ def onnx_path(hf, spec, tmp_path_factory):
     norm prescales recorded on the example image)."""
     import torch
 
-    from hexforge.forge.encoders import calibrate_encoder_norms
-    from hexforge.forge.export import export_module
+    from hexforge.forge.export.encoders import calibrate_encoder_norms
+    from hexforge.forge.export.onnxexport import export_module
 
     calibrate_encoder_norms([ENCODER], [spec], hf)
     module = ENCODER.encoder_module(hf, spec)
@@ -205,7 +205,7 @@ def test_qnn_sim_v81_fp16_matches_hf(onnx_path, hf, spec):
     HTP does not claim fails the compile), run on the x86 simulator."""
     import onnxruntime as ort
 
-    from hexforge.forge.htp.compile import compile_graph
+    from hexforge.forge.compile.contexts import compile_graph
     from hexforge.runtime import qnn
 
     inputs = ENCODER.example_inputs(spec)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import hexforge
-from hexforge.errors import RequestError
+from hexforge.bundle.errors import RequestError
 from hexforge.runtime.model import StopStrings
 from hexforge.runtime.sampling import make_sampler, min_p, repetition_penalty
 from tests.conftest import prompt_ids
@@ -124,7 +124,7 @@ def test_chat_session_prefills_only_the_new_turn_and_matches_a_fresh_run(bundle,
 def client(bundle):
     from fastapi.testclient import TestClient
 
-    from hexforge.serve import create_app
+    from hexforge.commands.serve import create_app
 
     model = hexforge.load(bundle("llama"))
     return TestClient(create_app(model, "tiny-llama", api_key="sekret"))
@@ -172,13 +172,13 @@ def test_server_errors_are_openai_shaped(client):
 
 def test_qhx_generate_takes_the_seed_argument_order(bundle):
     b = bundle("llama")
-    ok = subprocess.run([sys.executable, "-m", "hexforge.qhx", str(b / "manifest.json"),
+    ok = subprocess.run([sys.executable, "-m", "hexforge.commands.qhx", str(b / "manifest.json"),
                          "libQnnCpu.so", "libQnnSystem.so", str(b), "5", "Hello"],
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     ref = hexforge.load(b).generate("Hello", max_new_tokens=5).text
     assert ok.stdout.rstrip("\n") == ref
-    bad = subprocess.run([sys.executable, "-m", "hexforge.qhx", str(b / "manifest.json"),
+    bad = subprocess.run([sys.executable, "-m", "hexforge.commands.qhx", str(b / "manifest.json"),
                           "libFoo.so", "libQnnSystem.so", str(b), "5", "Hello"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "libQnnHtp.so" in bad.stderr
@@ -273,7 +273,7 @@ def test_eos_follows_the_grammar_and_truncation_is_length(bundle):
 
 
 def test_cli_run_json_schema_and_regex(bundle, tmp_path):
-    from hexforge.cli import main
+    from hexforge.commands.cli import main
 
     schema = tmp_path / "pet.json"
     schema.write_text(json.dumps(PET))

@@ -2,7 +2,7 @@
 
 The onnxruntime-qnn wheel ships libGenie.so beside the simulator; Genie drives the binaries itself
 (its mask, rope tables, KV cache, sampler), so matching ``--backend qnn-sim`` token for token on
-the same weights is the check that the Genie contract (forge/genie.py) is the graphs' arithmetic.
+the same weights is the check that the Genie contract (forge/genie/decoder.py) is the graphs' arithmetic.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import json
 import numpy as np
 import pytest
 
-from hexforge.cli import main
-from hexforge.errors import BuildError
+from hexforge.bundle.errors import BuildError
+from hexforge.commands.cli import main
 from tests.conftest import prompt_ids
 
 
@@ -41,7 +41,7 @@ def test_genie_bundle_has_genies_files_in_its_conventions(genie_bundle):
 
 def test_genie_greedy_tokens_equal_qnn_sim(genie_bundle):
     import hexforge
-    from hexforge.runtime.genie_model import GenieModel
+    from hexforge.runtime.genie.model import GenieModel
 
     ids = prompt_ids(20)  # past the AR-16 prefill: Genie chunks the prompt itself
     want = hexforge.load(genie_bundle, backend="qnn-sim").generate(
@@ -67,8 +67,8 @@ def test_genie_takes_the_typed_options_and_refuses_what_it_cannot_honour(genie_b
     import inspect
 
     import hexforge
-    from hexforge.errors import RequestError
-    from hexforge.runtime.genie_model import GenieModel
+    from hexforge.bundle.errors import RequestError
+    from hexforge.runtime.genie.model import GenieModel
     from hexforge.runtime.options import GenerationOptions
 
     model = GenieModel(genie_bundle)
@@ -90,7 +90,7 @@ def test_genie_takes_the_typed_options_and_refuses_what_it_cannot_honour(genie_b
 
 def test_the_oracle_scores_the_genie_binaries_fed_as_genie_feeds_them(genie_bundle):
     """Genie returns tokens, not logits: the build runs the Genie binaries itself (forge/
-    genie_verify.py: Genie's mask, rope tables from genie_config.json, its KV appends) and
+    genie/verify.py: Genie's mask, rope tables from genie_config.json, its KV appends) and
     scores them on the held-out text like a target. Same arithmetic as the v81 target's graphs,
     so the same KL to a few percent."""
     r = json.loads((genie_bundle / "report.json").read_text())
@@ -113,8 +113,8 @@ def test_genie_rope_from_its_config_equals_hfs(scaling):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from hexforge.families.base import GenieRope, genie_rope_scaling
-    from hexforge.forge.genie_bundle import rope_block
-    from hexforge.forge.genie_verify import genie_inv_freq
+    from hexforge.forge.genie.folder import rope_block
+    from hexforge.forge.genie.verify import genie_inv_freq
 
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, rope_theta=50000.0,
                       max_position_embeddings=256, rope_scaling=scaling)
@@ -136,9 +136,9 @@ def test_regression_genie_reads_rope_theta_as_an_integer(tmp_path):
     from safetensors.numpy import save_file
 
     from hexforge.families.base import GenieRope, GenieSpec
-    from hexforge.forge.genie import check_ropes
-    from hexforge.forge.genie_bundle import rope_block
-    from hexforge.forge.genie_verify import genie_inv_freq
+    from hexforge.forge.genie.decoder import check_ropes
+    from hexforge.forge.genie.folder import rope_block
+    from hexforge.forge.genie.verify import genie_inv_freq
 
     theta = 1e6 ** 0.25
     np.testing.assert_allclose(genie_inv_freq(rope_block(GenieRope("", 4, theta))),
@@ -160,8 +160,8 @@ def test_regression_a_prompt_past_genies_prefill_is_refused_not_an_empty_answer(
     logged "Context Size was exceeded." and returned no token and no error (CL 128, AR-16: 113
     tokens answer, 114 did not), where qnn-sim answers. Refused in one line before the query;
     the longest prompt it takes still answers."""
-    from hexforge.errors import RequestError
-    from hexforge.runtime.genie_model import GenieModel
+    from hexforge.bundle.errors import RequestError
+    from hexforge.runtime.genie.model import GenieModel
     from tests.conftest import HTP_CONTEXT, HTP_N
 
     most = HTP_CONTEXT - HTP_N + 1
@@ -180,8 +180,8 @@ def test_regression_ignore_eos_with_a_lut_gives_genie_a_row_it_can_read(tmp_path
     libGenie read before the table and segfault (tiny Qwen3.5 and Gemma-3 LUT bundles, every
     run). The build writes one row past the vocabulary and --ignore-eos names it; a LUT without
     it is refused in one line, and a bundle without a LUT keeps -1."""
-    from hexforge.errors import RequestError
-    from hexforge.runtime.genie_model import never_eos
+    from hexforge.bundle.errors import RequestError
+    from hexforge.runtime.genie.model import never_eos
 
     V, W = 10, 4
     (tmp_path / "lut.u16").write_bytes(np.zeros((V + 1, W), np.uint16).tobytes())
@@ -196,7 +196,7 @@ def test_regression_ignore_eos_with_a_lut_gives_genie_a_row_it_can_read(tmp_path
 def test_qnn_sessions_still_work_after_genie_in_one_process(genie_bundle):
     """libGenie loaded RTLD_GLOBAL made every later QNN EP session of the process segfault."""
     import hexforge
-    from hexforge.runtime.genie_model import GenieModel
+    from hexforge.runtime.genie.model import GenieModel
 
     ids = prompt_ids(9)
     model = GenieModel(genie_bundle)
@@ -233,7 +233,7 @@ def test_regression_a_renamed_graph_name_kept_its_length_with_no_room_for_filler
     """padded_name returned a name one character short when the readable part and the suffix
     filled the old name exactly: the binary's bytes would have moved. Every new name has the
     old one's length, with and without the old digits (the pipeline's nodes take none)."""
-    from hexforge.forge.ctxname import padded_name
+    from hexforge.forge.genie.ctxname import padded_name
 
     old = "QNNExecutionProvider_QNN_1234_1_0"
     for readable, suffix in (("prompt_ar16", "_1_of_2"), ("a" * (len(old) - 8), "_1_of_2"),
@@ -249,9 +249,9 @@ def test_regression_no_htp_memory_for_the_contexts_is_one_line(genie_bundle, mon
     """Gemma-4-E2B's unshared fp16 Genie folder (6 contexts, 9.1 GB) made libGenie on x86 fail
     with "Failed to find available PD ..." in a wall of log lines; hexforge says it in one line,
     with the folder's bytes. (The failure is libGenie's, replayed here: a tiny bundle fits.)"""
-    from hexforge.errors import BundleError
-    from hexforge.runtime import genie
-    from hexforge.runtime.genie_model import GenieModel
+    from hexforge.bundle.errors import BundleError
+    from hexforge.runtime.genie import libgenie as genie
+    from hexforge.runtime.genie.model import GenieModel
 
     line = ("<E> Failed to find available PD for contextId 3 on deviceId 0 coreId 0with context "
             "size estimate 1329467904")
@@ -279,8 +279,8 @@ def test_genie_splits_keep_the_head_and_token_table_inside_the_per_context_ceili
     --max-shard-bytes the user gave is kept as it is."""
     from types import SimpleNamespace
 
-    from hexforge.forge.graphs import plan_genie
-    from hexforge.targets import get_target
+    from hexforge.bundle.targets import get_target
+    from hexforge.forge.export.graphs import plan_genie
 
     v81 = get_target("v81")
     GB = 10**9

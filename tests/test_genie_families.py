@@ -1,7 +1,7 @@
 """Genie bundles of every decoder family, split over several contexts, on the x86 simulator.
 
 Each family states its Genie mapping in its own file (``genie_spec`` / ``genie_step``); the
-build's oracle drives the Genie binaries from the bundle alone (forge/genie_verify.py) and libGenie
+build's oracle drives the Genie binaries from the bundle alone (forge/genie/verify.py) and libGenie
 drives them itself. Plumbing on tiny random models: libGenie's greedy tokens equal qnn-sim's on
 the same weights, and Genie feeds every input each graph has (an input it does not know it
 zero-fills, which a tiny random model can survive token for token: the log is the witness).
@@ -34,8 +34,8 @@ def genie_family(request, htp_bundle):
 
 def _dialog_log(folder) -> list[str]:
     """Genie's verbose log of a dialog made from ``folder``'s config (and 4 tokens)."""
-    from hexforge.runtime import genie
-    from hexforge.runtime.genie_model import absolute_paths
+    from hexforge.runtime.genie import libgenie as genie
+    from hexforge.runtime.genie.model import absolute_paths
 
     cfg = absolute_paths(json.loads((folder / "genie_config.json").read_text()), folder)
     cfg["dialog"]["engine"]["backend"]["QnnHtp"]["poll"] = False
@@ -51,7 +51,7 @@ def test_genie_tokens_equal_qnn_sim_for_every_family(genie_family):
     where qnn-sim's top-2 fp16 logits tie may flip (the tiny Gemma-3: margin 0.0005 at its 10th
     token) and the tokens after it are not compared."""
     import hexforge
-    from hexforge.runtime.genie_model import GenieModel
+    from hexforge.runtime.genie.model import GenieModel
 
     family, bundle = genie_family
     ids = prompt_ids(40)  # past the tiny models' window (8) and the AR-16 prefill
@@ -73,7 +73,7 @@ def test_ignore_eos_with_an_embedding_lut_pads_with_a_real_row_not_a_segfault(ht
     --ignore-eos was refused with a LUT. With pad-token set to a real row it runs: qnn-sim's
     tokens, EOS or not."""
     import hexforge
-    from hexforge.runtime.genie_model import GenieModel
+    from hexforge.runtime.genie.model import GenieModel
 
     bundle = htp_bundle("gemma4", "fp16", genie=True, **FAMILIES["gemma4"])
     ids = prompt_ids(9)  # one chunk, 7 pad rows
@@ -87,7 +87,7 @@ def test_ignore_eos_with_an_embedding_lut_pads_with_a_real_row_not_a_segfault(ht
 
 
 def test_genie_feeds_every_input_of_every_split(genie_family):
-    """Splits in order by their QNN graph names (renamed after the compile, forge/ctxname.py),
+    """Splits in order by their QNN graph names (renamed after the compile, forge/genie/ctxname.py),
     nothing zero-filled for want of a name Genie knows, no error."""
     _, bundle = genie_family
     folder = bundle / "genie-v81"
@@ -128,9 +128,9 @@ def test_a_wrong_rope_for_genie_is_refused_at_build_time(tmp_path):
     import numpy as np
     from safetensors.numpy import save_file
 
-    from hexforge.errors import BuildError
+    from hexforge.bundle.errors import BuildError
     from hexforge.families.base import GenieCache, GenieRope, GenieSpec
-    from hexforge.forge.genie import check_ropes
+    from hexforge.forge.genie.decoder import check_ropes
 
     host = tmp_path / "host.safetensors"
     inv = 1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16)

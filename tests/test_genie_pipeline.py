@@ -55,7 +55,7 @@ def qwen3_vl(htp_bundle):
 def _both(bundle, prompt: str, log_level: str = "verbose", **media) -> tuple[list, list, list]:
     """(qnn-sim's tokens, Genie's, Genie's log lines) for one prompt with media."""
     import hexforge
-    from hexforge.runtime.genie_pipeline import open_genie
+    from hexforge.runtime.genie.pipelinemodel import open_genie
 
     want = hexforge.load(bundle, backend="qnn-sim").generate(
         prompt, max_new_tokens=NEW, ignore_eos=True, **media).token_ids
@@ -83,7 +83,7 @@ def test_qwen3_vl_image_through_genie_equal_qnn_sim_with_hfs_positions_and_deeps
     vision-param) and each chunk's deepstack rows itself: the tensors it fed each prefill chunk
     are hexforge's own for the same prompt (runtime/multimodal.py, which equals HF)."""
     import hexforge
-    from hexforge.runtime.genie_pipeline import GeniePipelineModel
+    from hexforge.runtime.genie.pipelinemodel import GeniePipelineModel
     from hexforge.runtime.multimodal import prepare_media
 
     image = str(media / "photo.png")
@@ -91,7 +91,7 @@ def test_qwen3_vl_image_through_genie_equal_qnn_sim_with_hfs_positions_and_deeps
     assert got == want
     # Genie logs the deepstack inputs "Unconnected" at init and fills them from the image
     # node's side outputs when a chunk holds image rows: what it fed is checked below
-    # visual_pos_masks (GenieX's, forge/geniex.py) it never writes: zero-filled, positional rows
+    # visual_pos_masks (GenieX's, forge/genie/geniex.py) it never writes: zero-filled, positional rows
     assert not [ln for ln in log if "Unconnected input" in ln
                 and "deepstack_visual_embeds" not in ln and "visual_pos_masks" not in ln]
 
@@ -131,8 +131,8 @@ def test_qwen3_vl_image_through_genie_equal_qnn_sim_with_hfs_positions_and_deeps
 def test_genie_refuses_audio_louder_than_its_node_holds(gemma4, media):
     """The audio node's log-mel input is uint16 over what a waveform in [-1, 1] can give: a
     float WAV far past full scale is refused in one line, never clipped by Genie unseen."""
-    from hexforge.errors import RequestError
-    from hexforge.runtime.genie_pipeline import open_genie
+    from hexforge.bundle.errors import RequestError
+    from hexforge.runtime.genie.pipelinemodel import open_genie
 
     model = open_genie(gemma4)
     try:
@@ -161,12 +161,12 @@ def test_regression_an_audio_file_reads_after_a_qnn_session(gemma4, media):
 @pytest.mark.parametrize("family", ["gemma4", "qwen3_vl"])
 def test_deploy_runs_an_image_prompt_on_the_phone_through_genie_app(family, request, media, qairt,
                                                                     phone, tmp_path, capfd):
-    """``hexforge deploy --image``: the request as a genie-app script (hexforge/genie_app.py),
+    """``hexforge deploy --image``: the request as a genie-app script (hexforge/commands/genie_app.py),
     pushed beside the Genie folder and QAIRT's genie-app by the adb stand-in; the genie-app
     stand-in runs the script through libGenie on the simulator, in the pushed folder: the tokens
     --backend genie gives for that prompt and image (plumbing: a tiny random model)."""
-    from hexforge.cli import main
-    from hexforge.runtime.genie_pipeline import open_genie
+    from hexforge.commands.cli import main
+    from hexforge.runtime.genie.pipelinemodel import open_genie
 
     bundle = request.getfixturevalue(family)
     b = tmp_path / "b"
@@ -190,7 +190,7 @@ def test_deploy_runs_an_image_prompt_on_the_phone_through_genie_app(family, requ
 
 
 def test_deploy_refuses_audio_before_asking_the_phone(gemma4, media, qairt, phone, capsys):
-    from hexforge.cli import main
+    from hexforge.commands.cli import main
 
     assert main(["deploy", str(gemma4), "--qairt", str(qairt), "--prompt", "Hi",
                  "--audio", str(media / "speech.wav")]) == 2
@@ -207,10 +207,10 @@ def test_genie_nodes_export_from_a_bf16_checkpoint(gemma4, ckpt, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
+    from hexforge.bundle.manifest import load_manifest
     from hexforge.families import encoder_families, load_family
-    from hexforge.forge.checkpoint import read_checkpoint
-    from hexforge.forge.genie_pipeline import export_nodes
-    from hexforge.manifest import load_manifest
+    from hexforge.forge.genie.towers import export_nodes
+    from hexforge.forge.source.checkpoint import read_checkpoint
 
     bf16 = tmp_path / "bf16"
     shutil.copytree(ckpt("gemma4_mm"), bf16)

@@ -1,4 +1,4 @@
-"""GenieX's metadata.json (forge/geniex.py) against the rules Qualcomm's geniex-qairt-plugin
+"""GenieX's metadata.json (forge/genie/geniex.py) against the rules Qualcomm's geniex-qairt-plugin
 applies when it loads a bundle, as read from its source at ``geniex.PLUGIN_COMMIT``:
 
   models/dispatch.h                 model_id prefix -> factory (LLM / VLM), "_ssd" suffix
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from hexforge.forge import geniex
-from hexforge.manifest import load_manifest
+from hexforge.bundle.manifest import load_manifest
+from hexforge.forge.genie import geniex
 
 # dtypes Graph::write(float*) / read(float*) convert, plus int32 (input_ids, memcpy)
 WRITABLE = {"float32", "float16", "uint16", "uint8", "int32"}
@@ -363,7 +363,7 @@ def test_geniex_vision_rope_is_the_towers():
 
 def test_the_graph_names_inside_the_binaries_are_what_the_plugin_takes(llama_genie):
     """LLMModel::onInitialized matches the loaded QNN graph names, not metadata.json's keys:
-    hexforge's length-keeping rename (forge/ctxname.py) fills with letters after the phase
+    hexforge's length-keeping rename (forge/genie/ctxname.py) fills with letters after the phase
     (``prompt<letters>_ar16_cl128_1_of_1``), which the rule takes whole; the first form, digits
     between CL and the split (``prompt_ar16_cl128_<digits>_1_of_1``), it refused."""
     folder = llama_genie / "genie-v81"

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 import hexforge
-from hexforge.errors import BackendError, BuildError, BundleError
-from hexforge.forge.verify import GATES
+from hexforge.bundle.errors import BackendError, BuildError, BundleError
+from hexforge.forge.oracle.verify import GATES
 from hexforge.runtime import qnn
 from tests.conftest import HTP_VERIFY_TOKENS, prompt_ids
 
-# issue thresholds; w4a16's 0.995 is not reachable on random-weight models (see forge/htp/recipes.py)
+# issue thresholds; w4a16's 0.995 is not reachable on random-weight models (see forge/quantize/recipes.py)
 QUANT_THRESHOLDS = {"fp16": 0.9995, "w8-fp16": 0.999, "w4-fp16": 0.95, "w8-u16": 0.999,
                     "w8-u16-b128": 0.999, "w4-u16": 0.95}
 
@@ -126,8 +126,8 @@ def test_a_device_only_vlm_calibrates_and_compiles_its_tower_from_float_graphs_i
                                                                                       tmp_path):
     """The towers' float graphs are still exported under --device-only: activation calibration
     runs them for the media prompts' soft tokens, the HTP compiles them; then they go."""
+    from hexforge.bundle.manifest import load_manifest
     from hexforge.forge.pipeline import BuildOptions, build
-    from hexforge.manifest import load_manifest
 
     logs = []
     out = build(ckpt("qwen3_vl"), tmp_path / "b", BuildOptions(
@@ -140,7 +140,7 @@ def test_a_device_only_vlm_calibrates_and_compiles_its_tower_from_float_graphs_i
     assert set(rep) == {"v81"} and rep["v81"]["passed"], rep["v81"]["failures"]
     assert rep["v81"]["encoders"]["vision"]["passed"]
     assert not any("exported cpu/s0" in line for line in logs)
-    from hexforge.inspect import inspect_bundle
+    from hexforge.commands.inspect import inspect_bundle
 
     assert set(inspect_bundle(out)["targets"]) == {"v81"}
 
@@ -164,8 +164,8 @@ def test_binary_that_disagrees_with_the_manifest_is_refused(htp_bundle, tmp_path
         shutil.copy(f, b / "v81" / f.name.replace("v79", "v81"))
     # the file list records them too (else the size check refuses the swap first): the arch
     # read from each binary's header is the check under test
-    from hexforge.bundlefiles import record
-    from hexforge.manifest import load_manifest, save_manifest
+    from hexforge.bundle.bundlefiles import record
+    from hexforge.bundle.manifest import load_manifest, save_manifest
 
     m = load_manifest(b, check_files=False)
     m.file_records = record(b)
@@ -196,7 +196,7 @@ def test_graph_with_a_node_the_htp_rejects_fails_to_compile(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
-    from hexforge.forge.htp.compile import compile_graph
+    from hexforge.forge.compile.contexts import compile_graph
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 8])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8])
@@ -220,7 +220,7 @@ def test_regression_a_full_disk_read_as_qnn_could_not_load_the_graph(tmp_path):
         from pathlib import Path
         import onnx
         from onnx import TensorProto, helper
-        from hexforge.forge.htp.compile import compile_graph
+        from hexforge.forge.compile.contexts import compile_graph
         x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 8])
         y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8])
         g = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "g", [x], [y])
@@ -241,7 +241,7 @@ def test_regression_a_full_disk_read_as_qnn_could_not_load_the_graph(tmp_path):
 
 
 def test_inspect_shows_binary_sizes_and_roofline(htp_bundle):
-    from hexforge.inspect import inspect_bundle
+    from hexforge.commands.inspect import inspect_bundle
 
     info = inspect_bundle(htp_bundle("llama", "w8-fp16"))
     t = info["targets"]["v81"]
@@ -286,8 +286,8 @@ def test_failed_htp_gate_says_whether_the_htp_or_the_quantization_lost_it(ckpt, 
     import onnx
     from onnx import numpy_helper
 
-    from hexforge.errors import ParityGateError
-    from hexforge.forge.htp import compile as htp
+    from hexforge.bundle.errors import ParityGateError
+    from hexforge.forge.compile import contexts as htp
     from hexforge.forge.pipeline import BuildOptions, build
     from tests.conftest import HTP_CONTEXT, HTP_N
 
@@ -322,7 +322,7 @@ def test_tensor_probe_names_each_ops_error_on_cpu_and_htp(htp_bundle):
     """bench/htp_tensors.py's probe on a --keep-work bundle: every re-quantized activation of the
     decode graph, its error vs float on the CPU EP and on the simulator; a bundle without
     _work/ is refused with the option to use."""
-    from hexforge.forge.htp.probe import tensor_errors
+    from hexforge.forge.compile.probe import tensor_errors
 
     b = htp_bundle("llama", "w8-u16", keep_work=True, verify=False)
     rows = tensor_errors(b, "v81", step=3)
@@ -342,7 +342,7 @@ def test_tensor_probe_covers_graphs_with_fp16_activations(htp_bundle):
     """The probe on an fp16 bundle: no re-quantized activations there, so every value-making op
     (projections, fused norms, residual adds, softmax) is a row; the float graph on the CPU EP is
     the reference and the HTP's fp16 error is small on the tiny model (an overflow reads ~1)."""
-    from hexforge.forge.htp.probe import tensor_errors
+    from hexforge.forge.compile.probe import tensor_errors
 
     b = htp_bundle("llama", "fp16", keep_work=True, verify=False)
     rows = tensor_errors(b, "v81", step=3)
@@ -364,8 +364,8 @@ def test_regression_fused_norm_with_a_leading_dim_zeroed_rows_on_the_htp(tmp_pat
     from hexforge.families.blocks import RMSNorm
     from hexforge.families.form import fp16
     from hexforge.families.graphio import GraphIO
-    from hexforge.forge.export import export_module
-    from hexforge.forge.htp.compile import compile_graph
+    from hexforge.forge.compile.contexts import compile_graph
+    from hexforge.forge.export.onnxexport import export_module
 
     class Norm(torch.nn.Module):
         io = GraphIO(inputs=[("x", "x")], outputs=[("y", "y")])
@@ -395,8 +395,8 @@ def test_a_build_without_the_oracle_checks_each_compiled_graph_on_the_htp(ckpt, 
     """--no-verify (real sizes): every compiled decoder graph runs once on the simulator with a
     call captured from its float graph (2nd prefill chunk, 9th decode token), the vision tower
     with its example image, and each error is in the manifest."""
+    from hexforge.bundle.manifest import load_manifest
     from hexforge.forge.pipeline import BuildOptions, build
-    from hexforge.manifest import load_manifest
 
     logs = []
     out = build(ckpt("qwen3_vl"), tmp_path / "b", BuildOptions(
@@ -406,7 +406,7 @@ def test_a_build_without_the_oracle_checks_each_compiled_graph_on_the_htp(ckpt, 
     for g in graphs:
         assert g.htp_check["rel_err"] < 0.01 and g.htp_check["cosine"] > 0.9999, (g.name, g.htp_check)
     assert sum("checked" in m and "on the HTP" in m for m in logs) == 4
-    from hexforge.inspect import inspect_bundle
+    from hexforge.commands.inspect import inspect_bundle
 
     info = inspect_bundle(out)["targets"]["v81"]["graphs"]
     assert all(g["htp_check"]["rel_err"] < 0.01 for g in info)
@@ -423,9 +423,9 @@ def test_regression_the_graph_check_judged_the_weights_rounding_as_a_miscompile(
     import onnx
     from onnx import helper
 
-    from hexforge.forge.htp import stage
+    from hexforge.bundle.manifest import load_manifest
+    from hexforge.forge.compile import stage
     from hexforge.forge.pipeline import BuildOptions, build
-    from hexforge.manifest import load_manifest
 
     real = stage.weight_only
 
@@ -457,9 +457,9 @@ def test_regression_the_float_graphs_stayed_on_disk_through_every_compile(ckpt, 
     59 GB of free disk at its peak. A quantized recipe compiles the quantized graphs and the
     check's calls are captured before the compiles, so the float graphs go first: no compile of
     either target sees one, and both targets' graphs are still checked on the HTP."""
-    from hexforge.forge.htp import compile as compiler
+    from hexforge.bundle.manifest import load_manifest
+    from hexforge.forge.compile import contexts as compiler
     from hexforge.forge.pipeline import BuildOptions, build
-    from hexforge.manifest import load_manifest
 
     real, seen = compiler.compile_graph, []
 
@@ -486,9 +486,9 @@ def test_regression_the_graph_check_capture_held_every_shards_float_weights_at_o
     value, as the whole float chain's."""
     import numpy as np
 
-    from hexforge.forge.calib import calibration_text
-    from hexforge.forge.htp.graphcheck import DECODE_STEP, capture_calls
-    from hexforge.manifest import TargetSpec, confine, load_manifest
+    from hexforge.bundle.manifest import TargetSpec, confine, load_manifest
+    from hexforge.forge.compile.graphcheck import DECODE_STEP, capture_calls
+    from hexforge.forge.quantize.calibtext import calibration_text
     from hexforge.runtime.backends import Backend
     from hexforge.runtime.engine import Engine
     from hexforge.runtime.text import TextTokenizer
@@ -544,8 +544,8 @@ def test_regression_a_graph_compiled_wrong_passed_a_build_without_the_oracle(ckp
     import onnx
     from onnx import helper
 
-    from hexforge.errors import ParityGateError
-    from hexforge.forge.htp import compile as htp_compile
+    from hexforge.bundle.errors import ParityGateError
+    from hexforge.forge.compile import contexts as htp_compile
     from hexforge.forge.pipeline import BuildOptions, build
 
     real = htp_compile.compile_graph
@@ -589,7 +589,7 @@ import numpy as np, onnx
 from onnx import helper, numpy_helper, TensorProto as T
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
-from hexforge.forge.htp.compile import compile_graph
+from hexforge.forge.compile.contexts import compile_graph
 jobs = []
 for i in range(2):
     w = numpy_helper.from_array(np.full((16, 16), 0.1 * (i + 1), np.float32), "w")
@@ -609,12 +609,12 @@ print(sum(r["bin_bytes"] > 0 for r in done))
 
 def test_htp_graphs_take_the_kv_cache_as_fp16_with_keys_transposed(htp_bundle):
     """fp16-activation HTP graphs read the cache as float16 (the HTP computes fp16 anyway) and
-    keep keys as [1, KVH, D, C], as QK^T reads them (forge/htp/kvcast.py): the manifest says so,
+    keep keys as [1, KVH, D, C], as QK^T reads them (forge/compile/kvcast.py): the manifest says so,
     the compiled graph takes float16, the runtime's buffers follow the target; the cpu target
     keeps fp32 rows. Both precisions' oracle gates pass in the build."""
     import onnx
 
-    from hexforge.manifest import load_manifest
+    from hexforge.bundle.manifest import load_manifest
     from hexforge.runtime.backends import Backend
     from hexforge.runtime.engine import Engine
 
@@ -645,7 +645,7 @@ def test_state_writes_rows_of_transposed_keys_as_columns():
     their positions, as the rows layout gets them as rows (runtime/state.py)."""
     from types import SimpleNamespace
 
-    from hexforge.manifest import MaskGroup, StateSpec
+    from hexforge.bundle.manifest import MaskGroup, StateSpec
     from hexforge.runtime.state import BufferForm, State
 
     m = SimpleNamespace(  # the two fields State reads

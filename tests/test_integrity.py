@@ -1,6 +1,6 @@
-"""Bundles that travel: every file's size and SHA-256 in the manifest (hexforge/bundlefiles.py),
+"""Bundles that travel: every file's size and SHA-256 in the manifest (hexforge/bundle/bundlefiles.py),
 checked at load, by ``hexforge verify --files``; the model card the build writes; a Genie folder
-judged before libGenie is given it (hexforge/runtime/genie_checks.py)."""
+judged before libGenie is given it (hexforge/runtime/genie/checks.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import hexforge
-from hexforge.cli import main
-from hexforge.errors import BundleError, ContextOverflowError
-from hexforge.manifest import load_manifest
+from hexforge.bundle.errors import BundleError, ContextOverflowError
+from hexforge.bundle.manifest import load_manifest
+from hexforge.commands.cli import main
 from tests.conftest import HTP_CONTEXT, prompt_ids
 
 
@@ -36,7 +36,7 @@ def genie_bundle(htp_bundle):
 @pytest.fixture
 def hashed(monkeypatch):
     """The bundle-relative files hashed since the fixture was made (load-time digests)."""
-    from hexforge import bundlefiles
+    from hexforge.bundle import bundlefiles
 
     seen: list[str] = []
     real = bundlefiles.sha256_of
@@ -213,7 +213,7 @@ def test_every_bundle_carries_a_model_card_written_by_the_build(genie_bundle):
 @pytest.fixture
 def no_libgenie(monkeypatch):
     """Fails the test if a Genie dialog is made: the check must come first."""
-    from hexforge.runtime import genie
+    from hexforge.runtime.genie import libgenie as genie
 
     def refuse(*a, **k):
         raise AssertionError("libGenie was given the bad input")
@@ -229,7 +229,7 @@ def _edit_config(folder: Path, edit) -> None:
 
 
 def _genie(folder: Path):
-    from hexforge.runtime.genie_model import GenieModel
+    from hexforge.runtime.genie.model import GenieModel
 
     return GenieModel(folder)
 

@@ -1,4 +1,4 @@
-"""The KV cache's I/O rewrites (forge/htp/kvcast.py) on a tiny graph, run by onnxruntime's CPU EP:
+"""The KV cache's I/O rewrites (forge/compile/kvcast.py) on a tiny graph, run by onnxruntime's CPU EP:
 what the rewritten graph computes with is the cache the float graph saw, to the format's step."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from hexforge.forge.htp.kvcast import V8_STEPS, V8_ZERO, fp16_kv_graph, u8_value_state, u8_values_graph
-from hexforge.manifest import GraphSpec, StateSpec, TensorSpec
+from hexforge.bundle.manifest import GraphSpec, StateSpec, TensorSpec
+from hexforge.forge.compile.kvcast import V8_STEPS, V8_ZERO, fp16_kv_graph, u8_value_state, u8_values_graph
 
 BINDS = {"state:L0.k", "new:L0.k", "state:L0.v", "new:L0.v"}
 
@@ -115,10 +115,10 @@ def test_u8_value_cache_on_the_simulator_follows_hf_as_closely_as_the_graphs_do(
     near-ties flip top-1; KL does not). gemma4: sliding and full groups, KV-shared layers.
     Regression: the graphs' value rows out are bound "state:", which a rewrite that looked for
     "new:" missed (prefill cos 0.43, KL 1e-2)."""
+    from hexforge.bundle.manifest import load_manifest
     from hexforge.families import load_family
-    from hexforge.forge.checkpoint import read_checkpoint
-    from hexforge.forge.verify import verify_bundle
-    from hexforge.manifest import load_manifest
+    from hexforge.forge.oracle.verify import verify_bundle
+    from hexforge.forge.source.checkpoint import read_checkpoint
 
     bundle = htp_bundle(family, "fp16", verify=False, device_only=True, kv_values="u8")
     m = load_manifest(bundle)

@@ -97,7 +97,7 @@ def test_float32_forward_is_bit_identical_to_the_fp32_model(bf16_ckpt, family, b
             got = hf(ids).logits
         assert got.dtype == torch.float32 and torch.equal(got, want)
     for enc, spec in _encoders(fam, hf, path):  # the towers: fp32 while they run
-        from hexforge.forge.encoders import example_feeds
+        from hexforge.forge.export.encoders import example_feeds
 
         feeds = example_feeds(enc, spec)
         with fam.float32_forward(hf):
@@ -105,7 +105,7 @@ def test_float32_forward_is_bit_identical_to_the_fp32_model(bf16_ckpt, family, b
         want = enc.reference(ref, feeds)
         assert got.keys() == want.keys() and all(
             got[k].dtype == want[k].dtype and (got[k] == want[k]).all() for k in want)
-    from hexforge.forge.verify import hf_greedy_tokens
+    from hexforge.forge.oracle.verify import hf_greedy_tokens
 
     with fam.float32_forward(hf):
         assert hf_greedy_tokens(hf, prompt_ids(N + 1), 16) == hf_greedy_tokens(
@@ -141,9 +141,9 @@ def test_bf16_checkpoint_builds_greedy_exact_with_bf16_resident_weights(bf16_ckp
                                                                         monkeypatch):
     """Three shards; at every export only that shard's decoder layers are fp32 (the old fp32 load
     had all of them fp32 all the time), and the bundle matches HF fp32 greedy exactly."""
-    from hexforge.forge import graphs
+    from hexforge.forge.export import graphs
+    from hexforge.forge.oracle.verify import hf_greedy_tokens
     from hexforge.forge.pipeline import BuildOptions, build
-    from hexforge.forge.verify import hf_greedy_tokens
 
     path = bf16_ckpt("gemma4")
     fam = _family(path)
@@ -166,7 +166,7 @@ def test_bf16_checkpoint_builds_greedy_exact_with_bf16_resident_weights(bf16_ckp
                                                    max_shard_bytes=900_000), log=lambda m: None)
     report = json.loads((out / "report.json").read_text())["cpu"]
     assert report["passed"] and report["greedy"]["exact"]
-    from hexforge.runtime.hostfile import check_safetensors_header
+    from hexforge.bundle.hostfile import check_safetensors_header
 
     tables = {k: t["dtype"] for k, t in check_safetensors_header(out / "host.safetensors").items()
               if k != "__metadata__" and len(t["shape"]) == 2}
@@ -189,8 +189,8 @@ def test_host_tensors_are_written_in_chunks_and_read_as_maps(tmp_path):
     the runtime's rows are their exact fp32 upcast; fp32 ones stay fp32."""
     import numpy as np
 
-    from hexforge.forge.hostwrite import write_host_tensors
-    from hexforge.runtime.hostfile import check_safetensors_header, load_host_tensors
+    from hexforge.bundle.hostfile import check_safetensors_header, load_host_tensors
+    from hexforge.forge.export.hostwrite import write_host_tensors
 
     table = torch.randn(1000, 24).to(torch.bfloat16)
     half, full = torch.randn(300, 8).half(), torch.randn(7, 3)
@@ -229,8 +229,8 @@ def test_regression_host_table_gathers_faulted_in_the_kernels_read_around(tmp_pa
     through must carry it."""
     import numpy as np
 
-    from hexforge.forge.hostwrite import write_host_tensors
-    from hexforge.runtime.hostfile import load_host_tensors
+    from hexforge.bundle.hostfile import load_host_tensors
+    from hexforge.forge.export.hostwrite import write_host_tensors
 
     path = tmp_path / "host.safetensors"
     write_host_tensors(path, {"t": np.ones((4096, 64), np.float32)})  # 1 MB: many pages
@@ -253,10 +253,10 @@ def test_int8_host_tables_dequantize_their_rows_within_one_step(tmp_path):
     int8's); a width 32 does not divide: int8 rows, one scale a row (absmax / 127, half a step)."""
     import numpy as np
 
-    from hexforge.errors import BundleError
-    from hexforge.forge.hostwrite import write_host_tensors
-    from hexforge.runtime.hostfile import check_safetensors_header, load_host_tensors
-    from hexforge.runtime.qtables import Int8Table
+    from hexforge.bundle.errors import BundleError
+    from hexforge.bundle.hostfile import check_safetensors_header, load_host_tensors
+    from hexforge.bundle.qtables import Int8Table
+    from hexforge.forge.export.hostwrite import write_host_tensors
 
     wide, odd = torch.randn(300, 96).to(torch.bfloat16), torch.randn(40, 20) * 5
     path = tmp_path / "host.safetensors"
@@ -301,16 +301,16 @@ def test_quantized_host_tables_are_matmulnbits_rows(tmp_path, bits):
     dequantizes to what a MatMulNBits over the table (rows as N) computes for a one-hot input,
     exactly, and within one step of the float row (absmax / 8 or / 128: onnxruntime maps a
     block's largest magnitude to -8 / -128, so a value near it of the other sign clips at +7 /
-    +127). That is what lets a tied head's weight serve as the table (forge/hosttables.py)."""
+    +127). That is what lets a tied head's weight serve as the table (forge/quantize/tiedembed.py)."""
     import numpy as np
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from hexforge.errors import BundleError
-    from hexforge.forge.hostwrite import write_host_tensors
-    from hexforge.runtime.hostfile import check_safetensors_header, load_host_tensors
-    from hexforge.runtime.qtables import INT4_SCALES, INT8_SCALES, Int4Table, Int8Table
+    from hexforge.bundle.errors import BundleError
+    from hexforge.bundle.hostfile import check_safetensors_header, load_host_tensors
+    from hexforge.bundle.qtables import INT4_SCALES, INT8_SCALES, Int4Table, Int8Table
+    from hexforge.forge.export.hostwrite import write_host_tensors
 
     V, D, block = 50, 64, 32
     suffix, cls, levels = {4: (INT4_SCALES, Int4Table, 8), 8: (INT8_SCALES, Int8Table, 128)}[bits]
@@ -358,11 +358,11 @@ def test_shared_int4_rows_outside_their_file_are_a_bundle_error(tmp_path):
     past them."""
     import numpy as np
 
-    from hexforge.errors import BundleError
-    from hexforge.forge.hosttables import drop_host_tensors
-    from hexforge.forge.hostwrite import write_host_tensors
-    from hexforge.manifest import SharedRows
-    from hexforge.runtime.hostfile import load_host_tensors, shared_table
+    from hexforge.bundle.errors import BundleError
+    from hexforge.bundle.hostfile import load_host_tensors, shared_table
+    from hexforge.bundle.manifest import SharedRows
+    from hexforge.forge.export.hostwrite import write_host_tensors
+    from hexforge.forge.quantize.tiedembed import drop_host_tensors
 
     V, D, block = 12, 64, 32
     path = tmp_path / "host.safetensors"
@@ -409,7 +409,7 @@ def test_regression_build_kept_every_checkpoint_page_it_had_read_resident(bf16_c
     reads the same values after, and a mapping with copy-on-write pages keeps them."""
     import numpy as np
 
-    from hexforge.forge.memory import release_mapped_pages
+    from hexforge.forge.heap import release_mapped_pages
 
     path = bf16_ckpt("gemma4")
     hf = _family(path).load_hf(path)
@@ -435,7 +435,7 @@ def test_regression_each_compile_left_its_working_memory_in_the_c_heap():
     them) and given back."""
     import ctypes
 
-    from hexforge.forge.memory import _anon_bytes, release_heap
+    from hexforge.forge.heap import _anon_bytes, release_heap
 
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

@@ -106,10 +106,10 @@ def test_the_oracles_greedy_tokens_are_read_off_teacher_forcing_until_a_miss(bun
     """While the bundle's argmax agrees with HF's greedy token, its greedy run would feed the
     teacher-forced run's tokens through the same graphs: it is not run again (half the oracle's
     decode steps, on the simulator minutes). A miss runs it, and reports the bundle's own tokens."""
+    from hexforge.bundle.manifest import load_manifest
     from hexforge.families import load_family
-    from hexforge.forge.oracle_backend import OracleCpuBackend
-    from hexforge.forge.verify import oracle_prompt, verify_target
-    from hexforge.manifest import load_manifest
+    from hexforge.forge.oracle.backend import OracleCpuBackend
+    from hexforge.forge.oracle.verify import oracle_prompt, verify_target
     from hexforge.runtime.engine import Engine
     from hexforge.runtime.text import TextTokenizer
 
@@ -160,7 +160,7 @@ def test_the_oracles_held_out_text_runs_the_cpu_head_on_many_rows_at_once(bundle
     its row axis symbolic: the same logits as the engine's one-row calls."""
     import numpy as np
 
-    from hexforge.forge.quality import HEAD_ROWS, bundle_logits, rows_head
+    from hexforge.forge.oracle.quality import HEAD_ROWS, bundle_logits, rows_head
 
     model = hexforge.load(bundle("llama"))
     engine = model.engine
@@ -185,7 +185,7 @@ def test_regression_a_qdq_twins_head_is_not_batched(htp_bundle):
     import numpy as np
     import onnx
 
-    from hexforge.forge.quality import ROW_WISE_OPS, rows_head
+    from hexforge.forge.oracle.quality import ROW_WISE_OPS, rows_head
 
     b = htp_bundle("llama", "w8-u16", keep_work=True, verify=False)
     qdq = [p for p in sorted((b / "_work").rglob("head*.onnx")) if any(

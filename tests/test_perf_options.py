@@ -14,7 +14,7 @@ import pytest
 def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
     import onnx
 
-    from hexforge.forge.nbits import CPU_WEIGHTS, cpu_head_format
+    from hexforge.forge.quantize.nbits import CPU_WEIGHTS, cpu_head_format
 
     b = bundle("qwen3", cpu_weights=weights)
     report = json.loads((b / "report.json").read_text())["cpu"]
@@ -47,9 +47,9 @@ def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
     # blocks where they divide its width (64 here: not int8-b128's 128, which takes int8 in
     # blocks of 32; that head's blocks differ, so nothing is shared). int4 weights keep an int8
     # head in blocks of 32 (cpu_head_format), and so an int8 embedding, shared with it
-    from hexforge.inspect import inspect_bundle
-    from hexforge.runtime.hostfile import check_safetensors_header, load_host_tensors
-    from hexforge.runtime.qtables import Int4Table, Int8Table
+    from hexforge.bundle.hostfile import check_safetensors_header, load_host_tensors
+    from hexforge.bundle.qtables import Int4Table, Int8Table
+    from hexforge.commands.inspect import inspect_bundle
 
     header = check_safetensors_header(b / "host.safetensors")
     embedding = inspect_bundle(b)["embedding"]
@@ -81,7 +81,7 @@ def test_cpu_weight_only_builds_pass_their_teacher_forced_gate(bundle, weights):
 
 
 def test_unknown_cpu_weights_fail_before_any_work(ckpt, tmp_path):
-    from hexforge.errors import BuildError
+    from hexforge.bundle.errors import BuildError
     from hexforge.forge.pipeline import BuildOptions, build
 
     with pytest.raises(BuildError, match="--cpu-weights"):
@@ -153,7 +153,7 @@ def test_bound_session_rebinds_what_changed_between_calls(tmp_path):
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from hexforge.manifest import GraphSpec, TensorSpec
+    from hexforge.bundle.manifest import GraphSpec, TensorSpec
     from hexforge.runtime.bound import BoundSession
 
     io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in "xyz"]
@@ -243,10 +243,10 @@ def test_op_profile_splits_a_decode_token_by_op_type(bundle, capsys):
     summed by op type. What is asserted is the profile's reading, not a speed: every op type
     ran a whole number of times a token (a window that cut a step, or took the warm-up's, reads
     a fraction), attention once a layer, the head inside the decode graph."""
-    from hexforge.bench import op_profile
-    from hexforge.cli import main
-    from hexforge.errors import RequestError
-    from hexforge.manifest import load_manifest
+    from hexforge.bundle.errors import RequestError
+    from hexforge.bundle.manifest import load_manifest
+    from hexforge.commands.bench import op_profile
+    from hexforge.commands.cli import main
 
     b = bundle("qwen3")
     r = op_profile(b, tokens=6)
@@ -265,7 +265,7 @@ def test_op_profile_splits_a_decode_token_by_op_type(bundle, capsys):
 
 
 def test_bench_cli_reports_every_number(bundle, capsys):
-    from hexforge.cli import main
+    from hexforge.commands.cli import main
 
     b = bundle("qwen3")
     assert main(["bench", str(b), "--prompt-tokens", "12", "-n", "4", "--runs", "2", "--json"]) == 0
@@ -406,7 +406,7 @@ def test_rope_inside_group_query_attention_keeps_mrope_and_partial_rotary_exact(
     import onnx
 
     from hexforge.forge.pipeline import BuildOptions, build
-    from hexforge.tiny import TINY_CONFIGS, make_tiny_checkpoint
+    from hexforge.forge.source.tiny import TINY_CONFIGS, make_tiny_checkpoint
 
     if positions == "1d":
         ck = make_tiny_checkpoint("qwen3_5", tmp_path / "ck", head_dim=64)
@@ -468,7 +468,7 @@ def test_regression_qwen3_5_int4_in_projections_were_stored_twice(bundle):
     different bytes, both kept (96 MB of Qwen3.5-0.8B's int4 weight file), and ``hexforge
     inspect`` counted the whole file as what a decode token reads (568 MB for 472). Packing now
     orders by the weights; the decode graph reads no projection the prefill does not."""
-    from hexforge.inspect import inspect_bundle
+    from hexforge.commands.inspect import inspect_bundle
 
     b = bundle("qwen3_5", cpu_weights="int4")
     cpu = b / "cpu"
@@ -488,7 +488,7 @@ def test_host_tables_take_the_heads_format_where_every_target_can():
     (8/16-bit weights) read it too; other tables int8."""
     import numpy as np
 
-    from hexforge.forge.nbits import host_table_formats
+    from hexforge.forge.quantize.nbits import host_table_formats
 
     tensors = {"e": np.zeros((10, 256), np.float32), "odd": np.zeros((10, 64), np.float32)}
     assert host_table_formats("fp32", "e", ["x"], tensors) == {}
@@ -514,8 +514,8 @@ def test_int4_head_at_int4_regression_int4_weights_keep_an_int8_head_shared_with
     every other MatMul int4, and the tied embedding is the head's int8 rows, stored once."""
     import onnx
 
-    from hexforge.cli import main
-    from hexforge.inspect import inspect_bundle
+    from hexforge.commands.cli import main
+    from hexforge.commands.inspect import inspect_bundle
 
     out = tmp_path / "b"
     assert main(["build", str(ckpt("qwen3")), "-o", str(out), "--cpu-weights", "int4",
@@ -540,11 +540,11 @@ def test_int4_per_layer_tables_put_gemma4s_per_layer_table_in_int4(tmp_path):
     in the weights' blocks (a per-layer width of 16 x 10 layers: blocks of 32 divide it), the
     bundle passes its int4 gate and the runtime reads an Int4Table; the flag is refused where it
     cannot apply (int8 weights, an HTP target, a checkpoint without per-layer tables)."""
-    from hexforge.errors import BuildError
+    from hexforge.bundle.errors import BuildError
+    from hexforge.bundle.hostfile import check_safetensors_header
+    from hexforge.bundle.qtables import Int4Table
     from hexforge.forge.pipeline import BuildOptions, build
-    from hexforge.runtime.hostfile import check_safetensors_header
-    from hexforge.runtime.qtables import Int4Table
-    from hexforge.tiny import make_tiny_checkpoint
+    from hexforge.forge.source.tiny import make_tiny_checkpoint
 
     ck = make_tiny_checkpoint("gemma4", tmp_path / "ck", hidden_size_per_layer_input=16)
     opts = BuildOptions(context=48, prefill_len=8, cpu_weights="int4", int4_per_layer_tables=True)
@@ -574,10 +574,10 @@ def test_b128_weights_share_an_embedding_their_block_divides(tmp_path):
     in the head's blocks of 128 and stores it once (int4-b128's head is int8 in blocks of 32,
     and so is its shared embedding), and the bundle still matches its float rows within the
     gate."""
+    from hexforge.bundle.hostfile import check_safetensors_header
+    from hexforge.commands.inspect import inspect_bundle
     from hexforge.forge.pipeline import BuildOptions, build
-    from hexforge.inspect import inspect_bundle
-    from hexforge.runtime.hostfile import check_safetensors_header
-    from hexforge.tiny import make_tiny_checkpoint
+    from hexforge.forge.source.tiny import make_tiny_checkpoint
 
     ck = make_tiny_checkpoint("qwen3", tmp_path / "ck", hidden_size=128)
     for weights, bits, block in (("int8-b128", 8, 128), ("int4-b128", 8, 32)):

@@ -63,7 +63,7 @@ def test_htp_build_stages_each_run_a_bar_to_its_total(ckpt, tmp_path):
     (False, True, True), (True, True, False), (False, False, False)])
 def test_the_cli_shows_bars_only_on_a_terminal_without_json(bundle, monkeypatch, capsys,
                                                             json_flag, terminal, shown):
-    from hexforge import cli
+    from hexforge.commands import cli
     from hexforge.forge import pipeline, progress
 
     made = []

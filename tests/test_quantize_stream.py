@@ -9,9 +9,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from hexforge.forge.htp.calibstats import Gram, GraphStats, HessianStore, _Reader, weight_key
-from hexforge.forge.htp.qdq import _quantize
-from hexforge.forge.htp.qnnconfig import qnn_qdq_config
+from hexforge.forge.quantize.calibstats import Gram, GraphStats, HessianStore, _Reader, weight_key
+from hexforge.forge.quantize.qdq import _quantize
+from hexforge.forge.quantize.qnnconfig import qnn_qdq_config
 
 
 def _graph(tmp_path):
@@ -137,7 +137,7 @@ def _gptq_reference(w, H, B, scale_of, qlo, qhi, damp=0.01):
 
 
 def test_blocked_float32_gptq_matches_the_row_by_row_reference_and_beats_rtn():
-    from hexforge.forge.htp.weightquant import (
+    from hexforge.forge.quantize.weightquant import (
         gptq_int4,
         gptq_int8,
         gptq_int8_blocks,
@@ -183,8 +183,8 @@ def test_inverse_hessian_factor_in_float32_matches_float64_and_refuses_a_broken_
     where float32 fails; a Hessian no precision can factor is a build error, not NaN weights."""
     from scipy.linalg import lapack
 
-    from hexforge.errors import BuildError
-    from hexforge.forge.htp import weightquant
+    from hexforge.bundle.errors import BuildError
+    from hexforge.forge.quantize import weightquant
 
     rng = np.random.default_rng(1)
     K = 256
@@ -218,9 +218,9 @@ def test_w8_block_recipe_writes_int8_blocks_and_beats_per_channel_scales(tmp_pat
     ones do) loses less than with one scale per output channel."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from hexforge.forge.htp.calibstats import GraphStats
-    from hexforge.forge.htp.qdq import quantize_graph
-    from hexforge.forge.htp.recipes import RECIPES
+    from hexforge.forge.quantize.calibstats import GraphStats
+    from hexforge.forge.quantize.qdq import quantize_graph
+    from hexforge.forge.quantize.recipes import RECIPES
 
     rng = np.random.default_rng(0)
     K, N = 512, 64
@@ -262,7 +262,7 @@ def test_gptq_is_kept_only_where_it_beats_round_to_nearest_on_held_out_rows():
     """Regression (real-width Qwen3.5 cut, w4a16: GPTQ from 264 calibration rows, K 1024-3584,
     moved held-out outputs 0.114 vs round to nearest 0.096; teacher-forced cos 0.75 vs 0.86):
     GPTQ is solved without every 5th row and kept only if those rows' outputs move less."""
-    from hexforge.forge.htp.weightquant import (
+    from hexforge.forge.quantize.weightquant import (
         dequantize,
         gptq_int4,
         int4_blocks,
@@ -307,7 +307,7 @@ def test_gptq_damping_grows_as_calibration_rows_fall_below_the_inputs():
     K 1024-3584: teacher-forced cos Qwen3 0.9432 -> 0.9535, Qwen3.5 0.8346 -> 0.8698 with damping
     3 instead of the paper's 0.01): gptq_damp damps a few-row Hessian hard and a many-row one as
     the paper does, and each beats the other's damping on held-out rows."""
-    from hexforge.forge.htp.weightquant import dequantize, gptq_damp, gptq_int4
+    from hexforge.forge.quantize.weightquant import dequantize, gptq_damp, gptq_int4
 
     rng = np.random.default_rng(0)
     K, N, B = 256, 48, 64
@@ -339,10 +339,10 @@ def test_w4a16_rtn_rounds_every_weight_where_w4a16_keeps_gptq(tmp_path):
     blocks, w4a16-qdq-rtn exactly round to nearest's."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from hexforge.forge.htp.calibstats import GraphStats, HessianStore
-    from hexforge.forge.htp.qdq import quantize_graph
-    from hexforge.forge.htp.recipes import RECIPES
-    from hexforge.forge.htp.weightquant import int4_blocks
+    from hexforge.forge.quantize.calibstats import GraphStats, HessianStore
+    from hexforge.forge.quantize.qdq import quantize_graph
+    from hexforge.forge.quantize.recipes import RECIPES
+    from hexforge.forge.quantize.weightquant import int4_blocks
 
     rng = np.random.default_rng(5)
     K, N = 128, 32
@@ -385,8 +385,8 @@ def test_weight_only_quantizes_one_weight_at_a_time_as_ort_does_the_whole_graph(
     import onnxruntime as ort
     from onnx import helper, numpy_helper
 
-    from hexforge.forge.export import share_weights
-    from hexforge.forge.nbits import _matmul_nbits, cpu_head_format, quantize_cpu_graph
+    from hexforge.forge.export.onnxexport import share_weights
+    from hexforge.forge.quantize.nbits import _matmul_nbits, cpu_head_format, quantize_cpu_graph
 
     rng = np.random.default_rng(3)
     vocab = 96
@@ -433,7 +433,7 @@ def test_a_weight_over_protobufs_2gb_is_quantized_in_column_slices_bit_for_bit(t
     import onnx
     from onnx import helper, numpy_helper
 
-    import hexforge.forge.nbits as nbits
+    import hexforge.forge.quantize.nbits as nbits
 
     rng = np.random.default_rng(4)
     w = {"w_a": rng.standard_normal((64, 96)), "w_b": rng.standard_normal((64, 40))}

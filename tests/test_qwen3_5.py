@@ -185,7 +185,7 @@ def test_fold_initializer_identities_regression(tmp_path):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from hexforge.forge.export import fold_initializer_identities
+    from hexforge.forge.export.onnxexport import fold_initializer_identities
 
     w = numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
     g = helper.make_graph(

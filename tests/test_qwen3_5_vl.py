@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import hexforge
+from hexforge.bundle.manifest import load_manifest
 from hexforge.families import encoder_families
-from hexforge.forge.verify import cosine_rows
-from hexforge.manifest import load_manifest
+from hexforge.forge.oracle.verify import cosine_rows
 from hexforge.runtime.backends import Backend
 from hexforge.runtime.engine import Engine
 from hexforge.runtime.multimodal import MediaRows

@@ -15,9 +15,9 @@ import torch
 from PIL import Image
 
 import hexforge
+from hexforge.bundle.manifest import load_manifest
 from hexforge.families import encoder_families
-from hexforge.forge.verify import cosine_rows
-from hexforge.manifest import load_manifest
+from hexforge.forge.oracle.verify import cosine_rows
 from hexforge.runtime.backends import Backend
 from hexforge.runtime.engine import Engine
 from hexforge.runtime.multimodal import MediaRows, mrope_positions
@@ -53,7 +53,7 @@ def non_square(ckpt, hf_model, encoder, tmp_path_factory):
     """(spec, ORT CPU session) of the vision graph exported at 96 x 128."""
     import onnxruntime as ort
 
-    from hexforge.forge.export import export_module
+    from hexforge.forge.export.onnxexport import export_module
 
     hf = hf_model(FAMILY)
     spec = encoder.spec(hf, json.loads((ckpt(FAMILY) / "config.json").read_text()),
@@ -145,8 +145,8 @@ def test_mrope_positions_match_hf_get_rope_index(hf_model, non_square):
 def test_rope_tables_match_hf_mrope(built, hf_model):
     """Host cos/sin from [3, T] positions = HF Qwen3VLTextRotaryEmbedding (interleaved sections);
     1-D positions = the same positions on all three axes."""
+    from hexforge.bundle.hostfile import load_host_tensors
     from hexforge.runtime.host import HostInputs
-    from hexforge.runtime.hostfile import load_host_tensors
 
     m = load_manifest(built)
     host = HostInputs(m.host, load_host_tensors(built / m.host_tensors), 64)

@@ -1,7 +1,7 @@
 """Real trained models, built from their GGUF files, judged on real text against the HF oracle.
 
 SmolLM2-135M-Instruct (llama) and Gemma-3-270M (gemma3_text), each converted once per run. The
-held-out text is forge/quality.py's (no build calibrates on it). Numbers: docs/quality.md. The
+held-out text is forge/oracle/quality.py's (no build calibrates on it). Numbers: docs/quality.md. The
 HTP targets: tests/test_real_models_htp.py.
 """
 
@@ -18,7 +18,7 @@ LONG_CONTEXT, LONG_EVAL = 768, 600
 
 
 def _long_eval_file(tmp_path_factory):
-    from hexforge.forge.quality import EVAL_TEXT
+    from hexforge.forge.oracle.quality import EVAL_TEXT
 
     p = tmp_path_factory.mktemp("eval") / "long.txt"
     p.write_text(EVAL_TEXT + "\n\n" + EVAL_TEXT.replace("lighthouse", "harbour"))
@@ -51,8 +51,8 @@ def test_gguf_converts_once_and_verify_reports_kl_perplexity_and_top1(fp32_bundl
                                                                       capsys):
     """`hexforge verify B --reference MODEL.gguf --json`: the cached conversion, the oracle's
     real-text numbers; `hexforge inspect --json` carries them from report.json."""
-    from hexforge.cli import main
-    from hexforge.forge.gguf import cache_root
+    from hexforge.commands.cli import main
+    from hexforge.forge.source.gguf import cache_root
 
     bundle, _ = fp32_bundle("smollm2")
     converted = list(cache_root().iterdir())
@@ -95,8 +95,8 @@ def test_int8_cpu_kl_at_most_0_01(real_bundle, name):
 def test_int4_cpu_at_or_below_hfs_round_to_nearest_floor(real_bundle, real_hf, name, weights):
     """KL <= 1.2x the KL HF itself reaches with its decoder's Linear weights rounded to nearest
     at the same block (the embedding and head left in fp32)."""
-    from hexforge.forge.nbits import CPU_WEIGHTS
-    from hexforge.forge.quality import EVAL_TEXT, eval_ids, fake_quant_floor, hf_logits
+    from hexforge.forge.oracle.quality import EVAL_TEXT, eval_ids, fake_quant_floor, hf_logits
+    from hexforge.forge.quantize.nbits import CPU_WEIGHTS
     from hexforge.runtime.text import TextTokenizer
 
     _, report = real_bundle(name, cpu_weights=weights)
@@ -111,7 +111,7 @@ def test_int4_cpu_at_or_below_hfs_round_to_nearest_floor(real_bundle, real_hf, n
 
 
 def test_a_file_that_is_not_gguf_is_refused_in_one_line(tmp_path, capsys):
-    from hexforge.cli import main
+    from hexforge.commands.cli import main
 
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"not a gguf file at all")

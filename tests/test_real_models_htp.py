@@ -36,7 +36,7 @@ def test_smollm2_answers_on_the_simulator(real_bundle):
     """The demo's question, on the v81 simulator: through hexforge's runtime, and through
     Qualcomm's Genie runtime (libGenie) driving the bundle's Genie binaries, token for token."""
     import hexforge
-    from hexforge.runtime.genie_model import GenieModel
+    from hexforge.runtime.genie.model import GenieModel
 
     bundle, _ = real_bundle("smollm2", targets="v81", quant="fp16", **SMOLLM2_HTP)
     bins = json.loads((bundle / "genie-v81" / "genie_config.json").read_text())[
@@ -56,7 +56,7 @@ def test_smollm2_genie_folder_meets_geniex_loader_rules(real_bundle):
     """The real SmolLM2's two-split Genie folder against the rules GenieX's QAIRT plugin
     applies when it loads one (tests/test_geniex.py: written from its source; the plugin is
     not built here)."""
-    from hexforge.manifest import load_manifest
+    from hexforge.bundle.manifest import load_manifest
     from tests.test_geniex import check_bundle, check_genie_config, dispatch
 
     bundle, _ = real_bundle("smollm2", targets="v81", quant="fp16", **SMOLLM2_HTP)
@@ -71,7 +71,7 @@ def test_smollm2_genie_folder_meets_geniex_loader_rules(real_bundle):
 
 def test_smollm2_genie_binaries_meet_the_fp16_bar(real_bundle):
     """Genie returns no logits: the build scores its binaries fed as Genie feeds them
-    (forge/genie_verify.py) on the held-out text, at the fp16 bar."""
+    (forge/genie/verify.py) on the held-out text, at the fp16 bar."""
     _, report = real_bundle("smollm2", targets="v81", quant="fp16", **SMOLLM2_HTP)
     r = report["genie-v81"]
     assert r["passed"], r["failures"]

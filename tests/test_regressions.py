@@ -57,7 +57,7 @@ def test_widened_ranges_never_move_constants(tmp_path):
     """Widening every activation range also moved constant inputs (e.g. a Pow exponent)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from hexforge.forge.htp.qdq import widen_activation_ranges
+    from hexforge.forge.quantize.qdq import widen_activation_ranges
 
     two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
     s = numpy_helper.from_array(np.array(2.0 / 65535, np.float32), "s")
@@ -103,9 +103,9 @@ def test_in_place_prefill_chunk_that_would_pass_the_cache_end_goes_through_ar1(b
 def _w8a16_qdq(float_path, calib, tmp_path):
     """The build's path for one graph: GraphStats ranges over ``calib`` (feeds of x), ORT's QDQ
     tool, our weight + range pass (w8a16) -> the QDQ graph's path."""
-    from hexforge.forge.htp.calibstats import GraphStats
-    from hexforge.forge.htp.qdq import quantize_graph
-    from hexforge.forge.htp.recipes import RECIPES
+    from hexforge.forge.quantize.calibstats import GraphStats
+    from hexforge.forge.quantize.qdq import quantize_graph
+    from hexforge.forge.quantize.recipes import RECIPES
 
     stats = GraphStats(float_path, tmp_path / "calib", hessians=False)
     for x in calib:
@@ -171,7 +171,7 @@ def test_media_tower_norms_are_prescaled_out_of_the_fp16_subnormals(ckpt, monkey
     import json
 
     from hexforge.families import encoder_families, gemma4_audio, load_family
-    from hexforge.forge.encoders import calibrate_encoder_norms
+    from hexforge.forge.export.encoders import calibrate_encoder_norms
 
     hf = load_family("gemma4").FAMILY.load_hf(ckpt("gemma4_mm"))
     config = json.loads((ckpt("gemma4_mm") / "config.json").read_text())
@@ -275,7 +275,7 @@ def test_regression_the_export_trace_kept_every_layers_activations_for_autograd(
     layers of [12, 2520, 2520] attention) exported at 14.5 GB instead of 3.5. Every trace of the
     module runs without autograd now, and the graph is the one it was."""
     from hexforge.families.graphio import GraphIO
-    from hexforge.forge.export import export_module
+    from hexforge.forge.export.onnxexport import export_module
 
     class Probe(torch.nn.Module):
         def __init__(self):

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import hexforge
-from hexforge.errors import (
+from hexforge.bundle.errors import (
     BackendError,
     BundleError,
     CheckpointError,
@@ -31,7 +31,7 @@ from hexforge.errors import (
     MediaError,
     RequestError,
 )
-from hexforge.manifest import load_manifest
+from hexforge.bundle.manifest import load_manifest
 from tests.conftest import CONTEXT, prompt_ids
 
 
@@ -59,7 +59,7 @@ def model(bundle):
 def client(model):
     from fastapi.testclient import TestClient
 
-    from hexforge.serve import create_app
+    from hexforge.commands.serve import create_app
 
     return TestClient(create_app(model, "tiny"))
 
@@ -69,7 +69,7 @@ def live(model):
     """A real uvicorn server in a thread (disconnects and concurrency need a real socket)."""
     import uvicorn
 
-    from hexforge.serve import create_app
+    from hexforge.commands.serve import create_app
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -324,7 +324,7 @@ def test_check_07_pickle_checkpoint_refused(ckpt, tmp_path, weights):
 def test_check_07_nothing_from_a_checkpoint_is_executed(ckpt, tmp_path, monkeypatch):
     """A pickle next to the safetensors and remote code named in config.json are never run."""
     from hexforge.families import load_family
-    from hexforge.forge.checkpoint import read_checkpoint
+    from hexforge.forge.source.checkpoint import read_checkpoint
 
     dst = tmp_path / "ckpt"
     shutil.copytree(ckpt("llama"), dst)
@@ -364,7 +364,7 @@ def test_check_08_corrupted_safetensors_refused_before_any_allocation(tmp_path, 
                                                                       blob):
     import safetensors.numpy
 
-    from hexforge.runtime.hostfile import load_host_tensors
+    from hexforge.bundle.hostfile import load_host_tensors
 
     reached = []
     monkeypatch.setattr(safetensors.numpy, "load_file", lambda *a, **k: reached.append(a))
@@ -442,7 +442,7 @@ def test_check_08_manifest_binds_are_validated_on_load(bundle, copy_of, bind, wh
 def test_check_08_every_bind_of_every_family_bundle_is_known(bundle):
     """The validator accepts what a family really emits (every other family's bundle is loaded,
     so validated, by its own test file: gemma4 host:/new:, qwen3_5 valid/tail:)."""
-    from hexforge.manifest import bind_problem
+    from hexforge.bundle.manifest import bind_problem
 
     for fam in ("llama",):
         m = load_manifest(bundle(fam))
@@ -710,7 +710,7 @@ def no_session(monkeypatch):
 def _as_built(b: Path) -> None:
     """Files changed here recorded in the manifest's file list as they are, as a build that
     wrote them so would have (else check 16 names them as damaged before the check tested)."""
-    from hexforge.bundlefiles import record
+    from hexforge.bundle.bundlefiles import record
 
     m = json.loads((b / "manifest.json").read_text())
     m["file_records"] = [r.model_dump() for r in record(b)]
@@ -796,7 +796,8 @@ def test_regression_a_target_over_the_simulators_room_is_not_told_to_shrink_its_
     HTP process domain). The error now says that. (The failure is replayed: a tiny bundle fits.)"""
     import onnxruntime as ort
 
-    from hexforge.runtime import backends, genie
+    from hexforge.runtime import backends
+    from hexforge.runtime.genie import libgenie as genie
 
     def oom(*a, **k):
         raise RuntimeError("contextCreateFromBinary failed. Error: QNN_COMMON_ERROR_MEM_ALLOC")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import hexforge
-from hexforge.errors import ContextOverflowError, RequestError
+from hexforge.bundle.errors import ContextOverflowError, RequestError
 from hexforge.runtime import sampling
 from tests.conftest import prompt_ids
 

@@ -34,7 +34,7 @@ def server(bundle):
     """(base url, the served Model) for a uvicorn server on 127.0.0.1 in a thread."""
     import uvicorn
 
-    from hexforge.serve import create_app
+    from hexforge.commands.serve import create_app
 
     model = hexforge.load(bundle("llama"))
     port = free_port()

@@ -1,5 +1,5 @@
 """The decoder graphs are exported without torch's shape inference and their shapes folded
-afterwards (forge/shapefold.py): node for node the graphs torch's own shape inference gives."""
+afterwards (forge/export/shapefold.py): node for node the graphs torch's own shape inference gives."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def _ops(path) -> list[str]:
     other export leaves, and the other way round: the same values)."""
     import onnx
 
-    from hexforge.forge.shapefold import fold_shapes
+    from hexforge.forge.export.shapefold import fold_shapes
 
     m = onnx.load(str(path), load_external_data=False)
     fold_shapes(m)
@@ -26,7 +26,7 @@ def _ops(path) -> list[str]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_folded_export_is_node_for_node_torchs_shape_inference(ckpt, tmp_path, monkeypatch,
                                                                family):
-    import hexforge.forge.export as export
+    import hexforge.forge.export.onnxexport as export
     from hexforge.forge.pipeline import BuildOptions, build
 
     # verify_len=0: the cpu AR-k verify graph is the prefill module at another length
@@ -37,7 +37,7 @@ def test_folded_export_is_node_for_node_torchs_shape_inference(ckpt, tmp_path, m
     monkeypatch.setattr(export, "export_module",
                         lambda module, path, exporter="dynamo", fold=False: real(
                             module, path, exporter))
-    for mod in ("hexforge.forge.graphs", "hexforge.forge.genie"):
+    for mod in ("hexforge.forge.export.graphs", "hexforge.forge.genie.decoder"):
         monkeypatch.setattr(f"{mod}.export_module", export.export_module, raising=False)
     plain = build(ckpt(family), tmp_path / "plain", BuildOptions(**opts), log=lambda m: None)
 
@@ -88,8 +88,8 @@ def test_regression_the_fold_kept_every_exported_graph_alive(tmp_path):
 
     import onnx
 
-    from hexforge.forge.memory import release_heap
-    from hexforge.forge.shapefold import fold_shapes
+    from hexforge.forge.export.shapefold import fold_shapes
+    from hexforge.forge.heap import release_heap
 
     def fold(path) -> int:
         m = onnx.load(str(path))

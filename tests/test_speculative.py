@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import hexforge
-from hexforge.errors import RequestError
+from hexforge.bundle.errors import RequestError
 from hexforge.runtime.speculative import EXPLORE, PromptLookup
 from tests.conftest import CONTEXT, prompt_ids
 
@@ -192,7 +192,7 @@ def test_recurrent_families_refuse_prompt_lookup_in_one_line(bundle):
 
 
 def test_cli_run_json_reports_drafted_and_accepted_tokens(bundle, capsys):
-    from hexforge.cli import main
+    from hexforge.commands.cli import main
 
     prompt = " ".join(["the cat sat on the mat"] * 4)
     assert main(["run", str(bundle("llama")), prompt, "-n", "24", "--ignore-eos", "--json",
@@ -230,7 +230,7 @@ def test_regression_prompt_lookup_opened_its_verify_graphs_before_the_first_toke
 def test_prompt_lookup_above_the_bundles_verify_rows_is_said(bundle, capsys):
     """--prompt-lookup 16 on a bundle of AR-8 verify graphs drafts at most 7 tokens a step: said
     in a note, and in the result (max_draft), not silently cut."""
-    from hexforge.cli import main
+    from hexforge.commands.cli import main
 
     prompt = " ".join(["the cat sat on the mat"] * 4)
     assert main(["run", str(bundle("llama")), prompt, "-n", "8", "--ignore-eos", "--json",
@@ -319,7 +319,7 @@ def test_speculative_sampling_keeps_the_output_distribution(bundle, monkeypatch)
 def test_server_takes_prompt_lookup_as_a_request_option(bundle):
     from fastapi.testclient import TestClient
 
-    from hexforge.serve import create_app
+    from hexforge.commands.serve import create_app
 
     client = TestClient(create_app(hexforge.load(bundle("llama")), "tiny", api_key=None))
     body = {"prompt": prompt_ids(12) * 3, "max_tokens": 24, "temperature": 0, "ignore_eos": True}

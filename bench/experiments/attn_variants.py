@@ -59,8 +59,8 @@ def main() -> None:
     import onnxruntime as ort
 
     from hexforge.families import blocks, load_family
-    from hexforge.forge.checkpoint import read_checkpoint
-    from hexforge.forge.export import export_module
+    from hexforge.forge.export.onnxexport import export_module
+    from hexforge.forge.source.checkpoint import read_checkpoint
     from hexforge.runtime.backends import cpu_threads
 
     ckpt = read_checkpoint(a.checkpoint)

@@ -256,7 +256,7 @@ def tiny_bundle(path: str | None) -> Path:
     if path:
         return Path(path)
     from hexforge.forge.pipeline import BuildOptions, build
-    from hexforge.tiny import make_tiny_checkpoint
+    from hexforge.forge.source.tiny import make_tiny_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="hexforge-constrained-"))
     ckpt = make_tiny_checkpoint("llama", tmp / "ckpt")

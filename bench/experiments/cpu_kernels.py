@@ -37,7 +37,7 @@ def matmul_model(w: np.ndarray, contender: str, work: Path):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from hexforge.forge.nbits import quantize_cpu_graph
+    from hexforge.forge.quantize.nbits import quantize_cpu_graph
 
     K, N = w.shape
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])

@@ -28,8 +28,8 @@ import numpy as np
 
 def run_lade(folder: Path, prompt: str, lade: tuple[int, int, int], tokens: int,
              dump: Path) -> str:
-    from hexforge.runtime import genie
-    from hexforge.runtime.genie_model import absolute_paths
+    from hexforge.runtime.genie import libgenie as genie
+    from hexforge.runtime.genie.model import absolute_paths
 
     cfg = absolute_paths(json.loads((folder / "genie_config.json").read_text()), folder)
     cfg["dialog"]["engine"]["backend"]["QnnHtp"]["poll"] = False  # the simulator needs the core

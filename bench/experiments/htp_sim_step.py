@@ -25,7 +25,7 @@ def main() -> None:
 
     from pathlib import Path
 
-    from hexforge.manifest import load_manifest
+    from hexforge.bundle.manifest import load_manifest
     from hexforge.runtime.backends import Backend
     from hexforge.runtime.engine import Engine
 

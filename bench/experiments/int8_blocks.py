@@ -24,7 +24,7 @@ def main() -> None:
 
     from quality_table import references
 
-    from hexforge.forge.quality import fake_quant_floor
+    from hexforge.forge.oracle.quality import fake_quant_floor
 
     print("| model | int8 block | bits a weight | KL mean | KL p99 | top-1 |\n|---|---|---|---|---|---|")
     for name, m in references(Path(a.work), 256):

@@ -6,7 +6,7 @@ form reaches, before any HTP graph.
     python bench/experiments/kv_8bit.py [--work W]
 
 Forms: one symmetric scale a cache, from the calibration text's peak x 1.25 (what a static
-encoding of the cache buffer can do; forge/calib.py's text); or a scale per row (per head and
+encoding of the cache buffer can do; forge/quantize/calibtext.py's text); or a scale per row (per head and
 position) from the row's own peak (what ``--kv-values u8`` computes in the graph). Results and
 the form they chose: docs/htp.md ("Speed on the NPU").
 """
@@ -86,8 +86,8 @@ def main() -> None:
 
     from quality_table import references
 
-    from hexforge.forge.calib import CALIB_TEXT
-    from hexforge.forge.quality import compare, hf_logits
+    from hexforge.forge.oracle.quality import compare, hf_logits
+    from hexforge.forge.quantize.calibtext import CALIB_TEXT
 
     print("| model | 8-bit cache | KL mean | KL p99 | top-1 |\n|---|---|---|---|---|")
     for name, m in references(Path(a.work), 512):

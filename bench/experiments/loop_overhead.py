@@ -33,7 +33,7 @@ def main() -> None:
         bundle = Path(a.bundle)
     else:
         from hexforge.forge.pipeline import BuildOptions, build
-        from hexforge.tiny import make_tiny_checkpoint
+        from hexforge.forge.source.tiny import make_tiny_checkpoint
 
         root = Path(tempfile.mkdtemp(prefix="hexforge-overhead-"))
         ckpt = make_tiny_checkpoint(a.family, root / "ckpt")

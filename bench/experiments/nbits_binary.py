@@ -1,7 +1,7 @@
 """What a MatMulNBits weight costs in a QNN context binary: one [1, 1, K] x [K, N] MatMulNBits
 (symmetric, int8 / int4, blocks of 32 / 128, fp16 or fp32 activations) compiled for v81 with
 CPU fallback disabled; prints the binary's bytes per weight. The planner's and the roofline's
-`bytes_per_weight` (forge/htp/recipes.py) should match it.
+`bytes_per_weight` (forge/quantize/recipes.py) should match it.
 
     python bench/experiments/nbits_binary.py [--k 2560] [--n 9216] [--work W]
 
@@ -39,8 +39,8 @@ def main() -> None:
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    from hexforge.forge.htp.compile import compile_graph
-    from hexforge.targets import get_target
+    from hexforge.bundle.targets import get_target
+    from hexforge.forge.compile.contexts import compile_graph
 
     v81 = get_target("v81")
     work = Path(a.work or tempfile.mkdtemp(prefix="nbits-"))

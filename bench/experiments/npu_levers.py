@@ -16,7 +16,7 @@ blocks along K. ``--option``: a QNN EP provider option for the estimates (e.g.
 
 The stages mirror the build's for an fp16-activation recipe: the norms' prescales and the
 residual peak (families/blocks.calibrate_norm_scales), the plan, the float export with the fp16
-form, the KV cache's fp16 I/O (forge/htp/kvcast.py), the weight-only pass for w8a16 / w4a16.
+form, the KV cache's fp16 I/O (forge/compile/kvcast.py), the weight-only pass for w8a16 / w4a16.
 """
 
 from __future__ import annotations
@@ -39,21 +39,21 @@ def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work
     options = options or {}
     from npu_estimate import MODELS, gguf, optrace_report
 
-    from hexforge.estimate import estimate_graph
-    from hexforge.estimate_bundle import target_estimate
+    from hexforge.bundle.targets import TARGETS
     from hexforge.families import load_family
     from hexforge.families.blocks import calibrate_norm_scales
-    from hexforge.forge.calib import calibration_text
-    from hexforge.forge.checkpoint import read_checkpoint
-    from hexforge.forge.graphs import export_float, plan_target
-    from hexforge.forge.htp.compile import compile_options
-    from hexforge.forge.htp.kvcast import fp16_kv, u8_value_state, u8_values
-    from hexforge.forge.htp.recipes import get_recipe
-    from hexforge.forge.htp.stage import fp16_scale, weight_only
+    from hexforge.forge.compile.contexts import compile_options
+    from hexforge.forge.compile.hextimate import estimate_graph
+    from hexforge.forge.compile.kvcast import fp16_kv, u8_value_state, u8_values
+    from hexforge.forge.compile.stage import fp16_scale, weight_only
+    from hexforge.forge.compile.steptime import target_estimate
+    from hexforge.forge.export.graphs import export_float, plan_target
     from hexforge.forge.pipeline import BuildOptions
+    from hexforge.forge.quantize.calibtext import calibration_text
+    from hexforge.forge.quantize.recipes import get_recipe
+    from hexforge.forge.source.checkpoint import read_checkpoint
     from hexforge.runtime import qnn
     from hexforge.runtime.text import TextTokenizer
-    from hexforge.targets import TARGETS
 
     recipe = get_recipe(quant)
     if block_size:  # a weight-only recipe's blocks along K (its scales: one per block)
@@ -133,7 +133,7 @@ def main() -> None:
                           lambda m: print(m, file=sys.stderr), a.optrace,
                           dict(o.split("=", 1) for o in a.option), a.keep, a.baseline, a.kv_values,
                           a.block_size)
-    from hexforge.estimate_bundle import estimate_line
+    from hexforge.forge.compile.steptime import estimate_line
 
     print(estimate_line(est))
     if a.json:

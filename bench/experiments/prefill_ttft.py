@@ -39,7 +39,7 @@ def main() -> None:
 
     import hexforge
     from hexforge.forge.pipeline import BuildOptions, build
-    from hexforge.tiny import make_tiny_checkpoint
+    from hexforge.forge.source.tiny import make_tiny_checkpoint
 
     root = Path(tempfile.mkdtemp(prefix="hexforge-ttft-"))
     ckpt = make_tiny_checkpoint(a.family, root / "ckpt", hidden_size=a.hidden,

@@ -14,7 +14,7 @@ import re
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from ..errors import UnsupportedModelError
+from ..bundle.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
     from .base import EncoderFamily

@@ -32,7 +32,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..manifest import EmbedSpec, HostRecipe, MaskGroup, RopeSpec, StateSpec
+from ..bundle.manifest import EmbedSpec, HostRecipe, MaskGroup, RopeSpec, StateSpec
 from . import lowp
 from .form import CPU, PLAIN, ExportForm
 
@@ -108,7 +108,7 @@ class GenieSpec:
 
 def genie_rope_scaling(params: dict) -> dict | None:
     """Genie's rope-scaling block for an HF rope_parameters dict (types Genie computes as HF)."""
-    from ..errors import UnsupportedModelError
+    from ..bundle.errors import UnsupportedModelError
 
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
@@ -173,7 +173,7 @@ class DecoderFamily:
         """Refuse, in one line, a config whose ``ACCEPTED`` fields hold a value the graphs do not
         implement: a build would pass its text-only oracle and diverge on the prompts that reach
         the unimplemented path (Gemma-4's bidirectional image attention did, at token 3)."""
-        from ..errors import UnsupportedModelError
+        from ..bundle.errors import UnsupportedModelError
 
         nested = isinstance(config.get("text_config"), dict)
         text = config["text_config"] if nested else config
@@ -331,10 +331,10 @@ class DecoderFamily:
         )
 
 
-    # ---- Genie: the decoder in Qualcomm's runtime (forge/genie.py writes the bundle) ----
+    # ---- Genie: the decoder in Qualcomm's runtime (forge/genie/decoder.py writes the bundle) ----
     def genie_spec(self, hf, args) -> GenieSpec:
         """One cache group of head_dim, one rope (the config's), no per-layer inputs."""
-        from ..errors import UnsupportedModelError
+        from ..bundle.errors import UnsupportedModelError
 
         cfg = hf.config.get_text_config().to_dict()
         params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -356,7 +356,7 @@ class DecoderFamily:
 
     def check_genie(self, args) -> None:
         """Refuse, before any work, a config these Genie graphs do not express."""
-        from ..errors import UnsupportedModelError
+        from ..bundle.errors import UnsupportedModelError
 
         own = type(self).decoder_module is not DecoderFamily.decoder_module
         if own or getattr(args, "layer_types", None):
@@ -401,7 +401,7 @@ class EncoderFamily:
     def genie_node(self, hf, spec, row_tail: np.ndarray | None):
         """The tower as a Genie pipeline node (families/genienode.py GenieNodeForm; ``row_tail``
         the LUT columns after the soft token in a media row). A tower without one is left out
-        of a bundle's Genie pipeline (forge/genie_pipeline.py), with the reason."""
-        from ..errors import UnsupportedModelError
+        of a bundle's Genie pipeline (forge/genie/towers.py), with the reason."""
+        from ..bundle.errors import UnsupportedModelError
 
         raise UnsupportedModelError(f"the {self.modality} tower states no Genie node form")

@@ -54,7 +54,7 @@ def clear_norm_prescales(root: nn.Module) -> None:
 def calibrate_norm_scales(hf, input_ids: list[int], layers=()) -> float:
     """Run the HF decoder on calibration ids; record every RMSNorm's prescale (``record_norm_
     prescales``). The media towers' norms are not reached by a text forward: the build records
-    theirs on the encoders' own inputs (forge/encoders.py ``calibrate_encoder_norms``).
+    theirs on the encoders' own inputs (forge/export/encoders.py ``calibrate_encoder_norms``).
     -> the residual stream's peak |x| (the outputs of ``layers``, HF's decoder layers)."""
     peak = [0.0]
 

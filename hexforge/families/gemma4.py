@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import UnsupportedModelError
-from ..manifest import EmbedSpec, ExtraEmbedSpec, HostRecipe, MaskGroup, RopeSpec, StateSpec
+from ..bundle.errors import UnsupportedModelError
+from ..bundle.manifest import EmbedSpec, ExtraEmbedSpec, HostRecipe, MaskGroup, RopeSpec, StateSpec
 from . import blocks, ortops
 from .base import Accepts, DecoderFamily
 from .form import CPU, PLAIN, ExportForm, fp16
@@ -518,7 +518,7 @@ class Gemma4Shard(nn.Module):
 
 
 
-# ---- Genie (forge/genie.py; docs/genie.md) ---------------------------------------------------------
+# ---- Genie (forge/genie/decoder.py; docs/genie.md) ---------------------------------------------------------
 
 # Genie cache group (and rope prefix) per layer type: the full layers in the default group
 GENIE_GROUP = {FULL: "past_", SLIDING: "swa_"}

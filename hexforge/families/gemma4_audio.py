@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import CheckpointError, UnsupportedModelError
-from ..manifest import EncoderSpec
+from ..bundle.errors import CheckpointError, UnsupportedModelError
+from ..bundle.manifest import EncoderSpec
 from .base import EncoderFamily, from_config
 from .blocks import norm_prescale
 from .graphio import GraphIO

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import BuildError, UnsupportedModelError
-from ..manifest import EncoderSpec
+from ..bundle.errors import BuildError, UnsupportedModelError
+from ..bundle.manifest import EncoderSpec
 from .base import EncoderFamily, from_config
 from .graphio import GraphIO
 

@@ -1,5 +1,5 @@
 """What an encoder tower looks like as a node of a Genie pipeline (torch-free; the node graphs are
-built by each encoder family's ``genie_node``, the bundle by forge/genie_pipeline.py).
+built by each encoder family's ``genie_node``, the bundle by forge/genie/towers.py).
 
 A Genie pipeline (libGenie 1.21: ``GeniePipeline`` / ``GenieNode``) runs an encoder node whose
 embeddings the text-generator node takes in prompt order (docs/genie-pipelines.md)::
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 # Genie's names for an encoder node's tensors (its QnnNspImageModel / QnnNspAudioModel look them up)
 IMAGE_FEATURES = "image_features"
 AUDIO_FEATURES = "hidden_states"
-# the node IOs the host sets (GenieNode_IOName_t; runtime/genie_pipeline.py has their values)
+# the node IOs the host sets (GenieNode_IOName_t; runtime/genie/pipelinemodel.py has their values)
 IMAGE_INPUT = "GENIE_NODE_IMAGE_ENCODER_IMAGE_INPUT"
 AUDIO_INPUT = "GENIE_NODE_AUDIO_ENCODER_AUDIO_INPUT"
 # our names for the two mask IOs libGenie 1.21 takes on an audio node (704: its tensor

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..manifest import TensorSpec
+from ..bundle.manifest import TensorSpec
 
 
 @dataclass

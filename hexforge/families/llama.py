@@ -29,7 +29,7 @@ class LlamaFamily(DecoderFamily):
 
     def check_supported(self, args: Args) -> None:
         """Refuse configs whose math these export modules do not reproduce."""
-        from ..errors import UnsupportedModelError
+        from ..bundle.errors import UnsupportedModelError
 
         if args.use_sliding_window and args.sliding_window:
             raise UnsupportedModelError(

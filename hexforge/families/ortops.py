@@ -311,7 +311,7 @@ def _fast_gelu_eager(attrs, x):
     return torch.nn.functional.gelu(x, approximate="tanh")
 
 
-# op -> for each output, the input whose dtype and shape it has (also forge/fuse.py's shape
+# op -> for each output, the input whose dtype and shape it has (also forge/export/fuse.py's shape
 # inference for these ops, which onnxruntime's symbolic inference does not know)
 OUTPUT_LIKES = {"LinearAttentionGate": (0, 3), "LinearAttention": (2, 3), "FastGelu": (0,)}
 _EAGER = {"LinearAttentionGate": _gate_eager, "LinearAttention": _linear_attention_eager,

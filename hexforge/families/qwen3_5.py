@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..manifest import EmbedSpec, HostRecipe, RopeSpec, StateSpec
+from ..bundle.manifest import EmbedSpec, HostRecipe, RopeSpec, StateSpec
 from . import blocks
 from .base import DecoderFamily
 from .form import PLAIN, ExportForm, fp16
@@ -92,7 +92,7 @@ class Qwen35Family(DecoderFamily):
     Args = Args
 
     def check_supported(self, args: Args) -> None:
-        from ..errors import UnsupportedModelError
+        from ..bundle.errors import UnsupportedModelError
 
         if args.hidden_act not in blocks.ACTIVATIONS:
             raise UnsupportedModelError(f"Qwen3.5 activation {args.hidden_act!r} is not supported")
@@ -434,7 +434,7 @@ class Qwen35Shard(nn.Module):
 
 
 
-# ---- Genie (forge/genie.py; docs/genie.md) ---------------------------------------------------------
+# ---- Genie (forge/genie/decoder.py; docs/genie.md) ---------------------------------------------------------
 
 
 def conv_state_names(layer: int, direction: str) -> tuple[str, str]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..manifest import EmbedSpec, HostRecipe, RopeSpec
+from ..bundle.manifest import EmbedSpec, HostRecipe, RopeSpec
 from . import blocks
 from .base import DenseArgs
 from .form import PLAIN, ExportForm
@@ -67,7 +67,7 @@ class Qwen3VLFamily(Qwen3Family):
     Args = Args
 
     def check_supported(self, args: Args) -> None:
-        from ..errors import UnsupportedModelError
+        from ..bundle.errors import UnsupportedModelError
 
         if args.num_deepstack > args.num_hidden_layers:
             raise UnsupportedModelError(
@@ -143,7 +143,7 @@ class Qwen3VLShard(blocks.DenseShard):
 FAMILY = Qwen3VLFamily()
 
 
-# ---- Genie (forge/genie.py; docs/genie-pipelines.md) ----------------------------------------------
+# ---- Genie (forge/genie/decoder.py; docs/genie-pipelines.md) ----------------------------------------------
 
 
 def genie_spec(fam: Qwen3VLFamily, hf, args: Args):
@@ -166,7 +166,7 @@ def genie_spec(fam: Qwen3VLFamily, hf, args: Args):
 
 class Qwen3VLGenieStep(nn.Module):
     """Layers [a, b) of Qwen3-VL in Genie's I/O contract (``genieio``), around ``Qwen3VLShard``,
-    one graph for libGenie and for GenieX's QAIRT plugin (forge/geniex.py)::
+    one graph for libGenie and for GenieX's QAIRT plugin (forge/genie/geniex.py)::
 
         inputs_embeds | residual_a   [1, AR, H (+1)]  the LUT's / image node's rows, the media
                                                       flag last (split 1; a later split's

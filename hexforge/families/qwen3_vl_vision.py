@@ -32,8 +32,8 @@ from transformers.vision_utils import (
     get_vision_position_ids,
 )
 
-from ..errors import UnsupportedModelError
-from ..manifest import EncoderSpec
+from ..bundle.errors import UnsupportedModelError
+from ..bundle.manifest import EncoderSpec
 from . import blocks
 from .base import EncoderFamily
 from .graphio import GraphIO
@@ -65,7 +65,7 @@ class Qwen3VLVisionEncoder(EncoderFamily):
              ) -> EncoderSpec:
         """image_size: the fixed H x W every image is resized to (int = square); default
         ``default_size``. Must be a multiple of patch_size x spatial_merge_size."""
-        from ..errors import UnsupportedModelError
+        from ..bundle.errors import UnsupportedModelError
 
         v = hf.model.visual.config
         m, p, tp = v.spatial_merge_size, v.patch_size, v.temporal_patch_size
@@ -134,7 +134,7 @@ class Qwen3VLVisionEncoder(EncoderFamily):
                                                      "width": p["width"] // patch}})
 
     def geniex_node(self, hf, spec: EncoderSpec, row_tail: np.ndarray | None):
-        """The tower as GenieX's ``vision_encoder.bin`` (forge/geniex.py): ``genie_node``'s
+        """The tower as GenieX's ``vision_encoder.bin`` (forge/genie/geniex.py): ``genie_node``'s
         graph with the plugin's position_ids_cos / _sin inputs (``GenieVisionNode`` rope)."""
         from dataclasses import replace
 
@@ -261,7 +261,7 @@ class GenieVisionNode(nn.Module):
     image_features' last column is the LUT's media flag, 1.0: the decoder adds the deepstack
     rows where it is set (Genie leaves the other rows of those inputs unwritten). The deepstack
     rows end in a 0.0 column the decoder does not read: GenieX's plugin takes every row of
-    inputs_embeds, image_features and the deepstack tensors at one width (forge/geniex.py).
+    inputs_embeds, image_features and the deepstack tensors at one width (forge/genie/geniex.py).
 
     ``rope``: GenieX's form (``vision_encoder.bin``): two more inputs, position_ids_cos / _sin
     [N, 32], the 2-D rope the plugin computes for a 64-wide head (models/qwen3_vl/qwen3_vl.h

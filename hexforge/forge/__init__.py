@@ -1,1 +1,2 @@
-"""The forge: HF checkpoint dir -> bundle. Build-time code (torch, transformers)."""
+"""The forge: HF checkpoint -> bundle, stage by stage (source, export, quantize, compile, oracle,
+genie; pipeline.py runs them in order). Build-time code (torch, transformers)."""

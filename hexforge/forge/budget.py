@@ -11,7 +11,7 @@
                                                           (memory.export_need_bytes, least)
 
   against what the machine has available (MemAvailable) when the build starts; exports side by
-  side only run while memory holds them (forge/export.py). Refused, it names the largest context
+  side only run while memory holds them (forge/export/onnxexport.py). Refused, it names the largest context
   that fits. A lower bound for multimodal builds: the vision / audio towers' exports do not grow
   with the context and can take more (docs/realsize.md); and the weights' part is the lower of
   the measured bounds (5 B a weight at real size, 9 on a 135M model), so what is refused does
@@ -23,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ..errors import BuildError
-from ..targets import Target
-from . import memory
-from .graphs import plan_target
+from ..bundle.errors import BuildError
+from ..bundle.targets import Target
+from . import heap as memory
+from .export.graphs import plan_target
 from .options import BuildOptions, DefaultContext
 
 

@@ -17,9 +17,9 @@ from dataclasses import MISSING, dataclass, fields
 from functools import cached_property
 from typing import Annotated, Any, get_args, get_type_hints
 
-from ..errors import BuildError
-from .htp import recipes
-from .htp.recipes import QuantRecipe
+from ..bundle.errors import BuildError
+from .quantize import recipes
+from .quantize.recipes import QuantRecipe
 
 
 def byte_count(s: str) -> int:
@@ -61,13 +61,13 @@ def _recipes() -> tuple[str, ...]:
 
 
 def _cpu_weights() -> tuple[str, ...]:
-    from .nbits import CPU_WEIGHTS  # numpy only: no torch, no onnx
+    from .quantize.nbits import CPU_WEIGHTS  # numpy only: no torch, no onnx
 
     return tuple(CPU_WEIGHTS)
 
 
 def _kv_values() -> tuple[str, ...]:
-    """--kv-values' choices (forge/htp/kvcast.py: fp16_kv, u8_values)."""
+    """--kv-values' choices (forge/compile/kvcast.py: fp16_kv, u8_values)."""
     return ("fp16", "u8")
 
 
@@ -191,8 +191,8 @@ class BuildOptions:
         """Refuse, in one line, options that contradict each other or themselves — the checks
         that need no checkpoint (``forge/budget.py`` checks --context against the model and the
         machine)."""
-        from ..targets import parse_targets
-        from .nbits import check_cpu_weights
+        from ..bundle.targets import parse_targets
+        from .quantize.nbits import check_cpu_weights
 
         targets = parse_targets(self.targets)
         htp = any(t.is_htp for t in targets)

@@ -8,7 +8,7 @@
     _host_tensors     tokenizer, embedding tables, rope ─▶ host.safetensors; the disk needed
     _cpu_target       plan shards ─▶ export prefill/decode per shard + head ─▶ share weights;
                       the towers' float graphs; the manifest
-    _htp_targets      per HTP target: calibrate, quantize, compile (htp/stage.py), the towers;
+    _htp_targets      per HTP target: calibrate, quantize, compile (forge/compile/stage.py), the towers;
                       --genie: the Genie folders
     _oracle           every target vs HF ─▶ report.json; ``_gate`` fails the build
     _seal             model card, every file's size + SHA-256 ─▶ rename temp dir -> bundle
@@ -29,11 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..errors import BuildError, ParityGateError
-from ..families import encoder_families, family_name, load_family
-from ..families.base import DecoderFamily, EncoderFamily
-from ..inspect import encoder_input
-from ..manifest import (
+from ..bundle.describe import encoder_input
+from ..bundle.errors import BuildError, ParityGateError
+from ..bundle.manifest import (
     MANIFEST_NAME,
     SCHEMA_VERSION,
     EncoderSpec,
@@ -45,26 +43,28 @@ from ..manifest import (
     TokenizerSpec,
     save_manifest,
 )
-from ..targets import Target, parse_targets
+from ..bundle.targets import Target, parse_targets
+from ..families import encoder_families, family_name, load_family
+from ..families.base import DecoderFamily, EncoderFamily
 from .budget import check_memory, check_positions, fit_context
-from .checkpoint import Checkpoint, read_checkpoint
-from .encoders import (
+from .export.encoders import (
     calibrate_encoder_norms,
     compile_encoders,
     example_feeds,
     export_encoders,
     quantize_cpu_encoders,
 )
-from .export import share_weights
-from .fuse import fuse_cpu_graph
-from .graphs import disk_need, export_float, plan_target, weight_groups, weights_file
-from .hosttables import share_tied_embedding
-from .hostwrite import write_host_tensors
-from .memory import release_mapped_pages
-from .nbits import check_cpu_weights, cpu_head_format, host_table_formats, quantize_cpu_graph
+from .export.fuse import fuse_cpu_graph
+from .export.graphs import disk_need, export_float, plan_target, weight_groups, weights_file
+from .export.hostwrite import write_host_tensors
+from .export.onnxexport import share_weights
+from .heap import release_mapped_pages
 from .options import BuildOptions
 from .partial import TempDir, remove_stale
 from .progress import stage
+from .quantize.nbits import check_cpu_weights, cpu_head_format, host_table_formats, quantize_cpu_graph
+from .quantize.tiedembed import share_tied_embedding
+from .source.checkpoint import Checkpoint, read_checkpoint
 
 Log = Callable[[str], None]
 
@@ -202,7 +202,7 @@ def build_bundle(checkpoint: str | Path, output: str | Path, opts: BuildOptions 
         if opts.verify:
             _oracle(b, manifest, qdq, estimates, enc_graphs)
         elif estimates:  # report.json holds the estimates alone
-            from ..estimate_bundle import add_to_report
+            from .compile.steptime import add_to_report
 
             (b.tmp / "report.json").write_text(json.dumps(add_to_report({}, estimates), indent=1))
         _drop_verify_twins(b.tmp, manifest)
@@ -233,7 +233,7 @@ def _check_source(checkpoint: str | Path, out: Path, opts: BuildOptions, log: Lo
     fam.check_supported(args)
     opts = fit_context(ckpt.config, opts, log)  # before anything reads the context
     if opts.genie:
-        from .genie import check_options
+        from .genie.decoder import check_options
 
         check_options(fam, args, opts)
     check_positions(ckpt.config, opts.context)  # the model's; the memory's once it is loaded
@@ -258,7 +258,7 @@ def _calibrate_norms(b: _Build, enc_specs: list[EncoderSpec]) -> float:
     -> the residual stream's peak |x|."""
     from ..families.blocks import calibrate_norm_scales
     from ..runtime.text import TextTokenizer
-    from .calib import calibration_text
+    from .quantize.calibtext import calibration_text
 
     fam, hf = b.src.fam, b.hf
     calib_ids = TextTokenizer(b.src.ckpt.dir).encode(calibration_text(b.opts.calib))[:b.opts.context]
@@ -343,14 +343,14 @@ def _manifest(b: _Build, host: HostRecipe, cpu: TargetSpec | None, enc_specs: li
 def _htp_targets(b: _Build, manifest: Manifest, enc_graphs: list[GraphSpec],
                  enc_specs: list[EncoderSpec], residual_peak: float
                  ) -> tuple[dict[str, dict[str, str]], dict[str, dict]]:
-    """Each HTP target's graphs (htp/stage.py) and towers, added to the manifest, and its Genie
+    """Each HTP target's graphs (forge/compile/stage.py) and towers, added to the manifest, and its Genie
     folder under --genie; -> (the QDQ graphs each target was compiled from: the oracle's CPU
     twins of failed targets, the --estimate sections of report.json)."""
     src, hf, opts, tmp, log = b.src, b.hf, b.opts, b.tmp, b.log
     htp_targets = src.htp_targets
     if not htp_targets:
         return {}, {}
-    from .htp.stage import build_htp_targets
+    from .compile.stage import build_htp_targets
 
     specs, qdq, estimates = build_htp_targets(src.fam, hf, src.args, htp_targets, opts, tmp,
                                               manifest, enc_graphs, residual_peak, log)
@@ -363,14 +363,14 @@ def _htp_targets(b: _Build, manifest: Manifest, enc_graphs: list[GraphSpec],
         manifest.targets[tg.name].graphs += compile_encoders(enc_graphs, tmp, tg, soc.soc_model,
                                                              log, items)
     if opts.genie:
-        from .genie import build_genie_bundles
-        from .htp.stage import fp16_scale
+        from .compile.stage import fp16_scale
+        from .genie.decoder import build_genie_bundles
 
         build_genie_bundles(src.fam, hf, src.args, htp_targets, opts, tmp, manifest,
                             fp16_scale(src.fam, residual_peak, lambda m: None), log,
                             fixed_point_lut=not src.encoders)  # media rows arrive as float
         if src.encoders:  # the towers as nodes of a Genie pipeline beside the decoder
-            from .genie_pipeline import build_genie_pipelines
+            from .genie.towers import build_genie_pipelines
 
             build_genie_pipelines(src.fam, hf, src.args, src.encoders, enc_specs, htp_targets,
                                   opts, tmp, manifest, log)
@@ -381,10 +381,10 @@ def _htp_targets(b: _Build, manifest: Manifest, enc_graphs: list[GraphSpec],
 
 def _oracle(b: _Build, manifest: Manifest, qdq: dict[str, dict[str, str]],
             estimates: dict[str, dict], enc_graphs: list[GraphSpec]) -> None:
-    """Every target judged against HF (forge/verify.py; the Genie folders as Genie feeds them),
+    """Every target judged against HF (forge/oracle/verify.py; the Genie folders as Genie feeds them),
     report.json written; a failed gate raises, its report kept beside the output."""
-    from .quality import oracle_line
-    from .verify import hf_references, verify_bundle
+    from .oracle.quality import oracle_line
+    from .oracle.verify import hf_references, verify_bundle
 
     src, opts, tmp = b.src, b.opts, b.tmp
     t = time.perf_counter()
@@ -400,12 +400,12 @@ def _oracle(b: _Build, manifest: Manifest, qdq: dict[str, dict[str, str]],
                            references=refs, qdq_twins=qdq, encoders=enc_graphs,
                            evaluation=evaluation)
     if opts.genie:  # Genie returns no logits: its graphs, fed as Genie feeds them
-        from .genie_verify import verify_genie_bundles
+        from .genie.verify import verify_genie_bundles
 
         report |= verify_genie_bundles(tmp, manifest, src.args, refs, opts.verify_tokens,
                                        evaluation.name)
     if estimates:
-        from ..estimate_bundle import add_to_report
+        from .compile.steptime import add_to_report
 
         report = add_to_report(report, estimates)
     if not opts.keep_work:
@@ -420,7 +420,7 @@ def _oracle(b: _Build, manifest: Manifest, qdq: dict[str, dict[str, str]],
 def _gate(report: dict[str, dict], out: Path) -> None:
     """A target that failed its gate fails the build: the per-graph cosines say which graph lost
     the accuracy, kept beside the output, not in it (no bundle is written)."""
-    from .verify import qdq_verdict
+    from .oracle.verify import qdq_verdict
 
     failed = {n: r["failures"] for n, r in report.items() if not r["passed"]}
     if not failed:
@@ -439,8 +439,8 @@ ENCODER_OPTIONS = {"audio": ("max_seconds", "audio_seconds", "--audio-seconds"),
 
 def _evaluation(opts: BuildOptions):
     """The oracle's held-out text from the options (a bad --eval-text fails before any work)."""
-    from .quality import eval_text
-    from .verify import EvalText
+    from .oracle.quality import eval_text
+    from .oracle.verify import EvalText
 
     if opts.eval_tokens < 2:
         raise BuildError("--eval-tokens must be >= 2")
@@ -488,10 +488,10 @@ def _seal(tmp: Path, name: str, checkpoint, log: Log) -> None:
     """The bundle's last writes, once every other file is final: its model card, then every
     file's size and SHA-256 into the manifest (bundlefiles.py), all inside the temp dir, so the
     rename publishes them together."""
-    from .. import modelcard
-    from ..bundlefiles import record
-    from ..manifest import load_manifest
-    from .hub import is_hub_id
+    from ..bundle.bundlefiles import record
+    from ..bundle.manifest import load_manifest
+    from . import modelcard
+    from .source.hub import is_hub_id
 
     t = time.perf_counter()
     manifest = load_manifest(tmp)  # as saved: the stages after the export may have saved it again

@@ -58,7 +58,7 @@ class Gemma4AudioPrep:
     max_seconds (the window: longer audio is refused, never truncated as HF would)."""
 
     def __init__(self, params: dict):
-        from ..errors import BundleError
+        from ..bundle.errors import BundleError
 
         def get(name: str, kind, default=None, optional: bool = False):
             value = params.get(name, default)
@@ -150,7 +150,7 @@ class Gemma4AudioPrep:
         return log_mel[0].astype(np.float32)
 
     def __call__(self, waveform: np.ndarray) -> tuple[dict[str, np.ndarray], int]:
-        from ..errors import MediaError
+        from ..bundle.errors import MediaError
 
         wav = np.asarray(waveform)
         if wav.ndim != 1 or not np.issubdtype(wav.dtype, np.floating):

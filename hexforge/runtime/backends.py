@@ -19,11 +19,11 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import BackendError, BundleError
-from ..manifest import GraphSpec, TargetSpec, confine
+from ..bundle.errors import BackendError, BundleError
+from ..bundle.manifest import GraphSpec, TargetSpec, confine
 from . import qnn
 from .bound import BoundSession
-from .genie import X86_PD_LOADED_BYTES, X86_PD_REFUSED_BYTES
+from .genie.libgenie import X86_PD_LOADED_BYTES, X86_PD_REFUSED_BYTES
 
 BACKENDS = ("cpu", "qnn", "qnn-sim", "auto")
 
@@ -208,7 +208,7 @@ class Backend:
     def _htp_session(self, bundle: Path, target: TargetSpec, graph: GraphSpec, path: Path):
         import onnxruntime as ort
 
-        from ..targets import get_target
+        from ..bundle.targets import get_target
 
         if target.htp_arch is None:
             raise BackendError(f"backend {self.name} runs HTP targets; {target.name} is a cpu target")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..manifest import GraphSpec
+from ..bundle.manifest import GraphSpec
 from .state import NP_DTYPES
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BackendError, RequestError
+from ..bundle.errors import BackendError, RequestError
 
 # compact JSON (as OpenAI's structured output): no free whitespace a random or weak model could
 # spend its whole token budget on

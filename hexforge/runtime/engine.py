@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import BundleError, RequestError
-from ..manifest import GraphSpec, Manifest, confine
+from ..bundle.errors import BundleError, RequestError
+from ..bundle.hostfile import load_host_tensors, shared_table
+from ..bundle.manifest import GraphSpec, Manifest, confine
 from .backends import Backend
 from .host import HostInputs
-from .hostfile import load_host_tensors, shared_table
 from .multimodal import MediaRows
 from .options import check_request
 from .sampling import Sampler
@@ -302,7 +302,7 @@ class Engine:
 
     def head_logits(self, hidden: np.ndarray) -> np.ndarray:
         """The head graph on one hidden row [1, 1, H] -> logits [V] (a copy): the oracle runs
-        every row of a prefill chunk through it (forge/quality.py)."""
+        every row of a prefill chunk through it (forge/oracle/quality.py)."""
         out: dict[str, np.ndarray] = {"hidden": np.ascontiguousarray(hidden, dtype=self.hidden_dtype)}
         self._run(self.plan.head, out, np.array([self.pos - 1]))
         return out["logits"][0, -1].copy()

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import BundleError
-from ..manifest import HostRecipe
-from .qtables import HostTable
+from ..bundle.errors import BundleError
+from ..bundle.manifest import HostRecipe
+from ..bundle.qtables import HostTable
 
 
 def rope_tables(inv_freq: np.ndarray, attention_scaling: float,

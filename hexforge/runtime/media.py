@@ -30,7 +30,7 @@ from typing import IO
 
 import numpy as np
 
-from ..errors import MediaError
+from ..bundle.errors import MediaError
 
 IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")
 AUDIO_FORMATS = ("WAV", "WAVEX", "W64", "RF64", "FLAC", "OGG", "MP3", "AIFF")

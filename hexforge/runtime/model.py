@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..bundlefiles import check_load, for_target
-from ..errors import BackendError, RequestError
-from ..manifest import Manifest, confine, load_manifest
+from ..bundle.bundlefiles import check_load, for_target
+from ..bundle.errors import BackendError, RequestError
+from ..bundle.manifest import Manifest, confine, load_manifest
 from .backends import Backend
 from .constrain import Grammars
 from .engine import Engine
@@ -31,7 +31,7 @@ from .speculative import PromptLookup
 from .text import ChatTemplate, TextTokenizer, encode_prompt
 
 if TYPE_CHECKING:
-    from .genie_model import GenieModel
+    from .genie.model import GenieModel
 
 # a chat session's own generation loop (ChatSession): (ids, sampler, max new tokens, drafter) ->
 # (token, logits) per step
@@ -264,10 +264,10 @@ def load(bundle: str | Path, backend: str | Backend = "cpu", arch: str | int | N
     verified them as they are now (bundlefiles.py); False: sizes only.
 
     backend "genie": the bundle's Genie folder (build --genie) run by Qualcomm's libGenie
-    (runtime/genie_model.py; with its pipeline for images / audio where it has one): the same
+    (runtime/genie/model.py; with its pipeline for images / audio where it has one): the same
     generate / stream / chat / iterate, with the options Genie has a counterpart for."""
     if backend == "genie":
-        from .genie_pipeline import open_genie
+        from .genie.pipelinemodel import open_genie
 
         genie_arch = target.removeprefix("genie-") if target else arch
         return open_genie(bundle, None if genie_arch is None else str(genie_arch))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import BundleError, RequestError
+from ..bundle.errors import BundleError, RequestError
 
 # preprocessor key (EncoderSpec.preprocessor) -> "module:Class"; a class takes the spec's params
 # and maps decoded media to ({input key: array with batch dim}, n soft tokens)

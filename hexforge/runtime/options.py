@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Annotated, Any, TypedDict, get_type_hints
 
-from ..errors import ContextOverflowError, RequestError
+from ..bundle.errors import ContextOverflowError, RequestError
 
 
 def check_request(prompt_ids: list[int], max_new_tokens: int, vocab_size: int, context: int,

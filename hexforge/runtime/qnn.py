@@ -23,7 +23,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ..errors import BackendError, BundleError
+from ..bundle.errors import BackendError, BundleError
 
 EP = "QNNExecutionProvider"
 HEADER_BYTES = 1 << 20  # the soc/arch text sits near the start of the binary

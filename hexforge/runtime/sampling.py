@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..errors import RequestError
+from ..bundle.errors import RequestError
 
 Processor = Callable[[np.ndarray], np.ndarray]
 Sampler = Callable[[np.ndarray], int]

@@ -14,8 +14,8 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from ..errors import RequestError
-from ..manifest import Manifest
+from ..bundle.errors import RequestError
+from ..bundle.manifest import Manifest
 from .engine import Engine
 from .multimodal import Encoded, MediaRows, check_marks, splice
 from .options import (

@@ -47,8 +47,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import RequestError
-from ..manifest import Manifest
+from ..bundle.errors import RequestError
+from ..bundle.manifest import Manifest
 from .sampling import Sampler
 
 MAX_NGRAM = 3  # the longest context suffix looked up; shorter ones are tried next, down to 1

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..manifest import Manifest, MaskGroup, StateSpec, TargetSpec
+from ..bundle.manifest import Manifest, MaskGroup, StateSpec, TargetSpec
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
              "uint16": np.uint16, "uint8": np.uint8, "int8": np.int8, "bool": np.bool_}
@@ -135,7 +135,7 @@ class BufferForm:
 def target_forms(manifest: Manifest, target: TargetSpec) -> dict[str, BufferForm]:
     """State name -> its BufferForm in the target's graphs (their input TensorSpecs), where it
     differs from the manifest's (HTP graphs with fp16 activations take the KV cache as float16,
-    keys transposed: forge/htp/kvcast.py). A kv_shared bind reads its donor's buffer."""
+    keys transposed: forge/compile/kvcast.py). A kv_shared bind reads its donor's buffer."""
     specs = {s.name: s for s in manifest.state}
     out: dict[str, BufferForm] = {}
     for g in target.graphs:

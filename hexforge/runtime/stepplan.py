@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from ..manifest import GraphSpec, Manifest, TargetSpec
+from ..bundle.manifest import GraphSpec, Manifest, TargetSpec
 
 ROLES = ("prefill", "decode", "verify")
 

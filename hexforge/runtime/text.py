@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import BundleError, RequestError
+from ..bundle.errors import BundleError, RequestError
 
 
 def encode_prompt(tokenizer: TextTokenizer, prompt: str | list[int]) -> list[int]:

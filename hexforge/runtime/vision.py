@@ -29,7 +29,7 @@ def gemma4_target_size(height: int, width: int, patch_size: int, max_patches: in
     the largest (height, width), multiples of k·p, with at most max_patches patches."""
     import math
 
-    from ..errors import MediaError
+    from ..bundle.errors import MediaError
 
     total_px = height * width
     target_px = max_patches * patch_size**2
@@ -60,7 +60,7 @@ class Gemma4ImagePrep:
     table), resample (PIL filter id, HF default 3 = BICUBIC), rescale_factor (1/255)."""
 
     def __init__(self, params: dict):
-        from ..errors import BundleError
+        from ..bundle.errors import BundleError
 
         def get(name: str, kind: type | tuple[type, ...], default=None):
             value = params.get(name, default)
@@ -95,7 +95,7 @@ class Gemma4ImagePrep:
     def __call__(self, image) -> tuple[dict[str, np.ndarray], int]:
         from PIL import Image
 
-        from ..errors import MediaError
+        from ..bundle.errors import MediaError
 
         if not isinstance(image, Image.Image) or image.mode != "RGB":
             raise MediaError("gemma4_image expects a decoded RGB image (runtime/media.py load_image)")
@@ -166,7 +166,7 @@ class Qwen2VLImagePrep:
     filter id, HF default 3 = BICUBIC)."""
 
     def __init__(self, params: dict):
-        from ..errors import BundleError
+        from ..bundle.errors import BundleError
 
         def get(name: str, kind: type | tuple, default=None):
             value = params.get(name, default)
@@ -208,7 +208,7 @@ class Qwen2VLImagePrep:
     def __call__(self, image) -> tuple[dict[str, np.ndarray], int]:
         from PIL import Image
 
-        from ..errors import MediaError
+        from ..bundle.errors import MediaError
 
         if not isinstance(image, Image.Image) or image.mode != "RGB":
             raise MediaError("qwen2vl_image expects a decoded RGB image (runtime/media.py "

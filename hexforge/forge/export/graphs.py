@@ -1,0 +1,243 @@
+"""Float graphs for a shard plan: prefill AR-N + decode AR-1 per shard (one weight file) + head.
+
+Used by every target: the cpu target ships them; HTP targets calibrate on them, then quantize and
+compile them. The cpu target also ships an AR-k verify graph per shard (speculative decoding,
+runtime/speculative.py) on the same weight file: on cpu a k-row call costs little more than one
+row while the AR-N prefill graph costs N rows' compute (bench/speculative.py measures both).
+HTP targets get them with --htp-verify, and the head on k rows beside the one-row head: a
+decode step streams every weight once for one row, so k rows cost about as much (Hextimate,
+SA8797 (v81), SmolLM2: AR-8 3,478 us vs AR-1 3,469; the head 891 us on 8 rows vs 842 on one).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...bundle.describe import layer_span
+from ...bundle.errors import BuildError
+from ...bundle.manifest import GraphSpec, RunPlan, ShardPlan
+from ...bundle.targets import Target
+from ..heap import release_heap, release_mapped_pages
+from ..progress import stage
+from .fuse import fuse_cpu_graph
+from .onnxexport import export_modules, share_weights
+from .plan import plan_shards
+
+
+def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
+                  rel_folder: str, log, cpu: bool = False, fp16_residual_scale: float | None = None,
+                  keys_transposed: bool = True) -> tuple[list[GraphSpec], RunPlan]:
+    """Export prefill + decode per shard and the head as float ONNX into root/rel_folder.
+    cpu: the cpu target's own graphs — fused onnxruntime nodes (``fuse``), prefill and decode
+    graphs that update the cache in place (``fam.cpu_step_module``), the last decode graph with
+    the head inside (``blocks.WithHead``) — not the static form the HTP targets calibrate and
+    compile.
+
+        HTP:  s0.prefill s0.decode -> s0.weights ...  head -> head.weights
+        cpu:  s0.prefill s0.decode -> s0.weights ...  sK.prefill sK.decode+head head -> sK.weights
+
+    The modules' form (families/form.py): CPU on cpu; with ``fp16_residual_scale`` (HTP graphs
+    with fp16 activations) fused norms, the stream at 1/s and keys transposed where the shard
+    has it (kvcast.py; ``keys_transposed`` False: as rows, a lever's baseline); else PLAIN, the
+    decomposed graph the quantizer takes.
+    """
+    from ...families.blocks import OverRows, WithHead
+    from ...families.form import CPU, PLAIN, fp16
+
+    if cpu:
+        form = CPU
+    elif fp16_residual_scale is not None:
+        form = fp16(fp16_residual_scale, keys_transposed)
+    else:
+        form = PLAIN
+    fuse = fuse_cpu_graph if cpu else None
+    folder = root / rel_folder
+    folder.mkdir(parents=True)
+    graphs: list[GraphSpec] = []
+    plan: list[ShardPlan] = []
+
+    def export(items: list[tuple[str, str, object]], layers=None) -> list[GraphSpec]:
+        """(name, role, module) items exported side by side (export_modules)."""
+        paths = [folder / f"{n}.onnx" for n, _, _ in items]
+
+        def done(i: int, seconds: float) -> None:
+            log(f"  exported {rel_folder}/{items[i][0]} ({seconds:.1f}s)")
+            advance()
+
+        specs = export_modules([(m, p) for (_, _, m), p in zip(items, paths, strict=True)],
+                               opts.exporter, fold=True, done=done)
+        return [GraphSpec(name=n, role=r, file=f"{rel_folder}/{n}.onnx", seq_len=ins[0].shape[1],
+                          layers=layers, inputs=ins, outputs=outs)
+                for (n, r, _), (ins, outs) in zip(items, specs, strict=True)]
+
+    verify_len = opts.verify_len if cpu or opts.htp_verify else 0  # AR-k rows, 0: none
+    verify_head = bool(verify_len) and not cpu  # the cpu's last verify graph runs the head itself
+    per_shard = 2 + (1 if verify_len else 0)  # prefill, decode (, verify)
+    with stage(f"export {'cpu' if cpu else rel_folder}",
+               len(shards) * per_shard + 1 + verify_head) as advance:
+        last = len(shards) - 1
+        for s, (a, b) in enumerate(shards):
+            # a bf16 model: only this shard's layers (and the head it runs) in fp32
+            with fam.float32(hf, layers=(a, b), head=cpu and s == last, towers=False):
+                def step(rows: int, layers: tuple[int, int] = (a, b)):
+                    if cpu:
+                        return fam.cpu_step_module(hf, args, layers, rows, opts.context)
+                    return fam.decoder_module(hf, args, layers, rows, opts.context, form)
+
+                items = [(f"s{s}.prefill", "prefill", step(opts.prefill_len))]
+                decode = step(1)
+                if cpu and s == last:
+                    decode = WithHead(decode, fam.head_module(hf, args, form))
+                items.append((f"s{s}.decode", "decode", decode))
+                if verify_len:
+                    verify = step(verify_len)
+                    if cpu and s == last:  # every row's logits: each checks the draft after it
+                        verify = WithHead(verify, fam.head_module(hf, args, form))
+                    items.append((f"s{s}.verify", "verify", verify))
+                pre, dec, *ver = export(items, (a, b))
+                # the modules hold the shard's fp32 copies: gone before its weights are shared
+                items = decode = verify = None
+                ver = ver[0] if ver else None
+            graphs += [g for g in (pre, dec, ver) if g is not None]
+            plan.append(ShardPlan(layers=(a, b), prefill=pre.name, decode=dec.name,
+                                  verify=ver and ver.name))
+            if s < last or not cpu:
+                share_weights([folder / f"{n}.onnx" for n in plan[-1].names()], f"s{s}.weights",
+                              fuse)
+            release_mapped_pages(hf.name_or_path)  # the checkpoint pages this shard was read from
+            release_heap()  # and what its exports freed (GBs: torch's and onnx's working copies)
+        with fam.float32(hf, head=True, towers=False):
+            heads = [("head", "head", fam.head_module(hf, args, form))]
+            if verify_head:  # [1, k, H] -> [1, k, V]: a verify step's logits in one call
+                heads.append(("head.verify", "head",
+                              OverRows(fam.head_module(hf, args, form), verify_len)))
+            head, *vhead = export(heads)
+        graphs += [head, *vhead]
+        release_mapped_pages(hf.name_or_path)
+        release_heap()
+    run_plan = RunPlan(prefill_len=opts.prefill_len, shards=plan, head=head.name,
+                       verify_len=verify_len or None,
+                       verify_head=vhead[0].name if vhead else None)
+    group = weight_groups(run_plan, cpu)[-1]
+    share_weights([folder / f"{n}.onnx" for n in group], weights_file(group), fuse)
+    for g in graphs:
+        g.bytes = (root / g.file).stat().st_size
+    return graphs, run_plan
+
+
+def weight_groups(plan: RunPlan, cpu: bool) -> list[list[str]]:
+    """The graphs that share one weight file: each shard's prefill + decode (+ verify), and the
+    head — on its own for HTP targets (with its verify rows), with the last shard on cpu (whose
+    decode graph runs it)."""
+    groups = [s.names() for s in plan.shards]
+    if cpu:
+        groups[-1].append(plan.head)
+    else:
+        groups.append([plan.head] + ([plan.verify_head] if plan.verify_head else []))
+    return groups
+
+
+def weights_file(group: list[str]) -> str:
+    """s3.prefill -> s3.weights, head -> head.weights."""
+    return group[0].split(".")[0] + ".weights"
+
+
+# A compiled context holds more than its weights: 2-4 % more at real size (Qwen3.5-4B v81 w8-fp16:
+# 1.780 GB of planned weights compiled to a 1.847 GB prefill binary, 1.817 GB decode). The
+# target's ceiling is the context's, so the planner gives the weights the ceiling less this;
+# --max-shard-bytes names the weights' own ceiling.
+CONTEXT_OVERHEAD = 1.04
+
+
+def _ceiling(target: Target, opts) -> tuple[int, bool]:
+    """(a graph's weight-byte ceiling on ``target``, whether --max-shard-bytes named it)."""
+    limit = opts.max_shard_bytes
+    given = limit.get(target.name) if isinstance(limit, dict) else limit
+    return given or (int(target.max_context_bytes / CONTEXT_OVERHEAD) if target.is_htp
+                     else target.max_context_bytes), bool(given)
+
+
+def head_bytes_per_weight(recipe) -> float:
+    """The head's bytes a weight as the graphs write it: weight-only int4 keeps an int8 head
+    (``nbits.cpu_head_format``), one fp16 scale a block (Gemma-4-E2B at w4-fp16: its Genie
+    context 1.50 GB, where the recipe's 4 bits would count 1.33)."""
+    if not recipe.weight_only:
+        return recipe.bytes_per_weight
+    from ..quantize.nbits import cpu_head_format
+
+    bits, block = cpu_head_format(recipe.weight_bits, recipe.block_size)
+    return bits / 8 + 2 / block
+
+
+def plan_genie(fam, hf, target: Target, opts, gather_bytes: int, log) -> list[tuple[int, int]]:
+    """Genie's splits: one context holds a split's layers *and* the head (the last split) and
+    the token table (the first, where its graphs gather ``input_ids``; ``gather_bytes``), where
+    the target's graphs keep the head apart -- so the target's plan with those bytes on the end
+    layers, that each context stays under the device's per-context ceiling (1.8 GB on v81).
+    A --max-shard-bytes the user gave is the target's plan as it stands."""
+    ceiling, given = _ceiling(target, opts)
+    shards = plan_target(fam, hf, target, opts, lambda m: None)
+    if given:
+        return shards
+    recipe = opts.recipe
+    layers = list(fam.layer_weight_bytes(hf, recipe.bytes_per_weight))
+    layers[-1] += fam.head_weight_bytes(hf, head_bytes_per_weight(recipe))
+    layers[0] += gather_bytes
+    if max(layers) > ceiling:  # no split can hold it: the target's, said
+        log(f"[{target.name}] genie: a split's layers with the head ({max(layers):,} B) pass "
+            f"the {target.max_context_bytes / 1e9:.1f} GB per-context ceiling a phone holds")
+        return shards
+    genie = plan_shards(layers, ceiling)
+    if len(genie) != len(shards):
+        log(f"[{target.name}] genie: {len(genie)} splits, not the target's {len(shards)}: each "
+            f"context holds its layers and the head or token table under "
+            f"{target.max_context_bytes / 1e9:.1f} GB")
+    return genie
+
+
+def plan_target(fam, hf, target: Target, opts, log) -> list[tuple[int, int]]:
+    bpw = 4.0 if not target.is_htp else opts.recipe.bytes_per_weight
+    ceiling, _ = _ceiling(target, opts)
+    shards = plan_shards(fam.layer_weight_bytes(hf, bpw), ceiling)
+    head = fam.head_weight_bytes(hf, bpw)
+    # a context's ceiling is the HTP's; the cpu target's head has no layers to split and its
+    # weights are external (Qwen3.5-4B's tied 248,320 x 2,560 head is 2.5 GB in fp32)
+    if head > ceiling and target.is_htp:
+        raise BuildError(f"the head holds {head:,} weight bytes > the per-graph ceiling {ceiling:,}")
+    log(f"[{target.name}] {len(shards)} shard(s) under {ceiling:,} B of weights: "
+        + " ".join(layer_span(s) for s in shards))
+    return shards
+
+
+def disk_need(fam, hf, targets: list[Target], opts, tower_params: int = 0) -> int:
+    """About how many bytes of free disk a build's graphs take at its peak, beside the host
+    tensors (measured on Gemma-4-E4B: docs/realsize.md):
+
+        cpu target      fp32 graphs, all the build long (the bundle ships them), the encoder
+                        towers' (``tower_params`` parameters) among them; --device-only: the
+                        towers' alone
+        + the larger of
+          float graphs  the HTP float graphs, fp32 again, and the more of: the largest shard's
+                        exporter side files (before they are gathered into one weights file),
+                        the quantized graphs (made before the float graphs go)
+          compiles      the quantized graphs (fp16: the float ones), per HTP target the unshared
+                        binaries and with --share-weights the shared ones, each ~ the quantized
+                        bytes; then the towers' fp16 binaries, up to 4 bytes a parameter (their
+                        baked tables: E4B's 2.9 and 3.5)
+
+    and 10 % over that: the stages' own temporary files and the free space move by a GB or so."""
+    fp32 = fam.layer_weight_bytes(hf, 4.0)
+    full = sum(fp32) + fam.head_weight_bytes(hf, 4.0) + 4 * tower_params  # every graph in fp32
+    cpu = 4 * tower_params if opts.device_only else full
+    htp = [t for t in targets if t.is_htp]
+    if not htp:
+        return int(1.1 * cpu)
+    recipe = opts.recipe
+    shards = plan_target(fam, hf, htp[0], opts, lambda m: None)
+    quant = (sum(fam.layer_weight_bytes(hf, recipe.bytes_per_weight))
+             + fam.head_weight_bytes(hf, recipe.bytes_per_weight))
+    side_files = max(sum(fp32[a:b]) for a, b in shards)
+    floats = full + max(side_files, quant if recipe.weight_bits else 0)
+    binaries = len(htp) * ((3 if opts.share_weights else 2) * quant + 4 * tower_params)
+    sources = quant if recipe.weight_bits else full  # what the compiles are given
+    return int(1.1 * (cpu + max(floats, sources + binaries)))

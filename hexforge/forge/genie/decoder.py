@@ -1,0 +1,301 @@
+"""The decoder re-exported in the I/O contract of Qualcomm's Genie runtime, then compiled.
+
+Genie (``libGenie.so``, what AI Hub's phone bundles run) drives QNN context binaries itself: it
+makes the attention mask and the rope tables, keeps the KV cache, feeds token ids and reads
+logits. It finds all of that by tensor name and shape (docs/genie.md has the evidence), so the
+graphs hexforge's own runtime drives are wrapped into that contract by each family
+(``fam.genie_step``, names and layout in ``families/genieio.py``), split as the planner splits
+the target's graphs, the splits in AI Hub's order::
+
+    prompt_ar<N>_cl<C>_<i>_of_<n>.bin   AR-N: a prompt in chunks of N
+    token_ar1_cl<C>_<i>_of_<n>.bin      AR-1: a token a step
+      split 1: input_ids ... residual_<b>;  split n: residual_<a> ... logits;  every split: the
+      mask, the ropes and its own layers' caches
+
+The inner modules are the family's own shard and head in the fp16 form, so the arithmetic is the
+arithmetic the oracle checked; only the boundary changes. This module knows no family.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from ...bundle.errors import BuildError
+from ...runtime.genie.libgenie import x86_room_note
+
+
+def graph_name(seq_len: int, context: int, split: int = 0, splits: int = 1) -> str:
+    """AI Hub's naming (``prompt_ar128_cl4096_2_of_3``): Genie orders a model's splits by the
+    ``_<i>_of_<n>`` suffix, and reads AR and CL from the name when the tensors do not tell it."""
+    kind = "token" if seq_len == 1 else "prompt"
+    return f"{kind}_ar{seq_len}_cl{context}_{split + 1}_of_{splits}"
+
+
+def export_genie_graphs(fam, hf, args, host, folder: Path, prefill_len: int, context: int,
+                        residual_scale: float, exporter: str, log,
+                        shards: list[tuple[int, int]] | None = None, step=None
+                        ) -> list[list[Path]]:
+    """Per split (the planner's ``shards``; default one), one ONNX graph per AR (prefill, then
+    decode) in ``folder``, the split's weights in one file; ``step`` (default
+    ``fam.genie_step``) makes each module. -> per split, its graph paths."""
+    from ..export.onnxexport import export_module, share_weights
+
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = shards or [(0, args.num_hidden_layers)]
+    out = []
+    for s, (a, b) in enumerate(shards):
+        paths = []
+        last = b == args.num_hidden_layers
+        with fam.float32(hf, layers=(a, b), head=last, towers=False):
+            for T in dict.fromkeys((prefill_len, 1)):
+                module = (step or fam.genie_step)(hf, args, host, (a, b), T, context,
+                                                  residual_scale)
+                path = folder / f"{graph_name(T, context, s, len(shards))}.onnx"
+                t = time.perf_counter()
+                export_module(module, path, exporter, fold=True)
+                log(f"  exported {path.name} ({time.perf_counter() - t:.1f}s)")
+                paths.append(path)
+                module = None
+        share_weights(paths, f"genie_{s + 1}_of_{len(shards)}.weights")
+        out.append(paths)
+    return out
+
+
+def compile_genie_graphs(paths: list[Path], work: Path, out: Path | None, htp_arch: int,
+                         soc_model: int, log) -> list[Path]:
+    """Each graph to its own context binary in ``work`` (beside the EPContext model the oracle
+    loads it by, ``genie_verify``), its QNN graph named as Genie orders splits
+    (``name_for_genie``), linked into ``out/<name>.bin`` (Genie's ctx-bins list) unless ``out``
+    is None (the unshared twins of a weight-shared bundle). -> the binaries in ``out``."""
+    from ..compile.contexts import compile_graph
+
+    work.mkdir(parents=True, exist_ok=True)
+    bins = []
+    for src in paths:
+        name = src.name.split(".")[0]  # prompt_ar16_cl128_1_of_1(.wo).onnx
+        res = compile_graph(src, work / f"{name}.ctx.onnx", htp_arch, soc_model, fp16=True)
+        name_for_genie(res["ctx"], res["bin"], name)
+        log(f"  compiled {name}: {res['bin_bytes']:,} B ({res['seconds']:.1f}s)")
+        if out is not None:
+            binary = out / f"{name}.bin"
+            _link(res["bin"], binary)
+            bins.append(binary)
+    return bins
+
+
+def name_for_genie(ctx: Path, binary: Path, name: str) -> str:
+    """Give the QNN graph in ``binary`` Genie's split naming from ``name``
+    (``prompt_ar16_cl128_2_of_3`` -> ``prompt<letters>_ar16_cl128_2_of_3``, forge/genie/ctxname.py:
+    the form libGenie and GenieX's plugin both take)."""
+    from .ctxname import rename_graph
+
+    m = re.fullmatch(r"([a-z]+)(_ar\d+_cl\d+_\d+_of_\d+)", name)
+    if m is None:
+        raise BuildError(f"{name}: not a Genie split name")
+    return rename_graph(ctx, binary, m.group(1), m.group(2), sep="", letters=True)
+
+
+def _link(src: Path, dst: Path) -> None:
+    """``dst`` the same bytes as ``src`` (a hard link where the filesystem allows)."""
+    import os
+    import shutil
+
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def scatter_step(fam):
+    """``fam.genie_step`` in the scatter form (``--genie-kv scatter``: a ``cache_index`` input,
+    the past CL rows; ``genieio.GenieContract.cache_index``), for the families whose Genie step
+    is the dense one (``DecoderFamily.genie_step``)."""
+    from ..families.genieio import DenseGenieStep, GenieContract
+
+    contract = GenieContract(cache_index=True)
+
+    def step(hf, args, host, layers, seq_len, context, residual_scale):
+        return DenseGenieStep.make(fam, hf, args, host, layers, seq_len, context, contract,
+                                   residual_scale)
+    return step
+
+
+def check_options(fam, args, opts) -> None:
+    """Refuse a --genie build Genie bundles are not made for, before any work."""
+    fam.check_genie(args)
+    if opts.genie_kv == "scatter":
+        from ..families.base import DecoderFamily
+
+        if type(fam).genie_step is not DecoderFamily.genie_step:
+            raise BuildError(f"--genie-kv scatter: {args.model_type}'s Genie graphs take the "
+                             "concat form only (scatter: llama, qwen2, mistral, qwen3)")
+    if opts.recipe.activations is not None:
+        raise BuildError(f"--genie: --quant {opts.quant} (fixed-point activations) is not built "
+                         "for Genie; use fp16, w8-fp16 or w4-fp16")
+    if opts.prefill_len >= opts.context or opts.prefill_len < 2:
+        raise BuildError("--genie needs 2 <= --prefill-len < --context (Genie's AR-N graph)")
+    if 2 * opts.prefill_len == opts.context:
+        # the AR-N graph's cache then has as many rows as its chunk (CL - N == N), and libGenie
+        # 1.21 misreads it: CL 128 / AR-64 and CL 64 / AR-32 hand the AR-1 graph a wrong cache
+        # from the second token on (tiny Qwen3 and Qwen3-VL, dump-tensors); CL 256 / AR-128
+        # is refused at load ("ShapeError : attention_mask - Expected [ 1, 65, 193]")
+        raise BuildError(f"--genie: --prefill-len {opts.prefill_len} is half of --context "
+                         f"{opts.context}, a shape libGenie misreads; give --prefill-len "
+                         f"{opts.prefill_len // 2} or --context {2 * opts.context}")
+
+
+def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, residual_scale: float,
+                        log, fixed_point_lut: bool = True) -> dict[str, Path]:
+    """For each HTP target, ``root/genie-<target>/``: the decoder in Genie's contract
+    (``GenieStep``), split as the planner splits the target's graphs, weight-only quantized like
+    them when the recipe says so, compiled per arch, with genie_config.json,
+    htp_backend_ext_config.json and tokenizer.json (forge/genie/folder.py).
+    ``fixed_point_lut``: an embedding LUT in 16-bit fixed point (half the bytes; Genie copies its
+    rows into a uint16 ``inputs_embeds``); False keeps it float32, for a bundle whose media
+    nodes hand the decoder float rows (forge/genie/towers.py). -> {target name: folder}."""
+    from ..export.graphs import plan_genie
+    from .folder import folder_name, lut_encoding, write_bundle_files
+    from .geniex import write_geniex_files
+
+    recipe = opts.recipe
+    work = root / "_work" / "genie"
+    step = scatter_step(fam) if opts.genie_kv == "scatter" else None
+    host = manifest.host
+    spec = fam.genie_spec(hf, args)
+    check_ropes(spec, root / "host.safetensors")
+    lut = (lut_encoding(root / "host.safetensors", spec) if spec.lut and fixed_point_lut
+           else None)
+    # graphs that gather input_ids hold the token table, fp16 (genieio.TokenGather)
+    gather = 0 if spec.lut else 2 * args.vocab_size * args.hidden_size
+    splits: dict[tuple, list[list[Path]]] = {}  # the graphs are arch-independent: per plan
+    out = {}
+    for target in targets:
+        shards = plan_genie(fam, hf, target, opts, gather, log)
+        key = tuple(shards)
+        if key not in splits:
+            t = time.perf_counter()
+            paths = export_genie_graphs(fam, hf, args, host, work / f"onnx{len(splits)}",
+                                        opts.prefill_len, opts.context, residual_scale,
+                                        opts.exporter, log, shards, step)
+            if lut is not None:  # Genie copies the LUT's 16-bit rows as they are
+                for p in (p for split in paths for p in split):
+                    quantize_input(p, "inputs_embeds", lut.scale, lut.zero_point)
+            if recipe.weight_only:
+                paths = [_weight_only(p, recipe, args.vocab_size, s, len(paths))
+                         for s, p in enumerate(paths)]
+            splits[key] = paths
+            log(f"[genie] exported {len(shards)} split(s) x {len(paths[0])} graphs "
+                f"({time.perf_counter() - t:.1f}s)")
+        paths = splits[key]
+        folder = root / folder_name(target.name)
+        folder.mkdir()
+        soc = target.default_soc.soc_model
+        say = (lambda m, t=target.name: log(f"[{t}] genie {m.strip()}"))  # noqa: E731
+        bins = []
+        for s, split in enumerate(paths):
+            if opts.share_weights:  # devices: one context per split for both variants
+                from ..compile.contexts import compile_shared
+
+                ctxs = [(p, work / f"{target.name}-{p.stem}.ctx.onnx") for p in split]
+                res = compile_shared(ctxs, target.htp_arch, soc, fp16=True)
+                for p, ctx in ctxs:
+                    name_for_genie(ctx, res["bin"], p.name.split(".")[0])
+                bins.append(folder / f"decoder_{s + 1}_of_{len(paths)}.bin")
+                res["bin"].replace(bins[-1])
+                if opts.verify:  # the simulator loads no shared context: the oracle's twins
+                    compile_genie_graphs(split, work / target.name, None, target.htp_arch, soc,
+                                         say)
+            else:
+                bins += compile_genie_graphs(split, work / target.name, folder, target.htp_arch,
+                                             soc, say)
+        write_bundle_files(folder, manifest, bins, root / manifest.tokenizer.dir / "tokenizer.json",
+                           soc, target.htp_arch, spec, root / "host.safetensors", lut,
+                           weight_sharing=opts.share_weights, cache_index=step is not None)
+        # GenieX's metadata.json beside Genie's files, from the graphs the binaries hold
+        write_geniex_files(folder, manifest.model_type, [p for split in paths for p in split],
+                           root / manifest.tokenizer.dir)
+        total = sum(b.stat().st_size for b in bins)
+        largest = max(b.stat().st_size for b in bins)
+        log(f"[{target.name}] Genie bundle {folder.name}/ ({len(bins)} context binaries, "
+            f"{total / 1e9:.2f} GB, {len(paths)} split(s), the largest {largest / 1e9:.2f} GB "
+            f"of the {target.max_context_bytes / 1e9:.1f} GB a context may hold)")
+        note = None if opts.share_weights else x86_room_note(total)
+        if note:
+            log(f"[{target.name}] note: {note}")
+        out[target.name] = folder
+    return out
+
+
+def quantize_input(path: Path, name: str, scale: float, zero_point: int) -> None:
+    """Graph input ``name`` (if it has one) made uint16 in ``path``, a DequantizeLinear (com.microsoft: 16-bit
+    on the graphs' opset) giving its readers the float they read before. The QNN EP claims it
+    as a fixed-point input of that encoding, which is what Genie copies a 16-bit LUT's rows
+    into as they are (``genie_bundle.LutEncoding``)."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    found = [i for i in model.graph.input if i.name == name]
+    if not found:  # a later split of a model whose LUT rows enter the first one only
+        return
+    (inp,) = found
+    inp.type.tensor_type.elem_type = onnx.TensorProto.UINT16
+    floated = f"{name}.dequantized"
+    for node in model.graph.node:
+        node.input[:] = [floated if x == name else x for x in node.input]
+    model.graph.initializer.extend([
+        numpy_helper.from_array(np.array(scale, np.float32), f"{name}.scale"),
+        numpy_helper.from_array(np.array(zero_point, np.uint16), f"{name}.zero_point")])
+    model.graph.node.insert(0, helper.make_node(
+        "DequantizeLinear", [name, f"{name}.scale", f"{name}.zero_point"], [floated],
+        domain="com.microsoft"))
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    onnx.save(model, str(path))
+
+
+def check_ropes(spec, host_file: Path) -> None:
+    """Each rope Genie will compute from the config (``genie_verify.genie_inv_freq``) must be the
+    host recipe's (HF's inv_freq): a rope Genie would compute otherwise is refused at build
+    time, not found as wrong tokens on a phone."""
+    import numpy as np
+    from safetensors.numpy import safe_open
+
+    from .folder import rope_block
+    from .verify import genie_inv_freq
+
+    with safe_open(str(host_file), "np") as f:
+        for rope in spec.ropes:
+            want = f.get_tensor(f"rope.{rope.rope}.inv_freq").astype(np.float64)
+            got = genie_inv_freq(rope_block(rope))
+            n = rope.used or len(got)  # the graph reads the first n; HF rotates no more
+            if n > len(want) or not np.allclose(got[:n], want[:n], rtol=1e-5, atol=0) or (
+                    np.abs(want[n:]) > 0).any():
+                whole = "" if rope.theta == int(rope.theta) else " (Genie reads theta as an integer)"
+                raise BuildError(f"--genie: Genie's rope {rope.prefix or 'default'} (theta "
+                                 f"{rope.theta}, dim {rope.dim}) is not HF's "
+                                 f"rope.{rope.rope} inv_freq{whole}")
+
+
+def _weight_only(paths: list[Path], recipe, vocab_size: int, split: int, splits: int
+                 ) -> list[Path]:
+    """MatMulNBits weights, as ``htp.weight_only`` makes the target's graphs (the embedding
+    gather stays fp16: the HTP has no NBits gather)."""
+    import onnx
+
+    from ..export.onnxexport import share_weights
+    from ..quantize.nbits import quantize_cpu_graph
+
+    out = []
+    for p in paths:
+        dst = p.with_name(p.stem + ".wo.onnx")
+        onnx.save(onnx.load(str(p), load_external_data=False), str(dst))
+        quantize_cpu_graph(dst, recipe.weight_bits, recipe.block_size, vocab_size,
+                           whole_blocks=True)
+        out.append(dst)
+    share_weights(out, f"genie_{split + 1}_of_{splits}.wo.weights")
+    return out

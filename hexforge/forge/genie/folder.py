@@ -1,0 +1,219 @@
+"""A Genie bundle's files: genie_config.json, htp_backend_ext_config.json, tokenizer.json.
+
+    <bundle>/genie-<target>/             everything ``adb push`` takes, in AI Hub's layout (flat)
+      genie_config.json                  the dialog: context, sampler, tokenizer, engine, binaries
+      htp_backend_ext_config.json        soc_model, dsp_arch, weight sharing
+      tokenizer.json                     the checkpoint's
+      prompt_ar{N}_cl{C}_{i}_of_{n}.bin  the context binaries (forge/genie/decoder.py), per split i
+      token_ar1_cl{C}_{i}_of_{n}.bin     (decoder_{i}_of_{n}.bin: both in one, weight-shared)
+      embedding.u16                      Gemma-4: [token embedding | per-layer inputs] rows
+                                         (embedding.f32 in a bundle with media nodes)
+
+Key by key these follow AI Hub's exporter (``qai_hub_models/utils/llm_helpers.py``
+``create_genie_config``, ``save_htp_config_for_genie_bundle``); docs/genie.md has the sources.
+Paths in genie_config.json are relative: Genie resolves them against its working directory, so
+``genie-t2t-run`` runs from inside the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...bundle.errors import BuildError
+from ...bundle.manifest import Manifest
+from ...runtime.genie.model import sampler_config
+
+CONFIG = "genie_config.json"
+EXTENSIONS = "htp_backend_ext_config.json"
+TOKENIZER = "tokenizer.json"
+CACHE_INDEX = "cache_index"  # families/genieio.CACHE_INDEX (that module imports torch)
+
+
+def folder_name(target: str) -> str:
+    return f"genie-{target}"
+
+
+def rope_block(rope) -> dict:
+    """Genie's positional-encoding entry for a ``families.base.GenieRope``."""
+    block = {"type": "rope", "rope-dim": rope.dim, "rope-theta": rope.theta}
+    if rope.prefix:
+        block["prefix"] = rope.prefix
+    if rope.scaling:
+        block["rope-scaling"] = dict(rope.scaling)
+    return block
+
+
+def positional_encoding(spec) -> dict | list[dict]:
+    """One entry for one rope (AI Hub's form), a list with a prefix per rope otherwise."""
+    blocks = [rope_block(r) for r in spec.ropes]
+    return blocks[0] if len(blocks) == 1 else blocks
+
+
+def bos_token(tokenizer_json: Path) -> int:
+    """The id Genie should put before a prompt: the one the tokenizer's post-processor prepends
+    (Genie's own tokenizer skips the post-processor and prepends ``bos-token`` instead), or -1."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a").ids
+    return full[0] if len(full) == len(plain) + 1 and full[1:] == plain else -1
+
+
+def dialog_config(manifest: Manifest, bins: list[str], bos: int, spec,
+                  tokenizer: str = TOKENIZER, extensions: str = EXTENSIONS,
+                  lut: tuple[str, int, LutEncoding | None] | None = None,
+                  cache_index: bool = False) -> dict:
+    """``cache_index``: the graphs take the scatter form's ``cache_index``
+    (``genieio.GenieContract.cache_index``), named in the default group's entry."""
+    g = manifest.generation
+    eos = g.eos_token_ids or [-1]
+    model = {"version": 1, "type": "binary", "binary": {"version": 1, "ctx-bins": bins},
+             "positional-encoding": positional_encoding(spec)}
+    if spec.linear_attention:
+        model["linear-attention"] = True
+    dialog = {
+        "version": 1, "type": "basic",
+        "context": {"version": 1, "size": manifest.context, "n-vocab": manifest.vocab_size,
+                    "bos-token": bos, "eos-token": eos if len(eos) > 1 else eos[0]},
+        "sampler": sampler_config(g.temperature, g.top_k, g.top_p),
+        "tokenizer": {"version": 1, "path": tokenizer},
+        "engine": {
+            "version": 1, "n-threads": 3,
+            "backend": {
+                "version": 1, "type": "QnnHtp", "extensions": extensions,
+                # AI Hub's values; cpu-mask picks the big cores of a phone's CPU
+                "QnnHtp": {"version": 1, "use-mmap": True, "spill-fill-bufsize": 0,
+                           "mmap-budget": 0, "poll": True, "cpu-mask": "0xe0",
+                           "kv-dim": spec.caches[0].kv_dim, "allow-async-init": False}},
+            "model": model}}
+    if len(spec.caches) > 1 or cache_index:  # the default group's mask is attention_mask
+        groups = [{"version": 1, "prefix": c.prefix, "kv-dim": c.kv_dim} for c in spec.caches]
+        groups[0]["attention-mask-tensor-name"] = "attention_mask"
+        if cache_index:  # Genie then says where each new row goes ("scatter=true")
+            groups[0]["cache-index-tensor-name"] = CACHE_INDEX
+        dialog["engine"]["cache-groups"] = groups
+    if lut is not None:  # Genie gathers the rows itself into inputs_embeds
+        path, width, enc = lut
+        dialog["embedding"] = {"version": 1, "type": "lut", "lut-path": path, "size": width,
+                               "datatype": "float32"}
+        if enc is not None:
+            dialog["embedding"] |= {"datatype": "ufixed16", "quant-param": {
+                "scale": enc.scale, "offset": -enc.zero_point}}
+    return {"dialog": dialog}
+
+
+def backend_extensions(soc_model: int, htp_arch: int, weight_sharing: bool) -> dict:
+    return {"devices": [{"soc_model": soc_model, "dsp_arch": f"v{htp_arch}",
+                         "cores": [{"core_id": 0, "perf_profile": "burst",
+                                    "rpc_control_latency": 100}]}],
+            "memory": {"mem_type": "shared_buffer"},
+            "context": {"weight_sharing_enabled": weight_sharing}}
+
+
+LUT = {True: "embedding.u16", False: "embedding.f32"}  # fixed point or not
+NEVER_ROW = 1  # rows past the vocabulary at the LUT's end: an eos-token Genie can read
+
+
+@dataclass(frozen=True)
+class LutEncoding:
+    """Genie's embedding LUT as 16-bit fixed point, one scale for the whole table: real =
+    scale x (q - zero_point), q in 0..65535 (Genie's ``quant-param`` writes offset = -zero_point).
+
+    Why 16 bits: Gemma-4-E2B's rows ([token embedding | per-layer inputs], 262,144 x 10,496) are
+    11 GB as float32, 5.5 GB so; Genie copies the rows as they are into a graph input of the
+    same encoding (``forge/genie/decoder.quantize_input``), where a DequantizeLinear makes them float
+    (measured: the same tokens as the float32 LUT; a float32 input given this LUT reads inf)."""
+
+    scale: float
+    zero_point: int
+
+    def quantize(self, rows) -> object:
+        import numpy as np
+
+        q = np.round(np.asarray(rows, np.float64) / self.scale) + self.zero_point
+        return np.clip(q, 0, 65535).astype(np.uint16)
+
+
+def _lut_parts(host_file: Path, tables: tuple[tuple[str, float], ...]):
+    from ...bundle.hostfile import load_host_tensors
+
+    host = load_host_tensors(host_file)
+    parts = [(host[name], scale) for name, scale in tables]
+    rows = parts[0][0].shape[0]
+    if any(t.shape[0] != rows for t, _ in parts):
+        raise BuildError(f"the tables of Genie's embedding LUT differ in rows: {tables}")
+    return parts, rows
+
+
+def _lut_blocks(parts, rows: int, flag: bool, block: int = 4096):
+    """The LUT's float32 rows, a block at a time: each row the tables' rows x scale, side by
+    side, then a 0.0 media-flag column where the spec asks for one (``GenieSpec.media_flag``)."""
+    import numpy as np
+
+    for start in range(0, rows, block):
+        cols = [np.asarray(t[start:start + block], np.float32) * np.float32(s) for t, s in parts]
+        if flag:
+            cols.append(np.zeros((cols[0].shape[0], 1), np.float32))
+        yield np.concatenate(cols, axis=1)
+
+
+def lut_encoding(host_file: Path, spec) -> LutEncoding:
+    """The 16-bit encoding that covers every value of ``spec``'s LUT (and 0, and a media
+    flag's 1.0)."""
+    parts, rows = _lut_parts(host_file, spec.lut)
+    lo, hi = 0.0, (1.0 if spec.media_flag else 0.0)
+    for block in _lut_blocks(parts, rows, spec.media_flag):
+        lo, hi = min(lo, float(block.min())), max(hi, float(block.max()))
+    scale = (hi - lo) / 65535 or 1.0
+    return LutEncoding(scale=scale, zero_point=round(-lo / scale))
+
+
+def write_lut(host_file: Path, spec, encoding: LutEncoding | None, dst: Path) -> int:
+    """Genie's embedding LUT: each row the rows of ``spec.lut`` (host table, scale) side by side
+    (Gemma-4: the token embedding x sqrt(H), then its per-layer inputs x sqrt(P); Qwen3-VL: the
+    token embedding, then its media flag, 0.0), in
+    ``encoding`` (None: float32), a block of rows at a time, written beside and renamed; then
+    one row of zeros at index V (``NEVER_ROW``). -> the row width.
+
+    Why the extra row: Genie reads its eos-token's row of the LUT, and the -1 that turns EOS
+    off made libGenie read before the table and segfault (tiny Qwen3.5 / Gemma-3, every run);
+    id V is a row Genie can read that the sampler never picks (logits have V entries), so
+    --ignore-eos gives eos-token V (``runtime.genie_model.never_eos``)."""
+    import numpy as np
+
+    parts, rows = _lut_parts(host_file, spec.lut)
+    width = sum(int(t.shape[1]) for t, _ in parts) + int(spec.media_flag)
+    tmp = dst.with_name(dst.name + ".partial")
+    with open(tmp, "wb") as f:
+        for block in _lut_blocks(parts, rows, spec.media_flag):
+            (block if encoding is None else encoding.quantize(block)).tofile(f)
+        zeros = np.zeros((NEVER_ROW, width), np.float32)
+        (zeros if encoding is None else encoding.quantize(zeros)).tofile(f)
+    tmp.replace(dst)
+    return width
+
+
+def write_bundle_files(folder: Path, manifest: Manifest, bins: list[Path], tokenizer_json: Path,
+                       soc_model: int, htp_arch: int, spec, host_file: Path,
+                       lut: LutEncoding | None = None, weight_sharing: bool = False,
+                       cache_index: bool = False) -> Path:
+    """genie_config.json, htp_backend_ext_config.json, tokenizer.json (and the embedding LUT
+    where the family has Genie gather its inputs) beside ``bins`` (which are in ``folder``
+    already). -> the config's path."""
+    if any(b.parent != folder for b in bins):
+        raise BuildError("a Genie bundle's binaries must sit beside its genie_config.json")
+    shutil.copy2(tokenizer_json, folder / TOKENIZER)
+    table = None
+    if spec.lut:
+        name = LUT[lut is not None]
+        table = (name, write_lut(host_file, spec, lut, folder / name), lut)
+    cfg = dialog_config(manifest, [b.name for b in bins], bos_token(tokenizer_json), spec,
+                        lut=table, cache_index=cache_index)
+    (folder / EXTENSIONS).write_text(
+        json.dumps(backend_extensions(soc_model, htp_arch, weight_sharing), indent=1) + "\n")
+    (folder / CONFIG).write_text(json.dumps(cfg, indent=1) + "\n")
+    return folder / CONFIG
