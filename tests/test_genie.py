@@ -331,7 +331,7 @@ def test_genie_scatter_form_greedy_tokens_equal_qnn_sim(genie_scatter_bundle):
     (Genie's log: "scatter=true"), and libGenie's greedy tokens are qnn-sim's, a second dialog
     on the first one's freed buffers included."""
     import hexforge
-    from hexforge.runtime.genie_model import GenieModel
+    from hexforge.runtime.genie.model import GenieModel
 
     folder = genie_scatter_bundle / "genie-v81"
     groups = json.loads((folder / "genie_config.json").read_text())["dialog"]["engine"][
@@ -340,8 +340,8 @@ def test_genie_scatter_form_greedy_tokens_equal_qnn_sim(genie_scatter_bundle):
                        "attention-mask-tensor-name": "attention_mask",
                        "cache-index-tensor-name": "cache_index"}]
     assert not (folder / "metadata.json").exists()  # GenieX's plugin feeds no cache_index
-    from hexforge.runtime import genie
-    from hexforge.runtime.genie_model import absolute_paths
+    from hexforge.runtime.genie import libgenie as genie
+    from hexforge.runtime.genie.model import absolute_paths
 
     cfg = absolute_paths(json.loads((folder / "genie_config.json").read_text()), folder)
     cfg["dialog"]["engine"]["backend"]["QnnHtp"]["poll"] = False

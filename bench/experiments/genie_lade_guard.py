@@ -105,10 +105,10 @@ class GuardStep(DenseGenieStep):
 
 def build(work: Path) -> Path:
     """The tiny llama (seed 0) with ``GuardStep`` as its scatter-form Genie step -> bundle."""
-    import hexforge.forge.genie as forge_genie
+    import hexforge.forge.genie.decoder as forge_genie
     from hexforge.forge.pipeline import BuildOptions
     from hexforge.forge.pipeline import build as build_bundle
-    from hexforge.tiny import make_tiny_checkpoint
+    from hexforge.forge.source.tiny import make_tiny_checkpoint
 
     contract = GenieContract(cache_index=True)
 

@@ -51,8 +51,8 @@ def run_lade(folder: Path, text: str, lade: tuple[int, int, int], tokens: int, d
 def lade_query(folder: Path, text: str, lade: tuple[int, int, int], tokens: int, dump: Path
                ) -> list[str]:
     """One lade text query with ``debug.dump-tensors`` into ``dump``; -> Genie's log lines."""
-    from hexforge.runtime import genie
-    from hexforge.runtime.genie_model import absolute_paths
+    from hexforge.runtime.genie import libgenie as genie
+    from hexforge.runtime.genie.model import absolute_paths
 
     cfg = absolute_paths(json.loads((folder / "genie_config.json").read_text()), folder)
     cfg["dialog"]["engine"]["backend"]["QnnHtp"]["poll"] = False  # the simulator needs the core
@@ -72,8 +72,8 @@ def lade_query(folder: Path, text: str, lade: tuple[int, int, int], tokens: int,
 
 def run_basic(folder: Path, ids: list[int], tokens: int) -> list[int]:
     """``basic``'s greedy tokens after ``ids`` (BOS included, as given), through libGenie."""
-    from hexforge.runtime import genie
-    from hexforge.runtime.genie_model import absolute_paths
+    from hexforge.runtime.genie import libgenie as genie
+    from hexforge.runtime.genie.model import absolute_paths
 
     cfg = absolute_paths(json.loads((folder / "genie_config.json").read_text()), folder)
     cfg["dialog"]["engine"]["backend"]["QnnHtp"]["poll"] = False
@@ -199,7 +199,7 @@ def main() -> None:
     ap.add_argument("--dump", default=None)
     a = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from hexforge.runtime.genie_model import find_folder
+    from hexforge.runtime.genie.model import find_folder
 
     folder = find_folder(Path(a.bundle))
     bos = json.loads((folder / "genie_config.json").read_text())["dialog"]["context"]["bos-token"]

@@ -113,7 +113,7 @@ def scatter_step(fam):
     """``fam.genie_step`` in the scatter form (``--genie-kv scatter``: a ``cache_index`` input,
     the past CL rows; ``genieio.GenieContract.cache_index``), for the families whose Genie step
     is the dense one (``DecoderFamily.genie_step``)."""
-    from ..families.genieio import DenseGenieStep, GenieContract
+    from ...families.genieio import DenseGenieStep, GenieContract
 
     contract = GenieContract(cache_index=True)
 
@@ -127,7 +127,7 @@ def check_options(fam, args, opts) -> None:
     """Refuse a --genie build Genie bundles are not made for, before any work."""
     fam.check_genie(args)
     if opts.genie_kv == "scatter":
-        from ..families.base import DecoderFamily
+        from ...families.base import DecoderFamily
 
         if type(fam).genie_step is not DecoderFamily.genie_step:
             raise BuildError(f"--genie-kv scatter: {args.model_type}'s Genie graphs take the "
