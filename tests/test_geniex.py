@@ -45,6 +45,23 @@ def vl_genie(htp_bundle):
     return htp_bundle("qwen3_vl", "fp16", genie=True, verify=False)
 
 
+@pytest.fixture(scope="module")
+def vl_qwen_ids_genie(once):
+    """The tiny Qwen3-VL with Qwen's special-token ids and vocab (make_tiny_checkpoint's
+    qwen_special_ids: image 151655, vision start / end 151652 / 151653, 151,936 rows), built as
+    htp_bundle builds vl_genie."""
+    from hexforge.forge.pipeline import BuildOptions, build
+    from hexforge.forge.source.tiny import make_tiny_checkpoint
+    from tests.conftest import HTP_CONTEXT, HTP_N
+
+    ckpt = once(("ckpt", "qwen3_vl", "qwen_special_ids"), lambda d: make_tiny_checkpoint(
+        "qwen3_vl", d / "ckpt", qwen_special_ids=True)) / "ckpt"
+    opts = BuildOptions(targets="v81", quant="fp16", context=HTP_CONTEXT, prefill_len=HTP_N,
+                        genie=True, verify=False)
+    return ckpt, once(("htp", "qwen3_vl", "qwen_special_ids", "fp16", "v81", "genie"),
+                      lambda d: build(ckpt, d / "b", opts, log=lambda m: None)) / "b"
+
+
 def dispatch(model_id: str) -> tuple[str, str] | None:
     """models/dispatch.h: (LLM | VLM, factory) for a model_id, in its order."""
     if model_id.endswith("_ssd"):
@@ -315,12 +332,104 @@ def test_qwen3_vl_genie_folder_meets_the_plugins_loader_rules(vl_genie):
     assert sum(scaling["mrope-section"]) == got["head_dim"] // 2  # sums to head_dim / 2
     check_vlm(folder, got, manifest)
     # what is left is the tiny checkpoint's own: the plugin's image-token ids are constants
-    # (qwen3_vl.h 151652 / 151655), a 384-token tokenizer's are not
+    # (qwen3_vl.h 151652 / 151655), a 384-token tokenizer's are not (with Qwen's ids:
+    # test_qwen3_vl_with_qwens_token_ids_meets_every_loader_rule, no blocker)
     assert [b.split(" (")[0] for b in got["meta"]["hexforge"]["blockers"]] == [
         f"the plugin's Qwen3-VL token ids are constants {geniex.QWEN3_VL_IDS}"]
     ids = got["meta"]["hexforge"]["token_ids"]
     assert ids == {"vision_start": manifest.hf_config["vision_start_token_id"],
                    "image_pad": manifest.hf_config["image_token_id"]}
+
+
+def test_qwen3_vl_with_qwens_token_ids_meets_every_loader_rule(vl_qwen_ids_genie, tmp_path):
+    """The tiny Qwen3-VL whose tokenizer and config carry Qwen's special-token ids: nothing left
+    for the plugin to refuse. Its constants are met where it reads them: qwen3_vl.h (vision
+    start 151652, image pad 151655: M-RoPE anchors and the image rows), geniex-proc's
+    qwen2vl.cpp (the submodule at the plugin's commit: it splices 151652, 151655 x S, 151653
+    for each image and writes <|im_start|> / <|im_end|> as text) and its end-of-generation
+    candidates (<|im_end|>, <|endoftext|>, found by text)."""
+    import numpy as np
+    from PIL import Image
+    from tokenizers import Tokenizer
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    import hexforge
+    from hexforge.forge.source.tiny import QWEN_SPECIAL_IDS, QWEN_VOCAB_SIZE
+    from hexforge.runtime.multimodal import prepare_media
+
+    ckpt, bundle = vl_qwen_ids_genie
+    folder, manifest = bundle / "genie-v81", load_manifest(bundle)
+    cfg = check_genie_config(folder, manifest)
+    got = check_bundle(folder)
+    assert dispatch(got["model_id"]) == ("VLM", "qwen3_vl")
+    assert got["meta"]["genie"] == {"supports_vision": True}
+    assert got["first_input"] == "deepstack_visual_embeds_0"
+    assert got["hidden"] == manifest.hidden_size + 1 and manifest.hidden_size == 64
+    assert got["vocab"] == manifest.vocab_size == QWEN_VOCAB_SIZE
+    assert got["flat_layers"] == list(range(manifest.num_layers))
+    assert cfg["dialog"]["engine"]["model"]["positional-encoding"]["rope-scaling"][
+        "rope-type"] == "qwen3vl-mrope"
+    check_vlm(folder, got, manifest)
+    assert got["meta"]["hexforge"]["blockers"] == []
+    assert got["meta"]["hexforge"]["token_ids"] == geniex.QWEN3_VL_IDS
+    assert "loadable by its rules" in (bundle / "README.md").read_text()
+    # the ids where the plugin's tokenizer (the Genie folder's tokenizer.json) and the config
+    # put them: added tokens and the model vocab agree
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert {t: tok.token_to_id(t) for t in QWEN_SPECIAL_IDS} == QWEN_SPECIAL_IDS
+    hf = manifest.hf_config
+    assert (hf["vision_start_token_id"], hf["image_token_id"], hf["vision_end_token_id"]) == (
+        151652, 151655, 151653)
+    turn = tok.encode("<|im_start|>user\nhi<|im_end|>").ids
+    assert (turn[0], turn[-1]) == (151644, 151645) and max(turn[1:-1]) < 384
+    # an image expands to geniex-proc's splice: 151652, 151655 x S, 151653, S the soft tokens
+    # of vision_preprocessing's fixed size (patches / merge^2) -- hexforge's prompt and
+    # HF's processor (Qwen3VLProcessor.replace_image_token: grid / merge^2 <|image_pad|>)
+    vp = got["meta"]["vision_preprocessing"]
+    soft = (vp["image_height"] // vp["patch_size"]) * (vp["image_width"] // vp["patch_size"]) \
+        // vp["spatial_merge_size"] ** 2
+    png = tmp_path / "photo.png"
+    Image.fromarray((np.random.default_rng(0).random((45, 83, 3)) * 255).astype(np.uint8)).save(png)
+    cpu = hexforge.load(bundle)
+    ids, _ = prepare_media(cpu.engine, cpu.manifest, cpu.tokenizer.encode("Describe it."),
+                           [str(png)], None, {})
+    start = ids.index(151652)
+    assert ids[start:start + soft + 2] == [151652] + [151655] * soft + [151653]
+    assert ids.count(151655) == soft
+    grid = AutoImageProcessor.from_pretrained(ckpt)(
+        images=[Image.open(png).convert("RGB").resize((vp["image_width"], vp["image_height"]))],
+        return_tensors="np")["image_grid_thw"]
+    assert int(grid.prod()) // vp["spatial_merge_size"] ** 2 == soft
+    text = "<|vision_start|>" + "<|image_pad|>" * soft + "<|vision_end|>"
+    assert AutoTokenizer.from_pretrained(ckpt)(text)["input_ids"] == ids[start:start + soft + 2]
+    # the simulator runs it end to end (random weights: any of the 151,936 rows may win)
+    out = hexforge.load(bundle, backend="qnn-sim").generate(
+        "Describe it.", images=[str(png)], max_new_tokens=4, ignore_eos=True)
+    assert len(out.token_ids) == 4 and all(0 <= t < QWEN_VOCAB_SIZE for t in out.token_ids)
+
+
+def test_qwen3_vl_with_qwens_token_ids_through_libgenie_equals_qnn_sim(vl_qwen_ids_genie,
+                                                                       tmp_path):
+    """The same folder through libGenie's pipeline (the Genie side of it): an image prompt's
+    greedy tokens equal qnn-sim's. Plumbing on random weights: Genie's tokenizer takes the
+    specials at Qwen's ids and the 151,936-row table."""
+    import numpy as np
+    from PIL import Image
+
+    import hexforge
+    from hexforge.runtime.genie.pipelinemodel import open_genie
+
+    _, bundle = vl_qwen_ids_genie
+    png = tmp_path / "photo.png"
+    Image.fromarray((np.random.default_rng(1).random((45, 83, 3)) * 255).astype(np.uint8)).save(png)
+    kw = dict(images=[str(png)], max_new_tokens=8, ignore_eos=True)
+    want = hexforge.load(bundle, backend="qnn-sim").generate("Describe it.", **kw).token_ids
+    model = open_genie(bundle)
+    try:
+        got = model.generate("Describe it.", **kw).token_ids
+    finally:
+        model.close()
+    assert got == want and len(got) == 8
 
 
 def test_qwen3_vl_one_graph_serves_both_deepstack_contracts():

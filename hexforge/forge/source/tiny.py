@@ -132,6 +132,24 @@ TINY_CONFIGS["qwen3_5_vl"] = dict(
 # placeholder / boundary tokens per multimodal family (default: MM_TOKENS, Gemma-4's)
 FAMILY_MM_TOKENS = {"qwen3_vl": QWEN_VL_TOKENS, "qwen3_5_vl": QWEN_VL_TOKENS}
 
+# Qwen's special tokens at the ids its real tokenizers give them (Qwen2-VL .. Qwen3-VL: after the
+# 151,643 BPE tokens, the model's vocab_size 151,936). GenieX's QAIRT plugin takes some as constants
+# (models/qwen3_vl/qwen3_vl.h: vision_start 151652, image_pad 151655; geniex-proc's qwen2vl.cpp
+# splices 151652 / 151653 / 151655 around each image) and finds <|im_start|> / <|im_end|> /
+# <|endoftext|> by text (its chat format, its end-of-generation candidates).
+QWEN_SPECIAL_IDS = {
+    "<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
+    "<|object_ref_start|>": 151646, "<|object_ref_end|>": 151647, "<|box_start|>": 151648,
+    "<|box_end|>": 151649, "<|quad_start|>": 151650, "<|quad_end|>": 151651,
+    "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|vision_pad|>": 151654,
+    "<|image_pad|>": 151655, "<|video_pad|>": 151656,
+}
+QWEN_VOCAB_SIZE = 151936  # Qwen3-VL-2B's config (the table is padded past the tokenizer)
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 # Weight scales applied after from_config, by parameter-name substring. Gemma-4 at from_config
 # init is chaotic: q/k norms of 1.0 with attention scaling 1.0 give scores of std sqrt(head_dim),
@@ -174,20 +192,30 @@ _ENCODERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")
 
 
 def make_tokenizer(out_dir: Path, vocab_size: int = 384, add_bos: bool = True,
-                   extra_specials: list[str] = ()):
-    """Train a byte-level BPE on CORPUS; save as a HF fast tokenizer (tokenizer.json + config)."""
+                   extra_specials: list[str] = (), special_ids: dict[str, int] | None = None):
+    """Train a byte-level BPE on CORPUS; save as a HF fast tokenizer (tokenizer.json + config).
+
+    ``special_ids`` (token -> id, e.g. QWEN_SPECIAL_IDS): a Qwen-style tokenizer instead, its
+    specials at those ids (no <pad> / <s> / </s>; eos <|im_end|>, pad <|endoftext|>, Qwen's chat
+    format) -- ``_place_specials``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<pad>", "<s>", "</s>", *extra_specials]
+    specials = [] if special_ids else ["<pad>", "<s>", "</s>", *extra_specials]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator([CORPUS] * 4, trainer)
+    if special_ids:
+        fast = PreTrainedTokenizerFast(tokenizer_object=_place_specials(tok, special_ids),
+                                       eos_token="<|im_end|>", pad_token="<|endoftext|>")
+        fast.chat_template = QWEN_CHAT_TEMPLATE
+        fast.save_pretrained(str(out_dir))
+        return fast
     if add_bos:
         tok.post_processor = processors.TemplateProcessing(
             single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
@@ -199,6 +227,32 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 384, add_bos: bool = True,
     )
     fast.save_pretrained(str(out_dir))
     return fast
+
+
+def _place_specials(tok, special_ids: dict[str, int]):
+    """``tok`` (a trained BPE) with ``special_ids``' tokens at those ids, as a real Qwen
+    tokenizer.json holds them: the BPE vocabulary filled up to the first special id with tokens
+    no merge reaches (``[unused<i>]``: every id below it decodes, as in Qwen's 151,643 BPE tokens),
+    the specials after it in the model vocab and in ``added_tokens`` with the same ids (the
+    tokenizers library takes an added token's id from the model vocab when it is there)."""
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    first = min(special_ids.values())
+    if len(vocab) > first:
+        raise ValueError(f"the BPE's {len(vocab)} tokens reach the first special id {first}")
+    vocab.update({f"[unused{i}]": i for i in range(len(vocab), first)})
+    vocab.update(special_ids)
+    spec["added_tokens"] = [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+        for t, i in sorted(special_ids.items(), key=lambda kv: kv[1])]
+    out = Tokenizer.from_str(json.dumps(spec))
+    wrong = {t: out.token_to_id(t) for t, i in special_ids.items() if out.token_to_id(t) != i}
+    if wrong:
+        raise ValueError(f"special tokens at the wrong ids: {wrong}")
+    return out
 
 
 def condition_gemma4_vision(model) -> None:
@@ -298,25 +352,36 @@ def condition_buffers(named) -> None:
             b.fill_(float(lo + (hi - lo) * torch.rand(1)))
 
 
-def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
-    """Write a random-weight checkpoint of ``family`` (a TINY_CONFIGS key) to ``out_dir``."""
+def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0,
+                         qwen_special_ids: bool = False, **overrides) -> Path:
+    """Write a random-weight checkpoint of ``family`` (a TINY_CONFIGS key) to ``out_dir``.
+
+    ``qwen_special_ids`` (qwen3_vl): Qwen's special tokens at their real ids (QWEN_SPECIAL_IDS;
+    image 151655, vision start / end 151652 / 151653, eos <|im_end|> 151645) and Qwen3-VL-2B's
+    vocab_size 151,936 (embedding and head that many rows), everything else as tiny: what
+    GenieX's plugin takes as constants."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg_kwargs = copy.deepcopy({**TINY_CONFIGS[family], **overrides})
+    if qwen_special_ids and family != "qwen3_vl":
+        raise ValueError(f"qwen_special_ids is for qwen3_vl, not {family}")
     add_bos = cfg_kwargs["model_type"] not in ("qwen3", "qwen2", "qwen3_5_text", "qwen3_5",
                                                "qwen3_vl")
     multimodal = "text_config" in cfg_kwargs
     mm_tokens = FAMILY_MM_TOKENS.get(family, MM_TOKENS)
     tok = make_tokenizer(out, add_bos=add_bos,
-                         extra_specials=list(mm_tokens.values()) if multimodal else [])
+                         extra_specials=list(mm_tokens.values()) if multimodal else [],
+                         special_ids=QWEN_SPECIAL_IDS if qwen_special_ids else None)
     text_kwargs = cfg_kwargs["text_config"] if multimodal else cfg_kwargs
     if "hidden_size_per_layer_input" in text_kwargs:
         text_kwargs["vocab_size_per_layer_input"] = len(tok)
     ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if qwen_special_ids:  # as Qwen3-VL's config: bos = pad = <|endoftext|>, the padded table
+        ids.update(vocab_size=QWEN_VOCAB_SIZE, bos_token_id=QWEN_SPECIAL_IDS["<|endoftext|>"])
     text_kwargs.update(ids)
     model_type = cfg_kwargs.pop("model_type")
     if multimodal:
@@ -339,7 +404,8 @@ def make_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **over
         save_gemma4_processor_config(out)
     if family in FAMILY_MM_TOKENS:
         _save_qwen2vl_processor_config(out, cfg_kwargs["vision_config"])
-    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    GenerationConfig(bos_token_id=ids["bos_token_id"], eos_token_id=tok.eos_token_id,
                      pad_token_id=tok.pad_token_id).save_pretrained(str(out))
-    (out / "hexforge_tiny.json").write_text(json.dumps({"family": family, "seed": seed}))
+    tiny = {"family": family, "seed": seed} | ({"qwen_special_ids": True} if qwen_special_ids else {})
+    (out / "hexforge_tiny.json").write_text(json.dumps(tiny))
     return out
