@@ -149,7 +149,8 @@ def test_cli_passes_every_build_option(monkeypatch, tmp_path):
             "--int4-per-layer-tables", "--exporter", "dynamo", "--verify-tokens", "8",
             "--eval-text", str(tmp_path / "t.txt"), "--eval-tokens", "99",
             "--audio-seconds", "4", "--image-size", "64x96", "--keep-work", "--verify-len", "4",
-            "--genie", "--device-only", "--estimate", "--htp-verify", "--kv-values", "u8"]
+            "--genie", "--device-only", "--estimate", "--htp-verify", "--kv-values", "u8",
+            "--genie-kv", "scatter"]
     assert cli.main(argv) == 0
     default = BuildOptions()
     unset = [f.name for f in dataclasses.fields(default)
