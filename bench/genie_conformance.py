@@ -7,7 +7,8 @@ greedy tokens must be equal (both run the same weights, so this is plumbing, nev
 
 Each configuration varies the axes a family's Genie mapping depends on — head dims and KV heads,
 windows shorter and longer than the prompt, rotary fractions and M-RoPE sections, tied and
-untied heads, KV-sharing counts, per-layer inputs, splits, image sizes — and each bundle is
+untied heads, KV-sharing counts, per-layer inputs, splits, image sizes (square and not),
+recording lengths — and each bundle is
 asked prompts around the prefill length and up to the most Genie's prefill takes
 (CL - N + 1, ``runtime/genie/checks.check_prompt_fits``). tests/test_genie_conformance.py runs
 MATRIX; this script draws new configurations at random for longer runs and prints each one's
@@ -39,6 +40,7 @@ class Variant:
     config: dict = field(default_factory=dict)
     build: dict = field(default_factory=dict)
     image: tuple[int, int] | None = None  # (H, W) of a PNG asked about (pipeline families)
+    audio: float | None = None  # seconds of a 44.1 kHz chirp asked about (families with audio)
 
 
 def _qwen35_rope(partial: float, section: list[int], theta: float = 1e7) -> dict:
@@ -86,6 +88,10 @@ MATRIX: tuple[Variant, ...] = (
     Variant("qwen3_vl-4splits-ar32-40-row-image", "qwen3_vl", 1,
             build=dict(image_size=(128, 320), prefill_len=32, max_shard_bytes={"v81": 110_000}),
             image=(90, 150)),
+    # image and audio rows in the 16-bit LUT's encoding (a node's converted by Genie, the
+    # host's quantized: a float32 row set on it read as codes, audio differed from token 1)
+    Variant("gemma4_mm-seed2-tall-image-2.6s-audio", "gemma4_mm", 2,
+            build=dict(audio_seconds=4.0), image=(150, 60), audio=2.6),
 )
 
 
@@ -117,6 +123,11 @@ def draw(family: str, rng: random.Random, index: int) -> Variant:
                    rope_parameters=_qwen35_rope(partial, [2, 1, 1]))
         rot = int(cfg["head_dim"] * partial) // 2
         cfg["rope_parameters"]["mrope_section"] = [rot - 2 * (rot // 4), rot // 4, rot // 4]
+    elif family == "gemma4_mm":
+        return Variant(f"{family}-draw{index}-seed{seed}", family, seed,
+                       build=dict(audio_seconds=rng.choice([2.0, 4.0, 6.0])),
+                       image=(rng.randrange(20, 200), rng.randrange(20, 200)),
+                       audio=round(rng.uniform(0.3, 2.0), 2))
     elif family == "qwen3_vl":
         h, w = rng.choice([(32, 32), (64, 96), (96, 64), (128, 160)])
         return Variant(f"{family}-draw{index}-seed{seed}", family, seed,
@@ -167,20 +178,23 @@ def compare(bundle: Path, v: Variant, work: Path) -> list[str]:
 
     sim = hexforge.load(bundle, backend="qnn-sim")
     bad = []
-    if v.image is not None:
+    media = ([("images", v.image, _png(work, v.image))] if v.image is not None else []) + \
+        ([("audios", v.audio, _wav(work, v.audio))] if v.audio is not None else [])
+    if media:
         from hexforge.runtime.genie.pipelinemodel import open_genie
 
-        image = _png(work, v.image)
-        want = sim.generate("Describe it.", max_new_tokens=NEW_TOKENS, ignore_eos=True,
-                            images=[str(image)]).token_ids
         model = open_genie(bundle, log_level="error")
         try:
-            got = model.generate("Describe it.", max_new_tokens=NEW_TOKENS, ignore_eos=True,
-                                 images=[str(image)]).token_ids
+            for kind, size, item in media:
+                ask = {kind: [str(item)]}
+                want = sim.generate("Describe it.", max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                    **ask).token_ids
+                got = model.generate("Describe it.", max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                     **ask).token_ids
+                if got != want:
+                    bad.append(f"{v.name} {kind} {size}: genie {got} != qnn-sim {want}")
         finally:
             model.close()
-        if got != want:
-            bad.append(f"{v.name} image {v.image}: genie {got} != qnn-sim {want}")
         return bad
     genie = GenieModel(bundle, log_level="error")
     # a Genie embedding LUT reads its EOS row: EOS stays on there (GenieModel refuses
@@ -212,6 +226,17 @@ def _png(work: Path, hw: tuple[int, int]) -> Path:
     return path
 
 
+def _wav(work: Path, seconds: float) -> Path:
+    import numpy as np
+    import soundfile as sf
+
+    path = work / f"chirp-{seconds}s.wav"
+    if not path.exists():
+        t = np.arange(int(44100 * seconds)) / 44100
+        sf.write(path, 0.4 * np.sin(2 * np.pi * (300 + 400 * t) * t), 44100, subtype="PCM_16")
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("work", type=Path)
@@ -219,11 +244,12 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=10, help="random configurations a family")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--family", action="append",
-                    help="llama, qwen3, gemma3, gemma4, qwen3_5, qwen3_vl (default: all)")
+                    help="llama, qwen3, gemma3, gemma4, qwen3_5, qwen3_vl, gemma4_mm (default: all)")
     a = ap.parse_args()
     from hexforge.bundle.errors import BuildError
 
-    families = a.family or ["llama", "qwen3", "gemma3", "gemma4", "qwen3_5", "qwen3_vl"]
+    families = a.family or ["llama", "qwen3", "gemma3", "gemma4", "qwen3_5", "qwen3_vl",
+                            "gemma4_mm"]
     rng = random.Random(a.seed)
     variants = (list(MATRIX) if a.fixed else
                 [draw(f, rng, i) for i in range(a.draws) for f in families])

@@ -20,14 +20,13 @@ and hexforge's own code says what a ``--genie --target v81`` build of it would p
 - the embedding LUT (``embedding.u16`` / ``.f32``): vocab + ``genie_bundle.NEVER_ROW`` rows x the
   widths of the host tables ``genie_spec(...).lut`` names (+1 for Qwen3-VL's media flag), the
   widths read from the meta model's tables (Gemma-4: hidden + layers x 256 per-layer inputs);
-  2 bytes a value, 4 where the bundle has towers (forge/pipeline.py:
-  ``fixed_point_lut=not src.encoders``).
+  2 bytes a value, 4 where a tower that becomes a Genie node proves no bound on its rows
+  (``forge/genie/towers.lut_is_fixed_point``: Qwen3-VL's; Gemma-4's towers prove one).
 - media nodes (towers that become Genie nodes): the towers' contexts as measured on the v81
   target (docs/realsize.md: Qwen3-VL-2B's vision 829 MB; Gemma-4-E4B's vision + audio 1.48 GB,
   its 6.46 GB v81 target less the 4.98 GB decoder), not the Genie node binaries themselves;
   a shape without a measurement: ``fam.tower_parameters`` x 2 bytes (fp16) x 1.04. Qwen3.5's
-  tower makes no node (its LUT has no media row tail: forge/genie/towers.py leaves it out),
-  yet its LUT is float32 all the same, as pipeline.py decides by the towers alone.
+  tower makes no node (forge/genie/towers.py leaves it out), so its LUT is 16-bit.
 - KV / state at ``--context`` rows, fp16, one set (AR-N and AR-1 read the same buffers): from
   ``fam.state_spec`` -- each kv_full / kv_sliding layer 2 x kv_heads x head_dim x context x 2 B
   (Genie keeps the sliding layers' whole past: docs/genie.md), Gemma-4's KV-shared layers
@@ -168,7 +167,14 @@ def lut_bytes(fam, hf, args, towers: bool) -> tuple[int, int, int, int]:
     assert len(rows) == 1, rows
     width = sum(int(host[name].shape[1]) for name, _ in spec.lut) + int(spec.media_flag)
     nrows = rows.pop() + NEVER_ROW
-    value = 4 if towers else 2  # forge/pipeline.py: fixed_point_lut=not src.encoders
+    from hexforge.families import encoder_families
+    from hexforge.forge.genie.towers import lut_is_fixed_point
+
+    # towers become Genie nodes where the LUT has media rows (a per-layer or flag tail:
+    # forge/genie/towers.media_row_tail; Qwen3.5's has none, so its tower makes no node)
+    nodes = towers and (spec.media_flag or len(spec.lut) > 1)
+    fixed = not nodes or lut_is_fixed_point(encoder_families(hf.config.to_dict()))
+    value = 2 if fixed else 4
     return nrows * width * value, nrows, width, value
 
 

@@ -1,7 +1,8 @@
 """Genie conformance across each family's configuration space, not one fixture a family: the
 fixed matrix of bench/genie_conformance.py (several tiny configurations per family: head dims and
 KV heads, windows shorter and longer than the prompt, rotary fractions and M-RoPE sections, tied
-and untied heads, KV-sharing counts, per-layer inputs or none, splits, a non-square image), each
+and untied heads, KV-sharing counts, per-layer inputs or none, splits, square and non-square
+images, a recording), each
 built with --genie and asked prompts around the prefill length and the longest one Genie's
 prefill takes: libGenie's greedy tokens equal qnn-sim's on the same bundle. Plumbing on random
 weights (both run the same weights); bench/genie_conformance.py draws new configurations at
@@ -40,4 +41,4 @@ def test_the_matrix_covers_each_genie_family_several_times():
 
     per = Counter(v.family if v.family != "qwen3" else "llama" for v in BENCH.MATRIX)
     assert all(per[f] >= 2 for f in ("llama", "gemma3", "gemma4", "qwen3_5")), per
-    assert per["qwen3_vl"] >= 1
+    assert per["qwen3_vl"] >= 1 and per["gemma4_mm"] >= 1

@@ -77,6 +77,62 @@ def test_gemma4_image_and_audio_prompts_through_genie_equal_qnn_sim(gemma4, medi
         assert not [ln for ln in log if "Unconnected input" in ln], kind
 
 
+def test_gemma4_pipeline_keeps_a_16_bit_lut_that_covers_its_towers_rows(gemma4, ckpt):
+    """Gemma-4's towers prove a bound on their rows (families/gemma4_vision.embedder_bound), so
+    its Genie folder takes the 16-bit LUT (E4B: 7 GB, not 14 as float32); the test above runs
+    its image (a node connection) and its audio (rows quantized by the host) through it."""
+    emb = json.loads((gemma4 / "genie-v81" / "genie_config.json").read_text())["dialog"]["embedding"]
+    assert emb["datatype"] == "ufixed16" and (gemma4 / "genie-v81" / "embedding.u16").exists()
+    q = emb["quant-param"]  # real = scale x (q + offset), q in 0..65535
+    lo, hi = q["scale"] * q["offset"], q["scale"] * (65535 + q["offset"])
+    from hexforge.bundle.manifest import load_manifest
+    from hexforge.families import encoder_families, load_family
+    from hexforge.forge.genie.towers import media_row_bound
+
+    fam = load_family("gemma4").FAMILY
+    m = load_manifest(gemma4)
+    bound = media_row_bound(encoder_families(m.hf_config), m.encoders, {"image", "audio"},
+                            fam.load_hf(ckpt("gemma4_mm")), print)
+    assert bound > 0 and lo <= -bound and hi >= bound
+
+
+def test_regression_host_routed_rows_are_quantized_into_a_16_bit_lut():
+    """A float32 row set on the text-generator of a uint16-LUT dialog was read as LUT codes
+    (tiny Gemma-4's audio answer differed from its first token): the host quantizes it."""
+    from hexforge.forge.genie.folder import LutEncoding
+    from hexforge.runtime.genie.pipelinemodel import lut_rows
+
+    rows = np.random.default_rng(0).normal(size=(5, 12)).astype(np.float32)
+    enc = LutEncoding(scale=1e-3, zero_point=31000)
+    cfg = {"dialog": {"embedding": {"datatype": "ufixed16", "quant-param": {
+        "scale": enc.scale, "offset": -enc.zero_point}}}}
+    got = lut_rows(rows, cfg)
+    assert got.dtype == np.uint16 and np.array_equal(got, enc.quantize(rows))
+    assert lut_rows(rows, {"dialog": {"embedding": {"datatype": "float32"}}}) is rows
+
+
+def test_gemma4_embedder_bound_holds_for_any_input():
+    """Whatever the tower hands it (huge, tiny, one-hot, aligned with the worst row), the
+    embedder's output stays within the bound the 16-bit LUT is sized by."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
+
+    from hexforge.families.gemma4_vision import embedder_bound
+
+    torch.manual_seed(0)
+    e = Gemma4MultimodalEmbedder(SimpleNamespace(hidden_size=24, rms_norm_eps=1e-6),
+                                 SimpleNamespace(hidden_size=16))
+    bound = embedder_bound(e)
+    worst = e.embedding_projection.weight[e.embedding_projection.weight.norm(dim=1).argmax()]
+    xs = [torch.randn(64, 24) * 1e4, torch.randn(64, 24) * 1e-3, torch.eye(24) * 7,
+          worst.view(1, 24) * 3, -worst.view(1, 24)]
+    with torch.no_grad():
+        top = max(float(e(x).abs().max()) for x in xs)
+    assert top <= bound and top > 0.9 * bound  # tight: the worst row's own direction reaches it
+
+
 def test_qwen3_vl_image_through_genie_equal_qnn_sim_with_hfs_positions_and_deepstack(
         qwen3_vl, media, tmp_path):
     """Genie places the image tokens' M-RoPE positions (qwen3vl-mrope, from the image node's

@@ -398,6 +398,14 @@ class EncoderFamily:
     def reference(self, hf, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
+    def genie_row_bound(self, hf, spec) -> float | None:
+        """A bound on |value| of every column of the soft tokens this tower's Genie node emits,
+        proven from its weights, or None (unknown). Genie's 16-bit embedding LUT holds media
+        rows in its own encoding (a node's rows are converted to it, the host's quantized), so
+        a bundle whose every node states one gets a LUT whose range covers it, half a float32
+        LUT's bytes (forge/genie/towers.media_row_bound); one None keeps the LUT float32."""
+        return None
+
     def genie_node(self, hf, spec, row_tail: np.ndarray | None):
         """The tower as a Genie pipeline node (families/genienode.py GenieNodeForm; ``row_tail``
         the LUT columns after the soft token in a media row). A tower without one is left out

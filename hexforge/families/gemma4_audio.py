@@ -361,6 +361,11 @@ class Gemma4AudioEncoder(EncoderFamily):
                                   f"{spec.max_soft_tokens}")
         return module.eval()
 
+    def genie_row_bound(self, hf, spec: EncoderSpec) -> float:
+        from .gemma4_vision import embedder_bound
+
+        return embedder_bound(hf.model.embed_audio)
+
     def genie_node(self, hf, spec: EncoderSpec, row_tail: np.ndarray | None):
         """The tower as Genie's audio-encoder node (``GenieAudioNode``): the log-mel uint16 over
         the range a waveform in [-1, 1] can reach (``feature_range``), the conv and soft-token

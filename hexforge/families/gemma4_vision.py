@@ -46,6 +46,15 @@ INPUT_KEYS = ("pixel_values", "patch_pos", "patch_valid", "pool_index", "rope_co
 EXAMPLE_SIZE = (45, 83)  # (height, width): non-square, resized to fewer than max_soft_tokens
 
 
+
+def embedder_bound(embed) -> float:
+    """Gemma-4's soft tokens leave the tower through ``Gemma4MultimodalEmbedder``: a scale-free
+    RMSNorm (so ||y||_2 = sqrt(d) x rms / sqrt(rms^2 + eps) < sqrt(d)) then a Linear with no
+    bias, so by Cauchy-Schwarz each output column i is within sqrt(d) x ||W_i||_2, whatever
+    the image or recording."""
+    w = embed.embedding_projection.weight.detach().float()  # [H_text, d]
+    return float(math.sqrt(w.shape[1]) * w.norm(dim=1).max())
+
 @dataclass
 class Args:
     """HF Gemma4VisionConfig field names."""
@@ -167,6 +176,9 @@ class Gemma4VisionEncoder(EncoderFamily):
         img = Image.fromarray((rgb * 255).astype(np.uint8), "RGB")
         inputs, _ = Gemma4ImagePrep(spec.params)(img)
         return inputs
+
+    def genie_row_bound(self, hf, spec: EncoderSpec) -> float:
+        return embedder_bound(hf.model.embed_vision)
 
     def genie_node(self, hf, spec: EncoderSpec, row_tail: np.ndarray | None):
         """The tower as Genie's image-encoder node (``GenieVisionNode``): pixels uint16 on [0, 1]

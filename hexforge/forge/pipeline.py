@@ -365,15 +365,17 @@ def _htp_targets(b: _Build, manifest: Manifest, enc_graphs: list[GraphSpec],
     if opts.genie:
         from .compile.stage import fp16_scale
         from .genie.decoder import build_genie_bundles
+        from .genie.towers import build_genie_pipelines, export_nodes, media_row_bound
 
+        # the towers as nodes of a Genie pipeline beside the decoder, exported first: the
+        # decoder's 16-bit LUT covers the rows they can emit
+        nodes = (export_nodes(src.encoders, enc_specs, hf, src.fam, src.args, manifest, tmp,
+                              tmp / "_work" / "genie-nodes", opts.exporter, log)
+                 if src.encoders else {})
         build_genie_bundles(src.fam, hf, src.args, htp_targets, opts, tmp, manifest,
                             fp16_scale(src.fam, residual_peak, lambda m: None), log,
-                            fixed_point_lut=not src.encoders)  # media rows arrive as float
-        if src.encoders:  # the towers as nodes of a Genie pipeline beside the decoder
-            from .genie.towers import build_genie_pipelines
-
-            build_genie_pipelines(src.fam, hf, src.args, src.encoders, enc_specs, htp_targets,
-                                  opts, tmp, manifest, log)
+                            media_row_bound(src.encoders, enc_specs, nodes, hf, log))
+        build_genie_pipelines(nodes, enc_specs, htp_targets, tmp, log)
     if not opts.verify and not opts.keep_work:
         shutil.rmtree(tmp / "_work", ignore_errors=True)
     return qdq, estimates

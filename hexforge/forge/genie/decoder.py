@@ -148,14 +148,15 @@ def check_options(fam, args, opts) -> None:
 
 
 def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, residual_scale: float,
-                        log, fixed_point_lut: bool = True) -> dict[str, Path]:
+                        log, media_bound: float | None = 0.0) -> dict[str, Path]:
     """For each HTP target, ``root/genie-<target>/``: the decoder in Genie's contract
     (``GenieStep``), split as the planner splits the target's graphs, weight-only quantized like
     them when the recipe says so, compiled per arch, with genie_config.json,
     htp_backend_ext_config.json and tokenizer.json (forge/genie/folder.py).
-    ``fixed_point_lut``: an embedding LUT in 16-bit fixed point (half the bytes; Genie copies its
-    rows into a uint16 ``inputs_embeds``); False keeps it float32, for a bundle whose media
-    nodes hand the decoder float rows (forge/genie/towers.py). -> {target name: folder}."""
+    The embedding LUT is 16-bit fixed point (half the bytes; Genie copies its rows into a
+    uint16 ``inputs_embeds``), its range covering ``media_bound`` too (0.0: no media rows; a
+    bound on the media nodes' rows, forge/genie/towers.media_row_bound); None keeps it float32
+    (a tower whose rows have no known bound). -> {target name: folder}."""
     from ..export.graphs import plan_genie
     from .folder import folder_name, lut_encoding, write_bundle_files
     from .geniex import write_geniex_files
@@ -166,8 +167,8 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
     host = manifest.host
     spec = fam.genie_spec(hf, args)
     check_ropes(spec, root / "host.safetensors")
-    lut = (lut_encoding(root / "host.safetensors", spec) if spec.lut and fixed_point_lut
-           else None)
+    lut = (lut_encoding(root / "host.safetensors", spec, media_bound)
+           if spec.lut and media_bound is not None else None)
     # graphs that gather input_ids hold the token table, fp16 (genieio.TokenGather)
     gather = 0 if spec.lut else 2 * args.vocab_size * args.hidden_size
     splits: dict[tuple, list[list[Path]]] = {}  # the graphs are arch-independent: per plan

@@ -161,11 +161,11 @@ def _lut_blocks(parts, rows: int, flag: bool, block: int = 4096):
         yield np.concatenate(cols, axis=1)
 
 
-def lut_encoding(host_file: Path, spec) -> LutEncoding:
-    """The 16-bit encoding that covers every value of ``spec``'s LUT (and 0, and a media
-    flag's 1.0)."""
+def lut_encoding(host_file: Path, spec, cover: float = 0.0) -> LutEncoding:
+    """The 16-bit encoding that covers every value of ``spec``'s LUT (and 0, a media flag's
+    1.0, and [-cover, cover]: the media rows the towers can emit, towers.media_row_bound)."""
     parts, rows = _lut_parts(host_file, spec.lut)
-    lo, hi = 0.0, (1.0 if spec.media_flag else 0.0)
+    lo, hi = -cover, max(cover, 1.0 if spec.media_flag else 0.0)
     for block in _lut_blocks(parts, rows, spec.media_flag):
         lo, hi = min(lo, float(block.min())), max(hi, float(block.max()))
     scale = (hi - lo) / 65535 or 1.0

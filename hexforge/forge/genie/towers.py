@@ -46,6 +46,27 @@ WILDCARD = "GENIE_NODE_WILDCARD"
 UINT16_MAX = 65535
 
 
+def lut_is_fixed_point(encoders: list) -> bool:
+    """Whether a Genie folder whose nodes are these towers gets a 16-bit LUT: each proves a
+    bound on its rows (``genie_row_bound``)."""
+    from ...families.base import EncoderFamily
+
+    return all(type(e).genie_row_bound is not EncoderFamily.genie_row_bound for e in encoders)
+
+
+def media_row_bound(encoders: list, specs: list, nodes: dict, hf, log) -> float | None:
+    """The largest |value| a media row of the Genie pipeline can hold, for the 16-bit LUT's
+    range (forge/genie/folder.lut_encoding): the bound each tower that became a node
+    (``nodes``, export_nodes) proves from its weights; 0.0 without nodes; None where one states
+    none (the LUT then stays float32, twice the bytes: E4B's 14 GB against 7)."""
+    made = [(e, s) for e, s in zip(encoders, specs, strict=True) if s.modality in nodes]
+    if not lut_is_fixed_point([e for e, _ in made]):
+        log("[genie] float32 embedding LUT: a Genie node's tower states no bound on its rows "
+            "for a 16-bit one")
+        return None
+    return max((float(e.genie_row_bound(hf, s)) for e, s in made), default=0.0)
+
+
 def media_row_tail(spec, host_file: Path, media_pad_id: int | None) -> np.ndarray | None:
     """What follows the soft token in a media row of Genie's embedding LUT: the other tables'
     columns (``spec.lut[1:]``, x scale) at the recipe's media_pad_id, as the host gathers them
@@ -208,21 +229,18 @@ def export_nodes(encoders: list, specs: list, hf, fam, args, manifest, root: Pat
     return out
 
 
-def build_genie_pipelines(fam, hf, args, encoders: list, specs: list, targets, opts, root: Path,
-                          manifest, log) -> None:
-    """For each HTP target's Genie folder (forge/genie/decoder.py made it), the towers as Genie nodes:
-    compiled per arch, their node configs, text-generator.json and genie_pipeline.json."""
+def build_genie_pipelines(nodes: dict, specs: list, targets, root: Path, log) -> None:
+    """For each HTP target's Genie folder (forge/genie/decoder.py made it), the towers exported
+    as Genie nodes (``export_nodes``): compiled per arch, their node configs,
+    text-generator.json and genie_pipeline.json."""
     from ..compile.contexts import compile_graph
     from . import geniex
     from .ctxname import rename_graph
     from .folder import CONFIG, folder_name
 
-    if not encoders:
-        return
-    work = root / "_work" / "genie-nodes"
-    nodes = export_nodes(encoders, specs, hf, fam, args, manifest, root, work, opts.exporter, log)
     if not nodes:
         return
+    work = root / "_work" / "genie-nodes"
     by_modality = {s.modality: s for s in specs}
     for target in targets:
         folder = root / folder_name(target.name)

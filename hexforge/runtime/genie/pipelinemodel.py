@@ -258,7 +258,8 @@ class GeniePipelineModel(GenieModel):
                 if not node_pipe.rows or node_pipe.rows[-1].shape[0] < n:
                     raise genie.GenieError(f"{media['node']}: its embeddings (< {n} rows)", -1,
                                            self.log_tail())
-                generator.set_data(spec["rows_input"], node_pipe.rows[-1][:n])
+                generator.set_data(spec["rows_input"],
+                                   lut_rows(node_pipe.rows[-1][:n], self.config))
         tokens_q: queue.Queue = queue.Queue()
         done = object()
         pipe.on_token = tokens_q.put
@@ -316,6 +317,17 @@ class GeniePipelineModel(GenieModel):
             log.close()
             self._made = None
         super().close()
+
+
+def lut_rows(rows: np.ndarray, config: dict) -> np.ndarray:
+    """Rows the host hands the text-generator, in its embedding LUT's datatype: Genie takes
+    them as LUT rows (a float32 row set on a uint16 LUT read as garbage: a tiny Gemma-4's audio
+    answer differed from the first token), where a node's connection converts them itself."""
+    emb = config["dialog"].get("embedding", {})
+    if emb.get("datatype") != "ufixed16":
+        return rows
+    q = emb["quant-param"]  # real = scale x (q + offset)
+    return np.clip(np.round(rows / q["scale"]) - q["offset"], 0, 65535).astype(np.uint16)
 
 
 def media_feeds(media: dict, feeds: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
