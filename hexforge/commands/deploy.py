@@ -23,7 +23,6 @@ in place of QAIRT's, and runs ``geniex infer``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO, TypeVar
 
+from ..bundle.bundlefiles import sha256_of
 from ..bundle.errors import BackendError, BundleError, RequestError
 from ..bundle.manifest import MANIFEST_NAME
 from ..bundle.targets import TARGETS
@@ -119,12 +119,21 @@ class Push:
     sha256: str
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def run_or_tell(adb, run: str, prompt_arg: str | None, name: str, out: TextIO,
+                say: Callable[[str], None]) -> int:
+    """``run -p <prompt_arg>`` on the phone, its output streamed to ``out``; without a prompt,
+    the command to run it (``prompt_arg`` is already quoted for the phone's sh)."""
+    if prompt_arg is None:
+        say(f"pushed; to run: adb{' -s ' + adb.serial if adb.serial else ''} shell "
+            f"{shlex.quote(run + ' -p ' + shlex.quote('your prompt'))}")
+        return 0
+    code = adb.stream(f"{run} -p {prompt_arg}", out)
+    if code:
+        raise BackendError(f"{name} exited with {code} on the phone (its output is above)")
+    return 0
 
 
-def _compiled_by(folder: Path, arch: int, config: dict) -> str | None:
+def compiled_by(folder: Path, arch: int, config: dict) -> str | None:
     """The QNN version the folder's binaries were compiled by (their headers), checked to be
     the folder's arch."""
     from ..runtime.qnn import binary_info
@@ -163,7 +172,7 @@ def folder_pushes(folder: Path) -> tuple[dict, list[Push]]:
     for p in sorted(folder.iterdir()):
         if p.is_dir():
             raise BundleError(f"{folder.name}/{p.name} is a folder: a Genie folder is flat")
-        pushes.append(Push(p.name, p, records.get(p.name) or _sha256(p)))
+        pushes.append(Push(p.name, p, records.get(p.name) or sha256_of(p)))
     return config, pushes
 
 
@@ -178,7 +187,7 @@ def local_plan(folder: Path, arch: int, qairt: Path, say: Callable[[str], None],
         raise BackendError(f"QAIRT {qairt} lacks what a v{arch} phone needs: "
                            f"{', '.join(missing)}")
     have = qairt_version(qairt)
-    need = _compiled_by(folder, arch, config) or _bundle_sdk(folder, arch)
+    need = compiled_by(folder, arch, config) or _bundle_sdk(folder, arch)
     if need is None:
         say(f"warning: the bundle does not say which QNN compiled {folder.name}/: QAIRT {have} "
             "is not checked against it")
@@ -187,7 +196,7 @@ def local_plan(folder: Path, arch: int, qairt: Path, say: Callable[[str], None],
                            f"{folder.name}/'s binaries: a phone's libQnnHtp refuses newer "
                            f"binaries; use QAIRT {need} or newer")
     for rel in qairt_files(arch, runner):
-        pushes.append(Push(Path(rel).name, qairt / rel, _sha256(qairt / rel)))
+        pushes.append(Push(Path(rel).name, qairt / rel, sha256_of(qairt / rel)))
     names = [p.name for p in pushes]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
@@ -475,7 +484,7 @@ def deploy(bundle: str | Path, qairt: str | Path | None, prompt: str | None = No
     with tempfile.TemporaryDirectory() as tmp:
         files = list(plan)
         if request is not None:
-            files += [Push(p.name, p, _sha256(p)) for p in request.write(Path(tmp))]
+            files += [Push(p.name, p, sha256_of(p)) for p in request.write(Path(tmp))]
             if dry_run:  # its temp files are gone when the commands are read
                 say(f"# {SCRIPT} (pushed from a temp file with its {len(request.files)} "
                     "request files):\n" + "".join(f"#   {ln}\n" for ln in
@@ -484,7 +493,7 @@ def deploy(bundle: str | Path, qairt: str | Path | None, prompt: str | None = No
             p = Path(tmp) / PROMPT_FILE
             config = json.loads((folder / "genie_config.json").read_text())  # checked above
             p.write_text(render_prompt(bundle, folder, config, prompt, chat))
-            files.append(Push(PROMPT_FILE, p, _sha256(p)))
+            files.append(Push(PROMPT_FILE, p, sha256_of(p)))
             if dry_run:  # its temp file is gone when the commands are read
                 say(f"# {PROMPT_FILE} (pushed from a temp file) holds {p.read_text()!r}")
             if max_new_tokens is not None:  # the folder's config, this answer's length
@@ -492,7 +501,7 @@ def deploy(bundle: str | Path, qairt: str | Path | None, prompt: str | None = No
                 config_name = REQUEST_CONFIG
                 c = Path(tmp) / REQUEST_CONFIG
                 c.write_text(json.dumps(config, indent=1) + "\n")
-                files.append(Push(REQUEST_CONFIG, c, _sha256(c)))
+                files.append(Push(REQUEST_CONFIG, c, sha256_of(c)))
         n = push(adb, where, files, say)
         if not dry_run:
             say(f"phone {where}: {len(files)} files match the bundle's SHA-256 ({n} pushed)")
@@ -504,12 +513,5 @@ def deploy(bundle: str | Path, qairt: str | Path | None, prompt: str | None = No
             if code:
                 raise BackendError(f"{APP} exited with {code} on the phone (its output is above)")
             return 0
-        run = f"{env} ./{RUNNER} -c {config_name}"
-        if prompt is None:
-            say(f"pushed; to run: adb{' -s ' + adb.serial if adb.serial else ''} shell "
-                f"{shlex.quote(run + ' -p ' + shlex.quote('your prompt'))}")
-            return 0
-        code = adb.stream(f'{run} -p "$(cat {PROMPT_FILE})"', out)
-    if code:
-        raise BackendError(f"{RUNNER} exited with {code} on the phone (its output is above)")
-    return 0
+        return run_or_tell(adb, f"{env} ./{RUNNER} -c {config_name}",
+                           None if prompt is None else f'"$(cat {PROMPT_FILE})"', RUNNER, out, say)

@@ -38,17 +38,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from ..bundle.bundlefiles import sha256_of
 from ..bundle.errors import BackendError, BundleError, RequestError
 from .deploy import (
     DEVICE_ROOT,
     Push,
-    _compiled_by,
-    _sha256,
+    compiled_by,
     device_folder,
     folder_pushes,
     genie_folders,
     pick_folder,
     push,
+    run_or_tell,
 )
 
 GENIEX_COMMIT = "cb60a5dd7ebc1a2369c7d1a4eb0de8be893a8cf9"
@@ -138,20 +139,20 @@ def geniex_plan(folder: Path, arch: int, root: Path, say: Callable[[str], None])
         rel for rel in geniex_files(arch) if not (lib / rel).is_file()]
     if missing or binary is None:
         raise BackendError(f"GenieX {root} lacks what a v{arch} phone needs: {', '.join(missing)}")
-    runtime = [Push(GENIEX, binary, _sha256(binary))]
+    runtime = [Push(GENIEX, binary, sha256_of(binary))]
     # the SDK and the plugin's folder as GenieX installs them; every .so of the plugin's folder,
     # as GenieX's Android AAR packs it (its transitive libraries, libgeniex_vlm.so...)
     for p in [lib / "libgeniex.so", *sorted((lib / PLUGIN_DIR).glob("*.so"))]:
-        runtime.append(Push(p.relative_to(lib).as_posix(), p, _sha256(p)))
+        runtime.append(Push(p.relative_to(lib).as_posix(), p, sha256_of(p)))
     # htp-files/ flat into the folder: the plugin on Android opens the QNN libraries there
     for p in sorted((lib / HTP_FILES).glob("*.so")):
-        runtime.append(Push(p.name, p, _sha256(p)))
+        runtime.append(Push(p.name, p, sha256_of(p)))
     names = [p.name for p in runtime]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
         raise BackendError(f"GenieX {root}: {HTP_FILES}/ holds files named as the SDK's: "
                            f"{', '.join(clash)}")
-    need = _compiled_by(folder, arch, config)
+    need = compiled_by(folder, arch, config)
     if need:  # the genie runtime checks QAIRT's sdk.yaml; GenieX's libraries carry no version file
         say(f"note: {folder.name}/'s binaries were compiled by QNN {need}; GenieX's "
             "libQnnHtp.so must not be older (hexforge cannot read its version)")
@@ -226,12 +227,5 @@ def deploy_geniex(bundle: str | Path, geniex: str | Path | None, prompt: str | N
     # -n, else the Genie config's length where it says one, else GenieX's default (2048)
     tokens = max_new_tokens or plan.config["dialog"].get("max-num-tokens")
     run = f"{env} infer {q(name)} {opts}" + (f" --max-tokens {int(tokens)}" if tokens else "")
-    if prompt is None:
-        say(f"pushed; to run: adb{' -s ' + adb.serial if adb.serial else ''} shell "
-            f"{q(run + ' -p ' + q('your prompt'))}")
-        return 0
     # the prompt single-quoted for the phone's sh (shlex.quote): nothing in it is expanded
-    code = adb.stream(f"{run} -p {q(prompt)}", out)
-    if code:
-        raise BackendError(f"geniex infer exited with {code} on the phone (its output is above)")
-    return 0
+    return run_or_tell(adb, run, None if prompt is None else q(prompt), "geniex infer", out, say)

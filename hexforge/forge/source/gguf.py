@@ -24,13 +24,13 @@ with a ``struct.error`` traceback (or reshapes a short tensor)::
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import struct
 from pathlib import Path
 from typing import BinaryIO
 
+from ...bundle.bundlefiles import sha256_of
 from ...bundle.errors import CheckpointError
 from ..partial import TempDir, remove_stale
 
@@ -54,14 +54,6 @@ def find_gguf(path: str | Path) -> Path | None:
         names = ", ".join(f.name for f in found[:4])
         raise CheckpointError(f"{p} holds several .gguf files ({names}); give the file itself")
     return found[0] if found else None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # the fixed sizes of GGUF's metadata value types (GGUFValueType: 8 string, 9 array are not)
@@ -168,7 +160,7 @@ def gguf_checkpoint(path: str | Path, log=None) -> Path:
     """The checkpoint dir converted from GGUF file ``path`` (converted now if not cached)."""
     src = Path(path)
     check_gguf(src)
-    out = cache_root() / _sha256(src)[:24]
+    out = cache_root() / sha256_of(src)[:24]
     if (out / "config.json").is_file():
         return out
     from filelock import FileLock  # transformers' own dependency
