@@ -84,7 +84,6 @@ def _act_qdq(prefix: str, x: str, lo: float, hi: float, bits: int = 16):
 
 
 def form(name: str, k: int, n: int):
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     w = _weights(k, n)
