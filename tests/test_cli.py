@@ -70,16 +70,22 @@ def test_family_registry_names_every_family_module_and_only_those():
     import pkgutil
 
     import hexforge.families as families
-    from hexforge.families import DECODERS, ENCODERS, load_encoder, load_family
+    from hexforge.bundle.errors import UnsupportedModelError
+    from hexforge.families import family_modules, load_encoder, load_family
 
-    for name in DECODERS:
+    decoders, encoders = family_modules("FAMILY"), family_modules("ENCODER")
+    assert {"gemma3", "gemma4", "llama", "qwen3", "qwen3_5", "qwen3_vl"} <= set(decoders)
+    assert {"gemma4_audio", "gemma4_vision", "qwen3_vl_vision"} <= set(encoders)
+    for name in decoders:
         assert load_family(name).FAMILY is not None
-    for name in ENCODERS:
+    for name in encoders:
         assert load_encoder(name) is not None
     for mod in pkgutil.iter_modules(families.__path__):
         src = (Path(families.__path__[0]) / f"{mod.name}.py").read_text()
         defines = "\nFAMILY = " in src or "\nENCODER = " in src
-        assert defines == (mod.name in DECODERS + ENCODERS), mod.name
+        assert defines == (mod.name in decoders + encoders), mod.name
+    with pytest.raises(UnsupportedModelError, match="not supported yet"):
+        load_family("blocks")  # shared code, not a family
 
 
 def test_inspect_and_targets(bundle):

@@ -1,16 +1,21 @@
-"""Family dispatch: ``config.model_type`` -> a registered ``hexforge.families.<module>``.
+"""Family dispatch: ``config.model_type`` -> ``hexforge.families.<model_type>``, found by its name.
 
-One file per HF model_type; REMAP sends architecture twins to the file that already handles them
-(e.g. qwen2 = llama with q/k/v biases, which the reused HF Linear modules carry by themselves).
-Only the modules listed in DECODERS / ENCODERS are families: the others in this package (base,
-blocks, ortops, ...) are shared code, and a config naming one is refused like any unknown type.
-Family modules are build-time code (they import torch); the runtime never imports them.
+One file per HF model_type (mlx-lm's rule): a decoder family's module defines ``FAMILY`` (a
+base.DecoderFamily), an encoder family's, named by a media sub-config's model_type
+(vision_config, audio_config), ``ENCODER`` (a base.EncoderFamily). Adding a family is adding its
+file; no list here names it. REMAP sends architecture twins to the file that already handles
+them (e.g. qwen2 = llama with q/k/v biases, which the reused HF Linear modules carry by
+themselves). The other modules of this package (base, blocks, ortops, ...) define neither and
+are refused like any unknown type. Family modules are build-time code (they import torch); the
+runtime never imports them, and finding them reads their source, not imports it.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import re
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -19,12 +24,17 @@ from ..bundle.errors import UnsupportedModelError
 if TYPE_CHECKING:
     from .base import EncoderFamily
 
-# decoder families define FAMILY (a base.DecoderFamily); encoder families, named by a media
-# sub-config's model_type (vision_config, audio_config), define ENCODER (a base.EncoderFamily)
-DECODERS = ("gemma3", "gemma4", "llama", "qwen3", "qwen3_5", "qwen3_vl")
-ENCODERS = ("gemma4_audio", "gemma4_vision", "qwen3_vl_vision")
 REMAP = {"qwen2": "llama", "mistral": "llama", "gemma4_text": "gemma4", "gemma3_text": "gemma3",
          "qwen3_5_text": "qwen3_5", "qwen3_vl_text": "qwen3_vl", "qwen3_5_vision": "qwen3_vl_vision"}
+
+
+def family_modules(attr: str) -> tuple[str, ...]:
+    """The modules of this package that define ``attr`` ("FAMILY" or "ENCODER") at top level,
+    read from their source (importing them would import torch)."""
+    here = Path(__file__).parent
+    return tuple(sorted(m.name for m in pkgutil.iter_modules([str(here)])
+                        if re.search(rf"^{attr}\s*[:=]", (here / f"{m.name}.py").read_text(),
+                                     re.MULTILINE)))
 
 
 def family_name(model_type: str) -> str:
@@ -36,16 +46,17 @@ def family_name(model_type: str) -> str:
 def load_family(model_type: str) -> ModuleType:
     """The decoder family module for a config's ``model_type`` (its ``FAMILY``), or a one-line
     UnsupportedModelError."""
-    return _load(model_type, DECODERS, "model_type")
+    return _load(model_type, "FAMILY", "model_type")
 
 
 def load_encoder(model_type: str, key: str = "vision_config") -> EncoderFamily:
     """The encoder family of a media sub-config (``config[key].model_type``)."""
-    return _load(model_type, ENCODERS, f"{key}.model_type").ENCODER
+    return _load(model_type, "ENCODER", f"{key}.model_type").ENCODER
 
 
-def _load(model_type: str, registry: tuple[str, ...], what: str) -> ModuleType:
+def _load(model_type: str, attr: str, what: str) -> ModuleType:
     name = family_name(model_type)
+    registry = family_modules(attr)
     if name not in registry:
         known = sorted({*registry, *(k for k, v in REMAP.items() if v in registry)})
         raise UnsupportedModelError(f"{what} {model_type!r} is not supported yet (supported: "
