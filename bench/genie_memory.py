@@ -13,7 +13,7 @@ and hexforge's own code says what a ``--genie --target v81`` build of it would p
   whose ``genie_spec`` names an embedding LUT), the v81 ceiling 1.8 GB per context.
 - a context's bytes: its layers' weight bytes (``fam.layer_weight_bytes`` at the recipe's
   ``bytes_per_weight``) + the head's on the last split, x ``graphs.CONTEXT_OVERHEAD`` (1.04).
-  The head is counted at the precision the Genie graph writes it (``graphs.head_bytes_per_weight``:
+  The head is counted at the precision the Genie graph writes it (``QuantRecipe.head_bytes_per_weight``:
   int8 in blocks of 32 under w4-fp16), as the planner counts it.
 - contexts without weight sharing: 2 per split (AR-N prefill and AR-1 decode, each holding the
   weights); with ``--share-weights``: 1 per split.
@@ -193,7 +193,7 @@ def state_bytes(fam, args, context: int) -> int:
 
 def plan(fam, hf, args, quant: str, context: int, prefill_len: int, log=lambda m: None) -> dict:
     from hexforge.bundle.targets import get_target
-    from hexforge.forge.export.graphs import head_bytes_per_weight, plan_genie, plan_target
+    from hexforge.forge.export.graphs import plan_genie, plan_target
 
     target = get_target("v81")
     opts = options(quant, context, prefill_len)
@@ -203,7 +203,7 @@ def plan(fam, hf, args, quant: str, context: int, prefill_len: int, log=lambda m
     msgs: list[str] = []
     shards = plan_genie(fam, hf, target, opts, gather, msgs.append)
     old = plan_target(fam, hf, target, opts, lambda m: None)
-    bpw, hbpw = recipe.bytes_per_weight, head_bytes_per_weight(recipe)
+    bpw, hbpw = recipe.bytes_per_weight, recipe.head_bytes_per_weight()
     return dict(
         target=target, shards=shards, target_shards=old, log=msgs,
         written=contexts(fam, hf, shards, bpw, hbpw, gather),

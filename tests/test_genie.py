@@ -286,7 +286,8 @@ def test_genie_splits_keep_the_head_and_token_table_inside_the_per_context_ceili
     GB = 10**9
     fam = SimpleNamespace(layer_weight_bytes=lambda hf, bpw: [int(0.4 * GB)] * 4,
                           head_weight_bytes=lambda hf, bpw: int(0.6 * GB))
-    opts = SimpleNamespace(recipe=SimpleNamespace(bytes_per_weight=0.5, weight_only=False),
+    opts = SimpleNamespace(recipe=SimpleNamespace(bytes_per_weight=0.5,
+                                                  head_bytes_per_weight=lambda: 0.5),
                            max_shard_bytes=None)
     logs: list[str] = []
     genie = plan_genie(fam, None, v81, opts, 0, logs.append)

@@ -424,10 +424,10 @@ def test_regression_the_graph_check_judged_the_weights_rounding_as_a_miscompile(
     from onnx import helper
 
     from hexforge.bundle.manifest import load_manifest
-    from hexforge.forge.compile import stage
     from hexforge.forge.pipeline import BuildOptions, build
+    from hexforge.forge.quantize import weightonly
 
-    real = stage.weight_only
+    real = weightonly.weight_only
 
     def off_by_three(plan, folder, recipe, vocab_size):
         real(plan, folder, recipe, vocab_size)
@@ -441,7 +441,7 @@ def test_regression_the_graph_check_judged_the_weights_rounding_as_a_miscompile(
             m.graph.node.append(helper.make_node("Mul", [f"{out}.raw", "three"], [out]))
             onnx.save(m, str(src))
 
-    monkeypatch.setattr(stage, "weight_only", off_by_three)
+    monkeypatch.setattr(weightonly, "weight_only", off_by_three)
     out = build(ckpt("llama"), tmp_path / "b", BuildOptions(
         targets="v81", quant="w8-fp16", context=64, prefill_len=8, verify=False), log=lambda m: None)
     checks = {g.name: g.htp_check for g in load_manifest(out).targets["v81"].graphs}

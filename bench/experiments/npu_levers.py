@@ -45,12 +45,13 @@ def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work
     from hexforge.forge.compile.contexts import compile_options
     from hexforge.forge.compile.hextimate import estimate_graph
     from hexforge.forge.compile.kvcast import fp16_kv, u8_value_state, u8_values
-    from hexforge.forge.compile.stage import fp16_scale, weight_only
     from hexforge.forge.compile.steptime import target_estimate
     from hexforge.forge.export.graphs import export_float, plan_target
     from hexforge.forge.pipeline import BuildOptions
     from hexforge.forge.quantize.calibtext import calibration_text
+    from hexforge.forge.quantize.recipe import fp16_scale
     from hexforge.forge.quantize.recipes import get_recipe
+    from hexforge.forge.quantize.weightonly import weight_only
     from hexforge.forge.source.checkpoint import read_checkpoint
     from hexforge.runtime import qnn
     from hexforge.runtime.text import TextTokenizer
@@ -58,7 +59,7 @@ def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work
     recipe = get_recipe(quant)
     if block_size:  # a weight-only recipe's blocks along K (its scales: one per block)
         recipe = replace(recipe, block_size=block_size)
-    if recipe.activations is not None:
+    if not recipe.fp16_activations:
         raise SystemExit("fixed-point recipes calibrate first: use a build (bench/npu_estimate.py)")
     # a real model by name, or a checkpoint folder (bench/realsize.py's random-weight ones at
     # the seeds' published shapes: speed does not depend on the weights' values)
@@ -87,7 +88,7 @@ def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work
         graphs, state = u8_values(root, graphs), u8_value_state(state)
     if not baseline:
         graphs = fp16_kv(root, graphs, state)
-    if recipe.weight_only:
+    if recipe.quantized:  # weight-only (fixed point refused above)
         weight_only(plan, root / "g", recipe, args.vocab_size)
     def role_options(role: str) -> dict:
         return {} if baseline else compile_options(role)

@@ -53,7 +53,7 @@ def bundle_estimates(bundle: Path, log: Callable[[str], None] = lambda m: None
     for name, spec in htp.items():
         sources = work_sources(bundle, spec)
         if sources is not None:
-            fp16 = built_recipe(spec).activations is None
+            fp16 = built_recipe(spec).fp16_activations
             out[name] = estimate_target(spec, sources, fp16, m.context, qnn.sdk_version(), log)
             fresh.append(name)
         elif name in stored:

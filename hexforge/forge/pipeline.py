@@ -363,9 +363,9 @@ def _htp_targets(b: _Build, manifest: Manifest, enc_graphs: list[GraphSpec],
         manifest.targets[tg.name].graphs += compile_encoders(enc_graphs, tmp, tg, soc.soc_model,
                                                              log, items)
     if opts.genie:
-        from .compile.stage import fp16_scale
         from .genie.decoder import build_genie_bundles
         from .genie.towers import build_genie_pipelines, export_nodes, media_row_bound
+        from .quantize.recipe import fp16_scale
 
         # the towers as nodes of a Genie pipeline beside the decoder, exported first: the
         # decoder's 16-bit LUT covers the rows they can emit

@@ -47,7 +47,7 @@ from ...runtime.state import NP_DTYPES
 from ...runtime.text import TextTokenizer
 from ..heap import release_heap
 from ..oracle.ortrun import run_graph
-from ..quantize.recipes import QuantRecipe
+from ..quantize.recipe import QuantRecipe
 
 DECODE_STEP = 8  # the decode call checked: 8 cached rows before it
 # a graph whose output is this far from its source graph's on the CPU computes wrong, whatever
@@ -161,7 +161,7 @@ def check_target(root: Path, spec: TargetSpec, recipe: QuantRecipe,
     -> graph name -> {outputs: {name: relative error, cosine, max|Δ|, max|ref|}, vs_float,
     seconds, passed}."""
     so = qnn.session_options(qnn.provider_options(spec.htp_arch, spec.soc_model,
-                                                  fp16=recipe.activations is None), {})
+                                                  fp16=recipe.fp16_activations), {})
     report = {}
     for g in spec.graphs:
         if g.name not in calls:

@@ -157,18 +157,6 @@ def _ceiling(target: Target, opts) -> tuple[int, bool]:
                      else target.max_context_bytes), bool(given)
 
 
-def head_bytes_per_weight(recipe) -> float:
-    """The head's bytes a weight as the graphs write it: weight-only int4 keeps an int8 head
-    (``nbits.cpu_head_format``), one fp16 scale a block (Gemma-4-E2B at w4-fp16: its Genie
-    context 1.50 GB, where the recipe's 4 bits would count 1.33)."""
-    if not recipe.weight_only:
-        return recipe.bytes_per_weight
-    from ..quantize.nbits import cpu_head_format
-
-    bits, block = cpu_head_format(recipe.weight_bits, recipe.block_size)
-    return bits / 8 + 2 / block
-
-
 def plan_genie(fam, hf, target: Target, opts, gather_bytes: int, log) -> list[tuple[int, int]]:
     """Genie's splits: one context holds a split's layers *and* the head (the last split) and
     the token table (the first, where its graphs gather ``input_ids``; ``gather_bytes``), where
@@ -181,7 +169,7 @@ def plan_genie(fam, hf, target: Target, opts, gather_bytes: int, log) -> list[tu
         return shards
     recipe = opts.recipe
     layers = list(fam.layer_weight_bytes(hf, recipe.bytes_per_weight))
-    layers[-1] += fam.head_weight_bytes(hf, head_bytes_per_weight(recipe))
+    layers[-1] += fam.head_weight_bytes(hf, recipe.head_bytes_per_weight())
     layers[0] += gather_bytes
     if max(layers) > ceiling:  # no split can hold it: the target's, said
         log(f"[{target.name}] genie: a split's layers with the head ({max(layers):,} B) pass "
@@ -237,7 +225,7 @@ def disk_need(fam, hf, targets: list[Target], opts, tower_params: int = 0) -> in
     quant = (sum(fam.layer_weight_bytes(hf, recipe.bytes_per_weight))
              + fam.head_weight_bytes(hf, recipe.bytes_per_weight))
     side_files = max(sum(fp32[a:b]) for a, b in shards)
-    floats = full + max(side_files, quant if recipe.weight_bits else 0)
+    floats = full + max(side_files, quant if recipe.quantized else 0)
     binaries = len(htp) * ((3 if opts.share_weights else 2) * quant + 4 * tower_params)
-    sources = quant if recipe.weight_bits else full  # what the compiles are given
+    sources = quant if recipe.quantized else full  # what the compiles are given
     return int(1.1 * (cpu + max(floats, sources + binaries)))

@@ -132,9 +132,7 @@ def check_options(fam, args, opts) -> None:
         if type(fam).genie_step is not DecoderFamily.genie_step:
             raise BuildError(f"--genie-kv scatter: {args.model_type}'s Genie graphs take the "
                              "concat form only (scatter: llama, qwen2, mistral, qwen3)")
-    if opts.recipe.activations is not None:
-        raise BuildError(f"--genie: --quant {opts.quant} (fixed-point activations) is not built "
-                         "for Genie; use fp16, w8-fp16 or w4-fp16")
+    opts.recipe.check_genie()
     if opts.prefill_len >= opts.context or opts.prefill_len < 2:
         raise BuildError("--genie needs 2 <= --prefill-len < --context (Genie's AR-N graph)")
     if 2 * opts.prefill_len == opts.context:
@@ -184,9 +182,8 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
             if lut is not None:  # Genie copies the LUT's 16-bit rows as they are
                 for p in (p for split in paths for p in split):
                     quantize_input(p, "inputs_embeds", lut.scale, lut.zero_point)
-            if recipe.weight_only:
-                paths = [_weight_only(p, recipe, args.vocab_size, s, len(paths))
-                         for s, p in enumerate(paths)]
+            paths = [recipe.genie_graphs(p, args.vocab_size, s, len(paths))
+                     for s, p in enumerate(paths)]
             splits[key] = paths
             log(f"[genie] exported {len(shards)} split(s) x {len(paths[0])} graphs "
                 f"({time.perf_counter() - t:.1f}s)")
@@ -280,23 +277,3 @@ def check_ropes(spec, host_file: Path) -> None:
                 raise BuildError(f"--genie: Genie's rope {rope.prefix or 'default'} (theta "
                                  f"{rope.theta}, dim {rope.dim}) is not HF's "
                                  f"rope.{rope.rope} inv_freq{whole}")
-
-
-def _weight_only(paths: list[Path], recipe, vocab_size: int, split: int, splits: int
-                 ) -> list[Path]:
-    """MatMulNBits weights, as ``htp.weight_only`` makes the target's graphs (the embedding
-    gather stays fp16: the HTP has no NBits gather)."""
-    import onnx
-
-    from ..export.onnxexport import share_weights
-    from ..quantize.nbits import quantize_cpu_graph
-
-    out = []
-    for p in paths:
-        dst = p.with_name(p.stem + ".wo.onnx")
-        onnx.save(onnx.load(str(p), load_external_data=False), str(dst))
-        quantize_cpu_graph(dst, recipe.weight_bits, recipe.block_size, vocab_size,
-                           whole_blocks=True)
-        out.append(dst)
-    share_weights(out, f"genie_{split + 1}_of_{splits}.wo.weights")
-    return out

@@ -334,7 +334,7 @@ def simulated_steps(spec, new_tokens: int) -> int:
     """The teacher-forced / greedy tokens target ``spec`` is judged on in the x86 simulator."""
     from ..quantize.recipes import built_recipe
 
-    return min(new_tokens, SIMULATED_NBITS_TOKENS) if built_recipe(spec).weight_only \
+    return min(new_tokens, SIMULATED_NBITS_TOKENS) if built_recipe(spec).emulated_on_simulator \
         else new_tokens
 
 
@@ -346,7 +346,7 @@ def simulated_twin_head(bundle: Path, spec, sources: dict[str, str] | None, engi
     from ..quantize.recipes import built_recipe
     from .quality import twin_head
 
-    if spec.htp_arch is None or qnn.is_arm_host() or not built_recipe(spec).weight_only:
+    if spec.htp_arch is None or qnn.is_arm_host() or not built_recipe(spec).emulated_on_simulator:
         return None
     head = engine.plan.head.name
     if not sources or head not in sources:

@@ -1,5 +1,5 @@
 """Weight-only int8 / int4 through onnxruntime's MatMulNBits: the cpu target's weights (fp32
-activations) and the HTP's weight-only recipes (fp16 activations, ``htp.weight_only``), and the
+activations) and the HTP's weight-only recipes (fp16 activations, ``weightonly.weight_only``), and the
 host tables' formats under them.
 
     float ONNX ──every weight MatMul (not structural, whole blocks where asked)──▶ MatMulNBits

@@ -25,7 +25,7 @@ import numpy as np
 
 from .calibstats import HessianStore, weight_key
 from .qnnconfig import qnn_qdq_config
-from .recipes import QuantRecipe
+from .recipe import QuantRecipe
 from .weightquant import (
     gptq_damp,
     gptq_int4,

@@ -1,78 +1,43 @@
-"""Quantization recipes for HTP targets (``--quant``): data, one ``QuantRecipe`` per name.
+"""The named quantization recipes (``--quant``): data, one recipe of its kind (recipe.py) per name.
 
 The planner reads ``bytes_per_weight``; the QDQ pass (qdq.py) and the weight-only pass
-(forge/quantize/nbits.py) read the weight and activation formats.
+(weightonly.py) read the weight and activation formats.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from ...bundle.errors import BuildError, BundleError
-
-
-@dataclass(frozen=True)
-class QuantRecipe:
-    name: str
-    activations: str | None  # "uint16" or None (float graph, fp16 on the HTP)
-    weight_bits: int | None  # 8 / 4 / None
-    block_size: int | None = None  # int4 blocks along the input dim
-    head_bits: int | None = None  # the lm_head's weight bits if not weight_bits (mixed recipe)
-    bytes_per_weight: float = 2.0  # for the planner and the roofline
-    mask_value: float = -30000.0  # additive mask; bounded so 16-bit activations keep resolution
-    # calibrated activation ranges widened x this: unseen prompts exceed MinMax ranges, and
-    # clipping, not 16-bit resolution, dominated the error (docs/measurements.md)
-    range_margin: float = 3.0
-    # GPTQ with the calibration Hessians (validated per weight on held-out calibration rows,
-    # weightquant.validated_gptq), else round to nearest. Not for int8: with a few hundred
-    # calibration rows per graph (H of rank << K at real widths) it fits those rows and loses on
-    # others (docs/measurements.md)
-    gptq: bool = True
-    # input 1 of activation x activation MatMuls (QK^T keys, probs.V values) as symmetric int16:
-    # the HTP holds a dynamic uint16 input 1 at 8 bits (qdq.int16_matmul_rhs)
-    rhs_int16: bool = True
-
-    @property
-    def weight_only(self) -> bool:
-        """int8 / int4 weights through MatMulNBits with fp16 activations (no calibration)."""
-        return self.activations is None and self.weight_bits is not None
-
-    @property
-    def compiled_suffix(self) -> str:
-        """The file the HTP compiles for graph X, beside its float graph X.onnx in _work/."""
-        return COMPILED_SUFFIX["weight-only" if self.weight_only else
-                               "fixed-point" if self.activations else "float"]
-
-
-# the graph each kind of recipe compiles, beside its float graph X.onnx in _work/
-COMPILED_SUFFIX = {"float": ".onnx", "weight-only": ".wo.onnx", "fixed-point": ".qdq.onnx"}
-
+from .fixedpoint import FixedPointRecipe
+from .recipe import FloatRecipe, QuantRecipe
+from .weightonly import WeightOnlyRecipe
 
 # Names say what a recipe is: w<bits>-fp16 are weight-only (int weights, fp16 activations),
 # w<bits>-u16 fixed-point (int weights, uint16 activations: calibrated Q/DQ pairs).
 RECIPES = {
     # float graphs, fp16 on the HTP, in the fp16 ExportForm (families/form.py: fused norms,
     # the residual stream scaled into fp16's range where it would not fit)
-    "fp16": QuantRecipe("fp16", None, None, bytes_per_weight=2.0, mask_value=-30000.0),
+    "fp16": FloatRecipe("fp16", None, None, bytes_per_weight=2.0, mask_value=-30000.0),
     # weight-only: the fp16 graphs with every weight MatMul as MatMulNBits (int8 / int4 in blocks
     # of 32, the head int8 under int4), rounded to nearest, no calibration. The binary holds int4
     # packed (0.569 bytes a weight at blocks of 32: docs/htp.md). On real trained models the
     # fixed-point road below loses the massive activations (docs/htp.md: SmolLM2 w8-u16 top-1
     # 0.19); fp16 activations keep them, as AI Hub's weight-only "w4" recipe does
-    "w8-fp16": QuantRecipe("w8-fp16", None, 8, block_size=32, bytes_per_weight=1.0 + 2 / 32,
+    "w8-fp16": WeightOnlyRecipe("w8-fp16", None, 8, block_size=32, bytes_per_weight=1.0 + 2 / 32,
                            mask_value=-30000.0),
-    "w4-fp16": QuantRecipe("w4-fp16", None, 4, block_size=32, bytes_per_weight=0.5 + 2 / 32,
+    "w4-fp16": WeightOnlyRecipe("w4-fp16", None, 4, block_size=32, bytes_per_weight=0.5 + 2 / 32,
                            mask_value=-30000.0),
     # fixed point: uint16 activations (calibrated Q/DQ pairs) and int8 per-channel weights
-    "w8-u16": QuantRecipe("w8-u16", "uint16", 8, bytes_per_weight=1.0, mask_value=-100.0,
+    "w8-u16": FixedPointRecipe("w8-u16", "uint16", 8, bytes_per_weight=1.0, mask_value=-100.0,
                           gptq=False),
     # decoder weights int4 (block 64) via GPTQ with Hessians pooled over the prefill + decode graphs
     # of a shard, each weight's GPTQ kept only where it beats round to nearest on held-out rows;
     # lm_head int8 (docs/measurements.md has the measurements behind each choice)
-    "w4-u16": QuantRecipe("w4-u16", "uint16", 4, block_size=64,
+    "w4-u16": FixedPointRecipe("w4-u16", "uint16", 4, block_size=64,
                           bytes_per_weight=0.5 + 2 / 64, mask_value=-100.0, head_bits=8),
     # int8 weights with one scale per 128 input rows instead of one per output channel
-    "w8-u16-b128": QuantRecipe("w8-u16-b128", "uint16", 8, block_size=128,
+    "w8-u16-b128": FixedPointRecipe("w8-u16-b128", "uint16", 8, block_size=128,
                                bytes_per_weight=1.0 + 4 / 128, mask_value=-100.0, gptq=False),
 }
 # w4-u16's format with every weight rounded to nearest (no calibration Hessians): per-weight
