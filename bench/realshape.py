@@ -162,6 +162,7 @@ def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: 
 
     from hexforge.forge.source.tiny import (
         MM_TOKENS,
+        QWEN_SPECIAL_IDS,
         condition_gemma4_vision_tower,
         make_tokenizer,
         save_gemma4_processor_config,
@@ -172,13 +173,20 @@ def make_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16", seed: 
     cfg = dict(SHAPES[shape])
     model_type = cfg.pop("model_type")
     gemma = model_type.startswith("gemma")
-    # Gemma-4's composite names its media tokens by id: the tiny tokenizer gets them as specials
+    # Gemma-4's composite names its media tokens by id: the tiny tokenizer gets them as specials;
+    # Qwen3-VL's config names Qwen's (<|vision_start|> 151652 ...): its tokenizer holds them at
+    # those ids, so a prompt's media markers decode and tokenize back (Genie tokenizes the text
+    # around an image again; without them the markers decoded to '' and were refused)
+    qwen_vl = shape in TOWERS and TOWERS[shape][0] == "qwen3_vl"
     tok = make_tokenizer(out, add_bos=False,
-                         extra_specials=list(MM_TOKENS.values()) if shape in TOWERS and gemma else [])
+                         extra_specials=list(MM_TOKENS.values()) if shape in TOWERS and gemma else [],
+                         special_ids=QWEN_SPECIAL_IDS if qwen_vl else None)
     if layers:
         cfg.update(_cut(cfg, layers))
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                pad_token_id=tok.pad_token_id)
+    if qwen_vl:  # as Qwen3-VL's config: bos = pad = <|endoftext|>
+        ids["bos_token_id"] = QWEN_SPECIAL_IDS["<|endoftext|>"]
     auto = AutoModelForCausalLM
     if shape in TOWERS:
         model_type, towers = TOWERS[shape]
