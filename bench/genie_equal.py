@@ -66,11 +66,17 @@ def main() -> None:
         model.close()
     genie_s = time.perf_counter() - t
     t = time.perf_counter()
-    sim = hexforge.load(a.bundle, backend="qnn-sim").generate(
-        prompt, max_new_tokens=a.tokens, ignore_eos=True, **media).token_ids
+    model = hexforge.load(a.bundle, backend="qnn-sim")
+    sim = model.generate(prompt, max_new_tokens=a.tokens, ignore_eos=True, **media).token_ids
+    sim_s = time.perf_counter() - t
+    steps = None
+    if genie != sim and not media:  # how far below qnn-sim's top Genie's picks sit (a tie?)
+        from hexforge.runtime.compare import pick_gaps
+
+        steps = [[round(g, 5), r] for g, r in pick_gaps(model, prompt, genie)]
     print(json.dumps({"bundle": str(a.bundle), "genie": genie, "qnn_sim": sim,
-                      "equal": genie == sim, "genie_s": round(genie_s),
-                      "qnn_sim_s": round(time.perf_counter() - t),
+                      "equal": genie == sim, "genie_picks_in_qnn_sim_gap_rank": steps,
+                      "genie_s": round(genie_s), "qnn_sim_s": round(sim_s),
                       **folder_bytes(a.bundle)}, indent=1))
 
 

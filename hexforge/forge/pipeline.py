@@ -271,6 +271,24 @@ def _calibrate_norms(b: _Build, enc_specs: list[EncoderSpec]) -> float:
     return residual_peak
 
 
+def _genie_row_scales(b: _Build, tensors: dict) -> dict:
+    """A ``--genie`` build whose embedding LUT a 16-bit one would make 4 GiB or more (libGenie
+    reads no further: forge/genie/folder.LUT_CEILING): the LUT's tables' per-row scales
+    (folder.joint_row_scales), so the host holds the 8-bit rows Genie's LUT holds; else {}."""
+    from .genie.folder import joint_row_scales, needs_row_lut
+
+    if not b.opts.genie:
+        return {}
+    spec = b.src.fam.genie_spec(b.hf, b.src.args)
+    if not spec.lut:
+        return {}
+    parts = [(tensors[name], factor) for name, factor in spec.lut]
+    width = sum(int(t.shape[1]) for t, _ in parts) + int(spec.media_flag)
+    if not needs_row_lut(int(parts[0][0].shape[0]), width):
+        return {}
+    return dict(zip((name for name, _ in spec.lut), joint_row_scales(parts), strict=True))
+
+
 def _host_tensors(b: _Build) -> HostRecipe:
     """The tokenizer files and the host tensors (embedding tables, rope, ...) into the temp dir,
     each table in the format its targets read; then the disk the graphs will need, said."""
@@ -287,8 +305,14 @@ def _host_tensors(b: _Build) -> HostRecipe:
     formats = host_table_formats(
         opts.cpu_weights, host.embed.table, [e.table for e in host.extra_embeds], tensors,
         int8_embedding=bool(src.htp_targets), int4_extras=opts.int4_per_layer_tables)
-    write_host_tensors(tmp / "host.safetensors", tensors, formats)
+    rows = _genie_row_scales(b, tensors)
+    for name in rows:
+        formats.pop(name, None)
+    write_host_tensors(tmp / "host.safetensors", tensors, formats, rows)
     del tensors
+    if rows:
+        b.log(f"--genie: the embedding LUT would be 4 GiB or more at 16 bits; it is 8-bit with a "
+              f"scale a row, and {', '.join(rows)} are held in those rows")
     release_mapped_pages(src.ckpt.dir)  # the whole checkpoint has been read once by now
     tables = ", ".join(f"{name} int{bits} (blocks of {block})"
                        for name, (bits, block) in formats.items())

@@ -40,3 +40,17 @@ def differs_past_ties(got: list[int], want: list[int], margins: list[float]) -> 
             return None
         i = min(len(got), len(want))
     return None if i < len(margins) and margins[i] <= TIE else i
+
+
+def pick_gaps(model, ids: list[int], tokens: list[int]) -> list[tuple[float, int]]:
+    """``model``'s view of another run's picks ``tokens`` after ``ids``, each on that run's own
+    prefix: (top logit - the pick's logit, the pick's rank: 1 = the top) per step. A rank-2 pick
+    a few thousandths below is a near-tie the two binaries' fp16 rounding can flip (262,144-row
+    vocabularies of random weights have them often); a wrong input row puts the pick far down
+    (Gemma-4-E2B's LUT past 4 GiB: rank 118,266)."""
+    forced = iter(tokens)
+    out = []
+    for token, logits in model.engine.generate_step(ids, lambda _: next(forced), len(tokens)):
+        x = np.asarray(logits, np.float32).reshape(-1)
+        out.append((float(x.max() - x[token]), int((x > x[token]).sum()) + 1))
+    return out

@@ -18,6 +18,7 @@ arithmetic the oracle checked; only the boundary changes. This module knows no f
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -167,6 +168,11 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
     check_ropes(spec, root / "host.safetensors")
     lut = (lut_encoding(root / "host.safetensors", spec, media_bound)
            if spec.lut and media_bound is not None else None)
+    if lut is not None and lut.per_row:  # for the oracle's emulator: Genie reads it from the binary
+        from .verify import LUT_INPUT
+
+        work.mkdir(parents=True, exist_ok=True)
+        (work / LUT_INPUT).write_text(json.dumps([lut.scale, lut.zero_point]))
     # graphs that gather input_ids hold the token table, fp16 (genieio.TokenGather)
     gather = 0 if spec.lut else 2 * args.vocab_size * args.hidden_size
     splits: dict[tuple, list[list[Path]]] = {}  # the graphs are arch-independent: per plan

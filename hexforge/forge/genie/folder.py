@@ -7,7 +7,9 @@
       prompt_ar{N}_cl{C}_{i}_of_{n}.bin  the context binaries (forge/genie/decoder.py), per split i
       token_ar1_cl{C}_{i}_of_{n}.bin     (decoder_{i}_of_{n}.bin: both in one, weight-shared)
       embedding.u16                      Gemma-4: [token embedding | per-layer inputs] rows
-                                         (embedding.f32 in a bundle with media nodes)
+                                         (embedding.f32 in a bundle with media nodes; a LUT
+                                         a 16-bit one would make 4 GiB or more: embedding.u8
+                                         + embedding.scale / embedding.offset, a scale a row)
 
 Key by key these follow AI Hub's exporter (``qai_hub_models/utils/llm_helpers.py``
 ``create_genie_config``, ``save_htp_config_for_genie_bundle``); docs/genie.md has the sources.
@@ -100,7 +102,10 @@ def dialog_config(manifest: Manifest, bins: list[str], bos: int, spec,
         path, width, enc = lut
         dialog["embedding"] = {"version": 1, "type": "lut", "lut-path": path, "size": width,
                                "datatype": "float32"}
-        if enc is not None:
+        if enc is not None and enc.per_row:  # Genie's PCQ: a scale / offset file, a value a row
+            dialog["embedding"] |= {"datatype": "ufixed8", "quant-param": {
+                "type": "pcq", "scale": ROW_SCALES, "offset": ROW_OFFSETS}}
+        elif enc is not None:
             dialog["embedding"] |= {"datatype": "ufixed16", "quant-param": {
                 "scale": enc.scale, "offset": -enc.zero_point}}
     return {"dialog": dialog}
@@ -115,27 +120,84 @@ def backend_extensions(soc_model: int, htp_arch: int, weight_sharing: bool) -> d
 
 
 LUT = {True: "embedding.u16", False: "embedding.f32"}  # fixed point or not
+ROW_LUT, ROW_SCALES, ROW_OFFSETS = "embedding.u8", "embedding.scale", "embedding.offset"
 NEVER_ROW = 1  # rows past the vocabulary at the LUT's end: an eos-token Genie can read
+# libGenie 1.21 holds a LUT's byte size in 32 bits: at 2^32 bytes or more it reads rows at
+# offsets wrapped past 4 GiB ("T2E conversion overflow", a prompt id refused, other tokens):
+# measured on Gemma-4-E2B (5.5 GB) and on a tiny Gemma-4 whose LUT is 4.4 GB (2.2 GB: every id
+# right, rows past 2^31 bytes too), bench/genie_lut_reach.py
+LUT_CEILING = 1 << 32
+
+
+def lut_bytes(rows: int, width: int, item: int) -> int:
+    """A LUT's file size: ``rows`` of the vocabulary and the NEVER_ROW, ``item`` bytes a value."""
+    return (rows + NEVER_ROW) * width * item
+
+
+def needs_row_lut(rows: int, width: int) -> bool:
+    """Whether Genie's LUT of ``rows`` x ``width`` goes 8-bit with a scale a row (Genie's PCQ):
+    where a 16-bit one would reach LUT_CEILING (Gemma-4-E2B's 5.5 GB -> 2.75 GB, E4B's
+    7.0 GB -> 3.5 GB). The build then writes the LUT's host tables in the same rows
+    (``joint_row_scales``), so every backend runs the weights Genie runs."""
+    return lut_bytes(rows, width, 2) >= LUT_CEILING
 
 
 @dataclass(frozen=True)
 class LutEncoding:
-    """Genie's embedding LUT as 16-bit fixed point, one scale for the whole table: real =
-    scale x (q - zero_point), q in 0..65535 (Genie's ``quant-param`` writes offset = -zero_point).
+    """Genie's embedding LUT as fixed point. ``scale`` / ``zero_point``: the encoding of the graph
+    input the rows go into, one for the whole table: real = scale x (q - zero_point), q in
+    0..65535 (Genie's ``quant-param`` writes offset = -zero_point). ``per_row``: the file holds
+    8-bit rows instead, each row its own symmetric scale (q - 128 = round(row / s), s =
+    max|row| / 127; ``row_quantize``), which Genie turns into that input encoding itself.
 
     Why 16 bits: Gemma-4-E2B's rows ([token embedding | per-layer inputs], 262,144 x 10,496) are
     11 GB as float32, 5.5 GB so; Genie copies the rows as they are into a graph input of the
     same encoding (``forge/genie/decoder.quantize_input``), where a DequantizeLinear makes them float
-    (measured: the same tokens as the float32 LUT; a float32 input given this LUT reads inf)."""
+    (measured: the same tokens as the float32 LUT; a float32 input given this LUT reads inf).
+    Why 8 bits a row past 4 GiB: ``LUT_CEILING``."""
 
     scale: float
     zero_point: int
+    per_row: bool = False
 
     def quantize(self, rows) -> object:
         import numpy as np
 
         q = np.round(np.asarray(rows, np.float64) / self.scale) + self.zero_point
         return np.clip(q, 0, 65535).astype(np.uint16)
+
+
+def row_quantize(rows) -> tuple[object, object]:
+    """rows [r, W] float -> (uint8 [r, W], scales float32 [r]): symmetric, a scale a row
+    (s = max|row| / 127, q = round(row / s) + 128; an all-zero row: s = 1). Rows the host holds
+    in ``joint_row_scales``'s form come back as the host's own 8-bit values."""
+    import numpy as np
+
+    r = np.asarray(rows, np.float64)
+    s = (np.abs(r).max(axis=1) / 127).astype(np.float32)
+    s[s == 0] = 1.0
+    q = np.clip(np.rint(r / s[:, None].astype(np.float64)), -127, 127) + 128
+    return q.astype(np.uint8), s
+
+
+def joint_row_scales(tables: list[tuple[object, float]], block: int = 8192) -> list[object]:
+    """The host scales that make each LUT row one 8-bit row (``needs_row_lut``): for tables
+    (rows [V, D_k], LUT factor f_k) side by side in the LUT, s[v] = max_k max|x_k[v] f_k| / 127,
+    and table k's rows int8 with one scale a row, s / f_k -> [scales float32 [V] per table].
+    (Table k gathered, times f_k, is then (q x s / f_k) x f_k: the LUT row ``row_quantize``
+    reads back as the same q.)"""
+    import numpy as np
+    import torch
+
+    V = tables[0][0].shape[0]
+    peak = np.zeros(V, np.float64)
+    for t, f in tables:
+        for a in range(0, V, block):
+            part = torch.as_tensor(t[a:a + block]).to(torch.float32).abs().amax(dim=1)
+            peak[a:a + block] = np.maximum(peak[a:a + block], part.double().numpy() * abs(f))
+    s = peak / 127
+    s[s == 0] = 1.0
+    return [(s / f).astype(np.float32) for _, f in tables]
 
 
 def _lut_parts(host_file: Path, tables: tuple[tuple[str, float], ...]):
@@ -163,13 +225,16 @@ def _lut_blocks(parts, rows: int, flag: bool, block: int = 4096):
 
 def lut_encoding(host_file: Path, spec, cover: float = 0.0) -> LutEncoding:
     """The 16-bit encoding that covers every value of ``spec``'s LUT (and 0, a media flag's
-    1.0, and [-cover, cover]: the media rows the towers can emit, towers.media_row_bound)."""
+    1.0, and [-cover, cover]: the media rows the towers can emit, towers.media_row_bound);
+    the file a scale a row where a 16-bit one would reach ``LUT_CEILING``."""
     parts, rows = _lut_parts(host_file, spec.lut)
     lo, hi = -cover, max(cover, 1.0 if spec.media_flag else 0.0)
     for block in _lut_blocks(parts, rows, spec.media_flag):
         lo, hi = min(lo, float(block.min())), max(hi, float(block.max()))
     scale = (hi - lo) / 65535 or 1.0
-    return LutEncoding(scale=scale, zero_point=round(-lo / scale))
+    width = sum(int(t.shape[1]) for t, _ in parts) + int(spec.media_flag)
+    return LutEncoding(scale=scale, zero_point=round(-lo / scale),
+                       per_row=needs_row_lut(rows, width))
 
 
 def write_lut(host_file: Path, spec, encoding: LutEncoding | None, dst: Path) -> int:
@@ -187,12 +252,27 @@ def write_lut(host_file: Path, spec, encoding: LutEncoding | None, dst: Path) ->
 
     parts, rows = _lut_parts(host_file, spec.lut)
     width = sum(int(t.shape[1]) for t, _ in parts) + int(spec.media_flag)
+    if encoding is None and lut_bytes(rows, width, 4) >= LUT_CEILING:
+        raise BuildError(f"--genie: a float32 embedding LUT of {rows:,} x {width:,} is "
+                         f"{lut_bytes(rows, width, 4) / 2**30:.1f} GiB, past the 4 GiB libGenie "
+                         "reads right; refused")
     tmp = dst.with_name(dst.name + ".partial")
+    scales = []
     with open(tmp, "wb") as f:
-        for block in _lut_blocks(parts, rows, spec.media_flag):
-            (block if encoding is None else encoding.quantize(block)).tofile(f)
-        zeros = np.zeros((NEVER_ROW, width), np.float32)
-        (zeros if encoding is None else encoding.quantize(zeros)).tofile(f)
+        for block in (*_lut_blocks(parts, rows, spec.media_flag),
+                      np.zeros((NEVER_ROW, width), np.float32)):
+            if encoding is None:
+                block.tofile(f)
+            elif encoding.per_row:
+                q, s = row_quantize(block)
+                q.tofile(f)
+                scales.append(s)
+            else:
+                encoding.quantize(block).tofile(f)
+    if scales:  # Genie's PCQ files: float32 scales, int32 offsets (real = s x (q + offset))
+        s = np.concatenate(scales)
+        s.tofile(dst.parent / ROW_SCALES)
+        np.full(s.shape, -128, np.int32).tofile(dst.parent / ROW_OFFSETS)
     tmp.replace(dst)
     return width
 
@@ -209,7 +289,7 @@ def write_bundle_files(folder: Path, manifest: Manifest, bins: list[Path], token
     shutil.copy2(tokenizer_json, folder / TOKENIZER)
     table = None
     if spec.lut:
-        name = LUT[lut is not None]
+        name = ROW_LUT if lut is not None and lut.per_row else LUT[lut is not None]
         table = (name, write_lut(host_file, spec, lut, folder / name), lut)
     cfg = dialog_config(manifest, [b.name for b in bins], bos_token(tokenizer_json), spec,
                         lut=table, cache_index=cache_index)

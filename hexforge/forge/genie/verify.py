@@ -35,7 +35,8 @@ from ...bundle.errors import BuildError
 
 MASKED = -1000.0  # what Genie writes into a float32 mask (docs/genie.md)
 STATES = ("conv_state_", "recurrent_state_")  # Genie's linear-attention tensors
-LUT_TYPES = {"float32": np.float32, "ufixed16": np.uint16}  # an embedding LUT's datatypes
+LUT_TYPES = {"float32": np.float32, "ufixed16": np.uint16, "ufixed8": np.uint8}  # LUTs' datatypes
+LUT_INPUT = "lut-input.json"  # (in the build's work folder) a per-row LUT's graph-input encoding
 
 
 def genie_inv_freq(positional_encoding: dict) -> np.ndarray:
@@ -86,9 +87,12 @@ class GenieGraphs:
       * each positional-encoding entry fills ``<prefix>position_ids_cos/sin``;
       * with ``linear-attention``, each ``conv_state_<L>_in`` / ``recurrent_state_<L>_in``
         starts at zero and takes the step's ``_out`` after it (measured with dump-tensors);
-      * ``inputs_embeds`` are the ids' rows of the embedding LUT."""
+      * ``inputs_embeds`` are the ids' rows of the embedding LUT; an 8-bit one with a scale a
+        row (PCQ) dequantized, then put in the graph input's 16-bit encoding ``lut_input``
+        (scale, zero point), as Genie converts its rows."""
 
-    def __init__(self, sessions: dict[int, list], config: dict, folder: Path):
+    def __init__(self, sessions: dict[int, list], config: dict, folder: Path,
+                 lut_input: tuple[float, int] | None = None):
         d = config["dialog"]
         self.sessions, self.C = sessions, int(d["context"]["size"])
         self.N = max(sessions)
@@ -103,6 +107,12 @@ class GenieGraphs:
             dtype = LUT_TYPES[d["embedding"].get("datatype", "float32")]
             self.lut = np.memmap(folder / d["embedding"]["lut-path"], dtype,
                                  "r").reshape(-1, width)
+        self.row_scales, self.lut_input = None, lut_input
+        if "embedding" in d and d["embedding"].get("datatype") == "ufixed8":
+            if lut_input is None:
+                raise BuildError("genie oracle: an 8-bit LUT needs its graph input's encoding")
+            self.row_scales = np.fromfile(folder / d["embedding"]["quant-param"]["scale"],
+                                          np.float32)
         # cache groups by prefix (the default past_ when the config names none)
         prefixes = [g["prefix"] for g in d["engine"].get("cache-groups", [])] or ["past_"]
         self.shapes: dict[str, tuple] = {}  # cache name -> [H, 1, d, S] (keys) / [H, 1, S, d]
@@ -158,7 +168,12 @@ class GenieGraphs:
             bus[f"{prefix}position_ids_cos"] = np.cos(angles).astype(np.float32)[None, None]
             bus[f"{prefix}position_ids_sin"] = np.sin(angles).astype(np.float32)[None, None]
         if self.lut is not None:
-            bus["inputs_embeds"] = np.asarray(self.lut[padded])[None]
+            rows = np.asarray(self.lut[padded])
+            if self.row_scales is not None:  # real = s x (q - 128), then the input's encoding
+                scale, zp = self.lut_input
+                real = (rows.astype(np.float64) - 128) * self.row_scales[padded][:, None]
+                rows = np.clip(np.round(real / scale) + zp, 0, 65535).astype(np.uint16)
+            bus["inputs_embeds"] = rows[None]
         for name, c in self.cache.items():
             bus[f"{name}_in"] = c[..., :S] if self._keys(name) else c[:, :, :S]
         for name, state in self.states.items():
@@ -205,7 +220,7 @@ def text_side_inputs(sessions: list, AR: int) -> dict[str, np.ndarray]:
 
 
 def open_genie_graphs(ctx_files: dict[int, list[Path]], genie_folder: Path, htp_arch: int,
-                      soc_model: int) -> GenieGraphs:
+                      soc_model: int, lut_input: tuple[float, int] | None = None) -> GenieGraphs:
     import onnxruntime as ort
 
     from ...runtime import qnn
@@ -216,7 +231,7 @@ def open_genie_graphs(ctx_files: dict[int, list[Path]], genie_folder: Path, htp_
     for ar, paths in ctx_files.items():
         with qnn.native_stdout_to_stderr():
             sessions[ar] = [ort.InferenceSession(str(p), so) for p in paths]
-    return GenieGraphs(sessions, cfg, genie_folder)
+    return GenieGraphs(sessions, cfg, genie_folder, lut_input)
 
 
 def verify_genie(graphs: GenieGraphs, ref: dict, quant: str, new_tokens: int,
@@ -291,12 +306,15 @@ def verify_genie_bundles(root: Path, manifest, args, refs: dict[str, dict], new_
 
     out = {}
     work = root / "_work" / "genie"
+    note = work / LUT_INPUT
+    lut_input = tuple(json.loads(note.read_text())) if note.exists() else None
     for name, spec in manifest.targets.items():
         if spec.htp_arch is None:
             continue
         with stage(f"oracle {folder_name(name)}", 1) as advance:
             graphs = open_genie_graphs(genie_ctx_files(work, name, manifest.context),
-                                       root / folder_name(name), spec.htp_arch, spec.soc_model)
+                                       root / folder_name(name), spec.htp_arch, spec.soc_model,
+                                       lut_input)
             simulated = not qnn.is_arm_host()
             out[folder_name(name)] = verify_genie(
                 graphs, refs[name], spec.quant, new_tokens, text_name,

@@ -45,6 +45,10 @@ def named_files(config: dict) -> Iterator[tuple[str, str]]:
     for block in ("embedding", "perlayer-embedding"):
         if "lut-path" in d.get(block, {}):
             yield f"{block}.lut-path", d[block]["lut-path"]
+        quant = d.get(block, {}).get("quant-param", {})
+        for key in ("scale", "offset"):  # a PCQ LUT's (a value a row): files, not numbers
+            if isinstance(quant.get(key), str):
+                yield f"{block}.quant-param.{key}", quant[key]
 
 
 def read_config(folder: Path) -> dict:

@@ -86,6 +86,9 @@ def absolute_paths(config: dict, folder: Path) -> dict:
     return cfg
 
 
+LUT_ITEM_BYTES = {"float32": 4, "ufixed16": 2, "ufixed8": 1}  # the datatypes builds write
+
+
 def never_eos(dialog: dict, folder: Path, n_vocab: int) -> int:
     """The eos-token that turns EOS off: -1, or with an embedding LUT (whose eos-token row
     Genie reads: -1 made libGenie read before the table and segfault) the row past the
@@ -94,7 +97,7 @@ def never_eos(dialog: dict, folder: Path, n_vocab: int) -> int:
     emb = dialog.get("embedding")
     if emb is None:
         return -1
-    item = 2 if emb.get("datatype") == "ufixed16" else 4
+    item = LUT_ITEM_BYTES.get(emb.get("datatype", "float32"), 4)
     path = Path(emb["lut-path"])
     rows = (path if path.is_absolute() else folder / path).stat().st_size // (int(emb["size"]) * item)
     if rows <= n_vocab:

@@ -324,6 +324,10 @@ def lut_rows(rows: np.ndarray, config: dict) -> np.ndarray:
     them as LUT rows (a float32 row set on a uint16 LUT read as garbage: a tiny Gemma-4's audio
     answer differed from the first token), where a node's connection converts them itself."""
     emb = config["dialog"].get("embedding", {})
+    if emb.get("datatype") == "ufixed8":  # a LUT past 4 GiB at 16 bits, a scale a row
+        raise RequestError("this Genie folder's embedding LUT is 8-bit with a scale a row (a "
+                           "16-bit one would pass the 4 GiB libGenie reads): rows the host "
+                           "hands Genie (audio) are not supported with it; use --backend qnn-sim")
     if emb.get("datatype") != "ufixed16":
         return rows
     q = emb["quant-param"]  # real = scale x (q + offset)

@@ -1,0 +1,93 @@
+"""Genie's embedding LUT past what libGenie reads: at 4 GiB or more libGenie 1.21 reads rows at
+offsets wrapped past 2^32 bytes (Gemma-4-E2B's 5.5 GB LUT: other tokens from the first decode
+step, a prompt holding id 150000 refused; bench/genie_lut_reach.py rebuilds it on a tiny Gemma-4
+in minutes). Such a LUT is written 8-bit with a scale a row (Genie's PCQ) and the host holds the
+same rows, so libGenie = qnn-sim still holds (random weights: plumbing, not accuracy).
+
+The suite cannot write a 4 GiB LUT: the ceiling is lowered for the tiny Gemma-4 instead, and the
+same code paths run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "genie_conformance.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("genie_conformance_lut", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_ceiling_is_libgenies_4_gib():
+    from hexforge.forge.genie.folder import LUT_CEILING, lut_bytes, needs_row_lut
+
+    assert LUT_CEILING == 2**32
+    # Gemma-4-E2B (262,144 x [1,536 + 35 x 256]) and E4B (x [2,560 + 42 x 256]) go 8-bit a row
+    assert needs_row_lut(262_144, 1536 + 35 * 256) and needs_row_lut(262_144, 2560 + 42 * 256)
+    assert lut_bytes(262_144, 2560 + 42 * 256, 1) < LUT_CEILING  # and then fit
+    # Gemma-3-270M's (262,144 x 640) and the tiny Gemma-4 at 2.2 GB (measured right) stay 16-bit
+    assert not needs_row_lut(262_144, 640) and not needs_row_lut(262_144, 64 + 10 * 416)
+
+
+def test_row_quantize_reads_back_jointly_scaled_host_rows_exactly():
+    """The host's tables at ``joint_row_scales`` -> the LUT rows re-quantized a row at a time
+    give back the host's own 8-bit values (what makes Genie's rows the host's)."""
+    import torch
+
+    from hexforge.forge.genie.folder import joint_row_scales, row_quantize
+
+    rng = np.random.default_rng(0)
+    a = torch.tensor(rng.normal(0, 0.02, (300, 16)), dtype=torch.bfloat16)
+    b = torch.tensor(rng.normal(0, 0.5, (300, 40)), dtype=torch.bfloat16)
+    b[7] = 0.0
+    a[9], b[9] = 0.0, 0.0  # an all-zero row
+    fa, fb = 8.0, 20.4
+    sa, sb = joint_row_scales([(a, fa), (b, fb)], block=128)
+    qa = np.clip(np.rint(a.float().numpy() / sa[:, None]), -127, 127)
+    qb = np.clip(np.rint(b.float().numpy() / sb[:, None]), -127, 127)
+    rows = np.concatenate([(qa * sa[:, None]) * np.float32(fa), (qb * sb[:, None]) * np.float32(fb)], 1)
+    q, s = row_quantize(rows.astype(np.float32))
+    assert np.array_equal(q.astype(np.int16) - 128, np.concatenate([qa, qb], 1).astype(np.int16))
+    assert np.allclose(s, sa * fa, rtol=1e-6)
+
+
+def test_regression_lut_past_4_gib_is_8_bit_a_row_and_genie_equals_qnn_sim(tmp_path, monkeypatch):
+    """Without the 8-bit LUT the folder's LUT passes the ceiling (E2B: libGenie's tokens leave
+    qnn-sim's); without the host holding the same rows, Genie's 8-bit rows give other tokens
+    (measured on the tiny Gemma-4: every token differed)."""
+    from hexforge.bundle.hostfile import check_safetensors_header
+    from hexforge.forge.genie import folder
+
+    bench = _bench()
+    variant = next(v for v in bench.MATRIX if v.name == "gemma4-seed1")
+    monkeypatch.setattr(folder, "LUT_CEILING", 1)  # every LUT is past it
+    bundle = bench.build_variant(variant, tmp_path)
+    genie = bundle / "genie-v81"
+    emb = json.loads((genie / "genie_config.json").read_text())["dialog"]["embedding"]
+    assert emb["datatype"] == "ufixed8" and emb["quant-param"]["type"] == "pcq"
+    rows = (genie / emb["lut-path"]).stat().st_size // emb["size"]
+    assert (genie / emb["quant-param"]["scale"]).stat().st_size == 4 * rows
+    header = check_safetensors_header(bundle / "host.safetensors")
+    for table in ("embed_tokens", "embed_tokens_per_layer"):
+        assert header[table]["dtype"] == "I8"
+        assert header[table + ".int8_scales"]["shape"][1] == 1  # one scale a row
+    assert bench.compare(bundle, variant, tmp_path) == []
+
+
+def test_audio_rows_into_an_8_bit_lut_are_refused_in_one_line():
+    from hexforge.bundle.errors import RequestError
+    from hexforge.runtime.genie.pipelinemodel import lut_rows
+
+    cfg = {"dialog": {"embedding": {"datatype": "ufixed8", "quant-param": {"type": "pcq"}}}}
+    with pytest.raises(RequestError, match="8-bit with a scale a row"):
+        lut_rows(np.zeros((2, 4), np.float32), cfg)
