@@ -20,7 +20,7 @@ and hexforge's own code says what a ``--genie --target v81`` build of it would p
 - the embedding LUT (``embedding.u16`` / ``.f32``): vocab + ``genie_bundle.NEVER_ROW`` rows x the
   widths of the host tables ``genie_spec(...).lut`` names (+1 for Qwen3-VL's media flag), the
   widths read from the meta model's tables (Gemma-4: hidden + layers x 256 per-layer inputs);
-  2 bytes a value, 4 where a tower that becomes a Genie node proves no bound on its rows
+  2 bytes a value (1 past 4 GiB at 2: ``folder.needs_row_lut``), 4 where a tower that becomes a Genie node proves no bound on its rows
   (``forge/genie/towers.lut_is_fixed_point``: Qwen3-VL's; Gemma-4's towers prove one).
 - media nodes (towers that become Genie nodes): the towers' contexts as measured on the v81
   target (docs/realsize.md: Qwen3-VL-2B's vision 829 MB; Gemma-4-E4B's vision + audio 1.48 GB,
@@ -79,16 +79,17 @@ MODELS = (
 # measured Genie folders (docs/genie.md "Results"): v81, context 256, AR-32, built before
 # plan_genie (their splits: the target's plan), sizes in GB per context (AR-N and AR-1 alike)
 MEASURED = (
+    # (its LUT as rewritten 8-bit a row, 2,751,473,920 B; the w8 / fp16 builds predate that)
     dict(name="Gemma-4-E2B", shape="gemma-4-e2b", layers=None, quant="w4-fp16",
-         contexts=[1.50], lut=5.5,
+         contexts=[1.50], lut=2.75,
          cmd="python bench/realsize.py gemma-4-e2b W --quant w4-fp16 --device-only --genie "
              "--context 256 --prefill-len 32"),
     dict(name="Gemma-4-E2B", shape="gemma-4-e2b", layers=None, quant="w8-fp16",
-         contexts=[1.03, 1.41], lut=5.5,
+         contexts=[1.03, 1.41], lut=None,
          cmd="python bench/realsize.py gemma-4-e2b W --quant w8-fp16 --device-only --genie "
              "--context 256 --prefill-len 32"),
     dict(name="Gemma-4-E2B", shape="gemma-4-e2b", layers=None, quant="fp16",
-         contexts=[1.27, 1.31, 1.99], lut=5.5,
+         contexts=[1.27, 1.31, 1.99], lut=None,
          cmd="python bench/realsize.py gemma-4-e2b W --quant fp16 --device-only --genie "
              "--context 256 --prefill-len 32"),
     dict(name="Qwen3.5-4B decoder, 4-layer cut", shape="qwen3.5-4b", layers=4, quant="w4-fp16",
@@ -157,7 +158,7 @@ def contexts(fam, hf, shards, bpw: float, hbpw: float, gather: int) -> list[int]
 
 def lut_bytes(fam, hf, args, towers: bool) -> tuple[int, int, int, int]:
     """(bytes, rows, width, bytes a value) of Genie's embedding LUT."""
-    from hexforge.forge.genie.folder import NEVER_ROW
+    from hexforge.forge.genie.folder import NEVER_ROW, needs_row_lut
 
     spec = fam.genie_spec(hf, args)
     if not spec.lut:
@@ -174,7 +175,9 @@ def lut_bytes(fam, hf, args, towers: bool) -> tuple[int, int, int, int]:
     # forge/genie/towers.media_row_tail; Qwen3.5's has none, so its tower makes no node)
     nodes = towers and (spec.media_flag or len(spec.lut) > 1)
     fixed = not nodes or lut_is_fixed_point(encoder_families(hf.config.to_dict()))
-    value = 2 if fixed else 4
+    # past 4 GiB at 16 bits, 8 bits a value with a scale a row (folder.needs_row_lut; the
+    # scale / offset files, 8 bytes a row, left out)
+    value = (1 if needs_row_lut(nrows - NEVER_ROW, width) else 2) if fixed else 4
     return nrows * width * value, nrows, width, value
 
 
@@ -269,7 +272,7 @@ def validate(context: int = 256, prefill_len: int = 32) -> list[dict]:
             same_split_count=len(pred) == len(m["contexts"]),
             diff=[round(d, 3) for d in diffs],
             measured_lut_gb=m["lut"], predicted_lut_gb=round(lut, 3),
-            lut_diff=round((lut - m["lut"]) / m["lut"], 3),
+            lut_diff=None if m["lut"] is None else round((lut - m["lut"]) / m["lut"], 3),
         ))
     return out
 
@@ -313,15 +316,16 @@ def validation_text(vals: list[dict]) -> str:
             f"| {v['name']} {v['quant']} | {then} / {now} "
             f"| {' / '.join(gb(x) for x in v['measured_contexts_gb'])} "
             f"| {' / '.join(gb(x) for x in v['predicted_contexts_gb'])} "
-            f"| {' / '.join(flag)} | {v['measured_lut_gb']} / {gb(v['predicted_lut_gb'])} "
-            f"({v['lut_diff']:+.0%}) |")
+            f"| {' / '.join(flag)} | {v['measured_lut_gb'] or 'not rebuilt'} / "
+            f"{gb(v['predicted_lut_gb'])}"
+            + ("" if v["lut_diff"] is None else f" ({v['lut_diff']:+.0%})") + " |")
         if not v["same_split_count"]:
             notes.append(f"{v['name']} {v['quant']}: the target's plan gives "
                          f"{len(v['splits_then'])} splits, the build made "
                          f"{len(v['measured_contexts_gb'])}")
         if any(abs(d) > 0.10 for d in v["diff"]):
             notes.append(f"{v['name']} {v['quant']}: over 10 % apart ({' / '.join(flag)})")
-        if abs(v["lut_diff"]) > 0.10:
+        if v["lut_diff"] is not None and abs(v["lut_diff"]) > 0.10:
             notes.append(f"{v['name']} {v['quant']}: the LUT is {v['lut_diff']:+.0%} off")
     if not notes:
         notes.append("every prediction within 10 % of the measured size")

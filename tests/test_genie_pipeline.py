@@ -99,7 +99,7 @@ def test_gemma4_pipeline_keeps_a_16_bit_lut_that_covers_its_towers_rows(gemma4, 
 def test_regression_host_routed_rows_are_quantized_into_a_16_bit_lut():
     """A float32 row set on the text-generator of a uint16-LUT dialog was read as LUT codes
     (tiny Gemma-4's audio answer differed from its first token): the host quantizes it."""
-    from hexforge.forge.genie.folder import LutEncoding
+    from hexforge.bundle.lut import LutEncoding
     from hexforge.runtime.genie.pipelinemodel import lut_rows
 
     rows = np.random.default_rng(0).normal(size=(5, 12)).astype(np.float32)

@@ -237,7 +237,7 @@ def quantize_input(path: Path, name: str, scale: float, zero_point: int) -> None
     """Graph input ``name`` (if it has one) made uint16 in ``path``, a DequantizeLinear (com.microsoft: 16-bit
     on the graphs' opset) giving its readers the float they read before. The QNN EP claims it
     as a fixed-point input of that encoding, which is what Genie copies a 16-bit LUT's rows
-    into as they are (``genie_bundle.LutEncoding``)."""
+    into as they are (``bundle.lut.LutEncoding``)."""
     import numpy as np
     import onnx
     from onnx import helper, numpy_helper

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 from ...bundle.errors import BuildError
+from ...bundle.lut import LutEncoding
 from ...bundle.manifest import Manifest
 from ...runtime.genie.model import sampler_config
 
@@ -140,31 +140,6 @@ def needs_row_lut(rows: int, width: int) -> bool:
     7.0 GB -> 3.5 GB). The build then writes the LUT's host tables in the same rows
     (``joint_row_scales``), so every backend runs the weights Genie runs."""
     return lut_bytes(rows, width, 2) >= LUT_CEILING
-
-
-@dataclass(frozen=True)
-class LutEncoding:
-    """Genie's embedding LUT as fixed point. ``scale`` / ``zero_point``: the encoding of the graph
-    input the rows go into, one for the whole table: real = scale x (q - zero_point), q in
-    0..65535 (Genie's ``quant-param`` writes offset = -zero_point). ``per_row``: the file holds
-    8-bit rows instead, each row its own symmetric scale (q - 128 = round(row / s), s =
-    max|row| / 127; ``row_quantize``), which Genie turns into that input encoding itself.
-
-    Why 16 bits: Gemma-4-E2B's rows ([token embedding | per-layer inputs], 262,144 x 10,496) are
-    11 GB as float32, 5.5 GB so; Genie copies the rows as they are into a graph input of the
-    same encoding (``forge/genie/decoder.quantize_input``), where a DequantizeLinear makes them float
-    (measured: the same tokens as the float32 LUT; a float32 input given this LUT reads inf).
-    Why 8 bits a row past 4 GiB: ``LUT_CEILING``."""
-
-    scale: float
-    zero_point: int
-    per_row: bool = False
-
-    def quantize(self, rows) -> object:
-        import numpy as np
-
-        q = np.round(np.asarray(rows, np.float64) / self.scale) + self.zero_point
-        return np.clip(q, 0, 65535).astype(np.uint16)
 
 
 def row_quantize(rows) -> tuple[object, object]:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ...bundle.errors import BundleError, RequestError
+from ...bundle.lut import LutEncoding
 from ..options import Done, GenerationOptions, Piece, check_request
 from . import libgenie as genie
 from .checks import check_prompt_fits
@@ -330,8 +331,7 @@ def lut_rows(rows: np.ndarray, config: dict) -> np.ndarray:
                            "hands Genie (audio) are not supported with it; use --backend qnn-sim")
     if emb.get("datatype") != "ufixed16":
         return rows
-    q = emb["quant-param"]  # real = scale x (q + offset)
-    return np.clip(np.round(rows / q["scale"]) - q["offset"], 0, 65535).astype(np.uint16)
+    return LutEncoding.of_quant_param(emb["quant-param"]).quantize(rows)
 
 
 def media_feeds(media: dict, feeds: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
