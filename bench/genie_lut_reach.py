@@ -14,7 +14,8 @@ the rows of ids >= 254,201 start past 2^31 bytes. Prints one JSON line per promp
 Measured (libGenie 1.21, QNN 2.51): P = 416 (LUT 2.2 GB) every prompt equal, rows past 2^31
 bytes too; P = 832 (4.4 GB at 16 bits) as E2B: the first token equal, then other tokens and
 "T2E conversion overflow", a prompt ending in id 200000 refused (error -1) -- until the build
-wrote such a LUT 8-bit with a scale a row (2.2 GB; forge/genie/folder.needs_row_lut).
+wrote such a LUT 8-bit with a scale a row (2.2 GB; forge/genie/folder.needs_row_lut). Built with
+--genie-host-rows, so both backends run the same 8-bit rows.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def main() -> None:
     bundle = a.work / "b"
     if not (bundle / "manifest.json").exists():
         build(ckpt, bundle, BuildOptions(targets="v81", quant="fp16", context=64, prefill_len=16,
-                                         genie=True, verify=False, device_only=True), log=print)
+                                         genie=True, verify=False, device_only=True,
+                                         genie_host_rows=True), log=print)
     emb = json.loads((bundle / "genie-v81" / "genie_config.json").read_text())["dialog"]["embedding"]
     lut = bundle / "genie-v81" / emb["lut-path"]
     row = lut.stat().st_size // (VOCAB + 1)

@@ -20,7 +20,9 @@ and hexforge's own code says what a ``--genie --target v81`` build of it would p
 - the embedding LUT (``embedding.u16`` / ``.f32``): vocab + ``genie_bundle.NEVER_ROW`` rows x the
   widths of the host tables ``genie_spec(...).lut`` names (+1 for Qwen3-VL's media flag), the
   widths read from the meta model's tables (Gemma-4: hidden + layers x 256 per-layer inputs);
-  2 bytes a value (1 past 4 GiB at 2: ``folder.needs_row_lut``), 4 where a tower that becomes a Genie node proves no bound on its rows
+  2 bytes a value (1 past 4 GiB at 2: ``folder.needs_row_lut``),
+  4 where a tower that becomes
+  a Genie node proves no bound on its rows
   (``forge/genie/towers.lut_is_fixed_point``: Qwen3-VL's; Gemma-4's towers prove one).
 - media nodes (towers that become Genie nodes): the towers' contexts as measured on the v81
   target (docs/realsize.md: Qwen3-VL-2B's vision 829 MB; Gemma-4-E4B's vision + audio 1.48 GB,

@@ -12,8 +12,9 @@ libGenie (``--backend genie``). Gemma-3's prompt is longer than its 512-token sl
 the window is exercised. Prints one JSON object. Simulator wall times say nothing about a device.
 
 ``--row-lut`` gives the model the LUT a model gets whose 16-bit LUT would reach 4 GiB (8-bit, a
-scale a row, the host holding the same rows: forge/genie/folder.needs_row_lut; Gemma-4-E2B and
-E4B have it), so its cost shows on trained weights: the oracle's KL and libGenie = qnn-sim.
+scale a row: forge/genie/folder.needs_row_lut; Gemma-4-E2B and E4B have it) with the host
+holding the same rows (--genie-host-rows), so its cost shows on trained weights in every
+target's oracle report, and libGenie = qnn-sim on the same weights.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def main() -> int:
         del hf
         opts = BuildOptions(targets="v81", quant="fp16", context=a.context,
                             prefill_len=a.prefill_len, genie=True, verify_tokens=8,
-                            eval_tokens=a.eval_tokens, max_shard_bytes={"v81": shard})
+                            eval_tokens=a.eval_tokens, max_shard_bytes={"v81": shard},
+                            genie_host_rows=a.row_lut)
         t = time.perf_counter()
         build(src, bundle, opts, log=lambda m: print(m, file=sys.stderr))
         result["build_s"] = round(time.perf_counter() - t, 1)

@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--share-weights", action="store_true")
     ap.add_argument("--device-only", action="store_true", help="no cpu target (hexforge build's)")
     ap.add_argument("--genie", action="store_true", help="also the Genie bundle (build --genie)")
+    ap.add_argument("--genie-host-rows", action="store_true",
+                    help="build --genie-host-rows: the host in Genie's 8-bit LUT rows (E2B, E4B)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--layers", type=int, default=None, help="build a cut of the first N layers")
     ap.add_argument("--targets", default=None, help="instead of the model's own (e.g. v81)")
@@ -82,7 +84,7 @@ def main() -> None:
     opts = BuildOptions(targets=a.targets or spec["targets"],
                         quant=a.quant, context=a.context, prefill_len=a.prefill_len,
                         verify=False, share_weights=a.share_weights, device_only=a.device_only,
-                        genie=a.genie,
+                        genie=a.genie, genie_host_rows=a.genie_host_rows,
                         image_size=spec.get("image_size"))
     out = profile_build(str(ckpt), str(work / f"{name}-{a.quant}"), opts)
     out["model"], out["checkpoint_made"] = name, made

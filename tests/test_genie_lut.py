@@ -1,8 +1,10 @@
 """Genie's embedding LUT past what libGenie reads: at 4 GiB or more libGenie 1.21 reads rows at
 offsets wrapped past 2^32 bytes (Gemma-4-E2B's 5.5 GB LUT: other tokens from the first decode
 step, a prompt holding id 150000 refused; bench/genie_lut_reach.py rebuilds it on a tiny Gemma-4
-in minutes). Such a LUT is written 8-bit with a scale a row (Genie's PCQ) and the host holds the
-same rows, so libGenie = qnn-sim still holds (random weights: plumbing, not accuracy).
+in minutes). Such a LUT is written 8-bit with a scale a row (Genie's PCQ); with
+--genie-host-rows the host holds the same rows, so libGenie = qnn-sim holds on one bundle (random
+weights: plumbing, not accuracy); without it the targets keep their precision and the Genie
+oracle judges the 8-bit rows.
 
 The suite cannot write a 4 GiB LUT: the ceiling is lowered for the tiny Gemma-4 instead, and the
 same code paths run."""
@@ -65,11 +67,14 @@ def test_regression_lut_past_4_gib_is_8_bit_a_row_and_genie_equals_qnn_sim(tmp_p
     """Without the 8-bit LUT the folder's LUT passes the ceiling (E2B: libGenie's tokens leave
     qnn-sim's); without the host holding the same rows, Genie's 8-bit rows give other tokens
     (measured on the tiny Gemma-4: every token differed)."""
+    from dataclasses import replace
+
     from hexforge.bundle.hostfile import check_safetensors_header
     from hexforge.forge.genie import folder
 
     bench = _bench()
     variant = next(v for v in bench.MATRIX if v.name == "gemma4-seed1")
+    variant = replace(variant, build={**variant.build, "genie_host_rows": True})
     monkeypatch.setattr(folder, "LUT_CEILING", 1)  # every LUT is past it
     bundle = bench.build_variant(variant, tmp_path)
     genie = bundle / "genie-v81"
@@ -91,3 +96,26 @@ def test_audio_rows_into_an_8_bit_lut_are_refused_in_one_line():
     cfg = {"dialog": {"embedding": {"datatype": "ufixed8", "quant-param": {"type": "pcq"}}}}
     with pytest.raises(RequestError, match="8-bit with a scale a row"):
         lut_rows(np.zeros((2, 4), np.float32), cfg)
+
+
+def test_by_default_the_host_keeps_its_precision_and_the_oracle_reads_the_8_bit_lut(
+        tmp_path, monkeypatch):
+    """Without --genie-host-rows only the Genie folder holds 8-bit rows; the build's Genie oracle
+    (forge/genie/verify.py's emulator: the Genie binaries fed the LUT's rows as Genie converts
+    them) runs on them and reports."""
+    from hexforge.bundle.hostfile import check_safetensors_header
+    from hexforge.forge.genie import folder
+    from hexforge.forge.options import BuildOptions
+    from hexforge.forge.pipeline import build
+    from hexforge.forge.source.tiny import make_tiny_checkpoint
+
+    monkeypatch.setattr(folder, "LUT_CEILING", 1)
+    ckpt = make_tiny_checkpoint("gemma4", tmp_path / "ckpt", seed=1)
+    bundle = tmp_path / "b"
+    build(ckpt, bundle, BuildOptions(targets="v81", quant="fp16", context=64, prefill_len=16,
+                                     genie=True, device_only=True), log=lambda m: None)
+    header = check_safetensors_header(bundle / "host.safetensors")
+    assert header["embed_tokens"]["dtype"] in ("F32", "BF16", "F16")
+    report = json.loads((bundle / "report.json").read_text())
+    assert report["genie-v81"]["passed"], report["genie-v81"]
+    assert (bundle / "genie-v81" / "embedding.u8").is_file()

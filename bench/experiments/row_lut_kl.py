@@ -29,8 +29,8 @@ def main() -> None:
 
     import numpy as np
     import torch
-
     from genie_real import gguf
+
     from hexforge.families import load_family
     from hexforge.forge.genie.folder import row_quantize
     from hexforge.forge.oracle.quality import eval_text

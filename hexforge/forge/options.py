@@ -149,6 +149,12 @@ class BuildOptions:
         "Genie appends the new ones) or scatter (a cache_index input, the past CL rows: Genie's "
         "lookahead dialog then keeps a step's rejected rows out of the mask; llama, qwen2, "
         "mistral, qwen3; docs/genie.md)", choices=lambda: ("concat", "scatter"))] = "concat"
+    genie_host_rows: Annotated[bool, Flag(
+        "--genie, where Genie's embedding LUT is 8-bit a row (a 16-bit one would pass the 4 GiB "
+        "libGenie reads: Gemma-4-E2B / E4B): the host's embedding tables in those same rows, so "
+        "the cpu and HTP targets run the weights Genie runs (how libGenie = qnn-sim is proven on "
+        "one bundle); off, they keep the checkpoint's precision and the Genie oracle judges the "
+        "8-bit rows (docs/genie.md)")] = False
     estimate: Annotated[bool, Flag(
         "HTP: each graph compiled once more for QNN's on-host estimator (Hextimate: v81 on "
         "SA8797, v73 on QCS9100; none for v75 / v79), the binary thrown away: per graph us, DDR "
@@ -217,6 +223,9 @@ class BuildOptions:
                              "make it slower; fixed-point ones keep their calibrated cache)")
         if self.genie and not htp:
             raise BuildError("--genie needs an HTP --target (e.g. v81)")
+        if self.genie_host_rows and not self.genie:
+            raise BuildError("--genie-host-rows is the Genie LUT's rows in the host: it needs "
+                             "--genie")
         if self.genie_kv != "concat" and not self.genie:
             raise BuildError("--genie-kv is the Genie graphs' KV form: it needs --genie")
         if self.estimate and not htp:

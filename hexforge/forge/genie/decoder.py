@@ -171,6 +171,8 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
     if lut is not None and lut.per_row:  # for the oracle's emulator: Genie reads it from the binary
         from .verify import LUT_INPUT
 
+        log("[genie] the embedding LUT would be 4 GiB or more at 16 bits, past what libGenie "
+            "reads: it is 8-bit with a scale a row (docs/genie.md)")
         work.mkdir(parents=True, exist_ok=True)
         (work / LUT_INPUT).write_text(json.dumps([lut.scale, lut.zero_point]))
     # graphs that gather input_ids hold the token table, fp16 (genieio.TokenGather)
