@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+# genie_config.json's embedding datatypes hexforge writes -> the LUT file's values
+LUT_DTYPES = {"float32": np.float32, "ufixed16": np.uint16, "ufixed8": np.uint8}
+
 
 @dataclass(frozen=True)
 class LutEncoding:
@@ -30,8 +35,6 @@ class LutEncoding:
         """genie_config.json's per-tensor ``quant-param`` (real = scale x (q + offset))."""
         return cls(scale=float(quant_param["scale"]), zero_point=-int(quant_param["offset"]))
 
-    def quantize(self, rows) -> object:
-        import numpy as np
-
+    def quantize(self, rows) -> np.ndarray:
         q = np.round(np.asarray(rows, np.float64) / self.scale) + self.zero_point
         return np.clip(q, 0, 65535).astype(np.uint16)

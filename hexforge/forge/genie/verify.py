@@ -32,10 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from ...bundle.errors import BuildError
+from ...bundle.lut import LUT_DTYPES
 
 MASKED = -1000.0  # what Genie writes into a float32 mask (docs/genie.md)
 STATES = ("conv_state_", "recurrent_state_")  # Genie's linear-attention tensors
-LUT_TYPES = {"float32": np.float32, "ufixed16": np.uint16, "ufixed8": np.uint8}  # LUTs' datatypes
 LUT_INPUT = "lut-input.json"  # (in the build's work folder) a per-row LUT's graph-input encoding
 
 
@@ -104,7 +104,7 @@ class GenieGraphs:
         self.lut = None  # the rows Genie gathers into inputs_embeds, as they are in the file
         if "embedding" in d:
             width = int(d["embedding"]["size"])
-            dtype = LUT_TYPES[d["embedding"].get("datatype", "float32")]
+            dtype = LUT_DTYPES[d["embedding"].get("datatype", "float32")]
             self.lut = np.memmap(folder / d["embedding"]["lut-path"], dtype,
                                  "r").reshape(-1, width)
         self.row_scales, self.lut_input = None, lut_input

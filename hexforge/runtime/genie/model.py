@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ...bundle.errors import BundleError, RequestError
+from ...bundle.lut import LUT_DTYPES
 from ...bundle.manifest import GenerationDefaults, load_manifest
 from ..options import (
     Done,
@@ -86,9 +87,6 @@ def absolute_paths(config: dict, folder: Path) -> dict:
     return cfg
 
 
-LUT_ITEM_BYTES = {"float32": 4, "ufixed16": 2, "ufixed8": 1}  # the datatypes builds write
-
-
 def never_eos(dialog: dict, folder: Path, n_vocab: int) -> int:
     """The eos-token that turns EOS off: -1, or with an embedding LUT (whose eos-token row
     Genie reads: -1 made libGenie read before the table and segfault) the row past the
@@ -97,7 +95,9 @@ def never_eos(dialog: dict, folder: Path, n_vocab: int) -> int:
     emb = dialog.get("embedding")
     if emb is None:
         return -1
-    item = LUT_ITEM_BYTES.get(emb.get("datatype", "float32"), 4)
+    import numpy as np
+
+    item = np.dtype(LUT_DTYPES.get(emb.get("datatype", "float32"), np.float32)).itemsize
     path = Path(emb["lut-path"])
     rows = (path if path.is_absolute() else folder / path).stat().st_size // (int(emb["size"]) * item)
     if rows <= n_vocab:
