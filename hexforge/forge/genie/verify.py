@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ...bundle.errors import BuildError
-from ...bundle.lut import LUT_DTYPES
+from ...bundle.lut import LUT_DTYPES, LutEncoding
 
 MASKED = -1000.0  # what Genie writes into a float32 mask (docs/genie.md)
 STATES = ("conv_state_", "recurrent_state_")  # Genie's linear-attention tensors
@@ -170,9 +170,8 @@ class GenieGraphs:
         if self.lut is not None:
             rows = np.asarray(self.lut[padded])
             if self.row_scales is not None:  # real = s x (q - 128), then the input's encoding
-                scale, zp = self.lut_input
                 real = (rows.astype(np.float64) - 128) * self.row_scales[padded][:, None]
-                rows = np.clip(np.round(real / scale) + zp, 0, 65535).astype(np.uint16)
+                rows = LutEncoding(*self.lut_input).quantize(real)
             bus["inputs_embeds"] = rows[None]
         for name, c in self.cache.items():
             bus[f"{name}_in"] = c[..., :S] if self._keys(name) else c[:, :, :S]
