@@ -25,7 +25,7 @@ and hexforge's own code says what a ``--genie --target v81`` build of it would p
   a Genie node proves no bound on its rows
   (``forge/genie/towers.lut_is_fixed_point``: Qwen3-VL's; Gemma-4's towers prove one).
 - media nodes (towers that become Genie nodes): the towers' contexts as measured on the v81
-  target (docs/realsize.md: Qwen3-VL-2B's vision 829 MB; Gemma-4-E4B's vision + audio 1.48 GB,
+  target (docs/notes/realsize.md: Qwen3-VL-2B's vision 829 MB; Gemma-4-E4B's vision + audio 1.48 GB,
   its 6.46 GB v81 target less the 4.98 GB decoder), not the Genie node binaries themselves;
   a shape without a measurement: ``fam.tower_parameters`` x 2 bytes (fp16) x 1.04. Qwen3.5's
   tower makes no node (forge/genie/towers.py leaves it out), so its LUT is 16-bit.
@@ -64,7 +64,7 @@ RECIPES = ("w4-fp16", "w8-fp16", "fp16")
 PHONE_RESERVED_GB = 4.0  # ASSUMPTION: Android and other apps hold 4 GB of a phone's RAM
 PHONES_GB = (12, 16)
 REPORTED_CEILING_GB = 3.5  # the low end of the 3.5-4 GB per-context ceiling phones report
-# the towers' v81 contexts as measured (docs/realsize.md), in GB
+# the towers' v81 contexts as measured (docs/notes/realsize.md), in GB
 NODES_MEASURED_GB = {"qwen3-vl-2b-vl": 0.829, "gemma-4-e4b-mm": 6.46 - 4.98}
 
 # (label, realshape shape): the seed models as bench/realsize.py builds them, and the decoders

@@ -56,7 +56,7 @@ SHAPES: dict[str, dict] = {
         rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
                              mrope_interleaved=True, mrope_section=[11, 11, 10]),
     ),
-    # the seed bundles' models at real size (docs/realsize.md). Values from the
+    # the seed bundles' models at real size (docs/notes/realsize.md). Values from the
     # published configs as copied in public code and cross-checked against the checkpoints'
     # safetensors sizes (Qwen3-VL-2B: 2.128B params = 4.26 GB bf16; Qwen3.5-4B: 4.54B) and, for
     # Gemma-4-E4B, transformers' convert_gemma4_weights.py (_VARIANTS["gemma-4-e4b"])

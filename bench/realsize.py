@@ -25,7 +25,7 @@ WORK/<model>-<quant>. Prints the stage table (bench/build_profile.py) and writes
 (checkpoint WORK/<model>-L<N>, bundle WORK/<model>-L<N>-<quant>). Real-size failures (a graph
 over the 2 GB protobuf limit, a compiler's memory, two threads racing) show there in minutes
 instead of after an hour of the full build; the tiny fixtures cannot show them.
-Results: docs/realsize.md.
+Results: docs/notes/realsize.md.
 """
 
 from __future__ import annotations

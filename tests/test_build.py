@@ -108,7 +108,7 @@ def test_regression_the_planner_filled_a_context_to_its_ceiling_with_weights_alo
 def test_the_disk_estimate_covers_the_peak_measured_on_gemma_4_e4b(monkeypatch):
     """Gemma-4-E4B's 42-layer decoder for v81 (--share-weights) took 43.7 GB of disk beyond its
     host tensors at its peak at w4a16 (the end of the HTP float export), 41.4 GB at w8a16 (its
-    weights quantized beside the float graphs), and its cpu target 18.6 GB (docs/realsize.md):
+    weights quantized beside the float graphs), and its cpu target 18.6 GB (docs/notes/realsize.md):
     the estimate a build says in its first minutes covers each without crying wolf. The
     layers' parameter counts are the real checkpoint's."""
     from hexforge.bundle.targets import parse_targets

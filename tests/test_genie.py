@@ -378,14 +378,14 @@ def test_lade_on_the_scatter_form_attends_only_the_rows_it_accepted(lade_on_scat
     """In the scatter form Genie writes row i of a lade step at slot cache_index[i] and the next
     step's mask attends the accepted rows' slots only; so after lade's first step its tokens
     are basic's continuation of the context it committed (in the concat form Genie commits
-    every row of a step in row order: not so, docs/genie.md)."""
+    every row of a step in row order: not so, docs/notes/genie-record.md)."""
     basic, lade = lade_on_scatter["continuation"]
     assert len(lade) >= 10 and lade == basic
 
 
 @pytest.mark.xfail(strict=True, reason="libGenie 1.21 commits lade's first (warm-up) step "
                    "whole: its window rows and placeholder guesses stay in every later step's "
-                   "mask, and its first token is fed again after them (docs/genie.md, 'lade')")
+                   "mask, and its first token is fed again after them (docs/notes/genie-record.md, 'lade')")
 def test_lade_answer_equals_basics(lade_on_scatter):
     r = lade_on_scatter
     assert r["first_difference"] is None, (

@@ -6,7 +6,7 @@ undoes libGenie 1.21's warm-up commit itself (tiny llama, one split; not a build
 On the scatter form (``--genie-kv scatter``) libGenie keeps a lade step's rejected rows out of
 the next step's mask, but commits its first (warm-up) step whole: window rows and placeholder
 guesses stay in every later step's context, its first token fed again after them, rope
-positions counted over them (docs/genie.md, "lade"). The graph here (``GuardStep``):
+positions counted over them (docs/notes/genie-record.md, "lade"). The graph here (``GuardStep``):
 
 - keeps metadata of every row in one more cache layer of the group (``past_key_<L>`` /
   ``past_value_<L>``, L = the layer count; Genie copies its rows to their slots like any

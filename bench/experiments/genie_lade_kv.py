@@ -10,7 +10,7 @@ with the bundle's template) through a ``lade`` dialog with ``debug.dump-tensors`
 each step k of the AR-N graph (split 1, layer 0's keys), the cache slots whose contents changed
 between step k's ``past_key_0_in`` and step k+1's, each matched to the row of step k's
 ``past_key_0_out`` it equals. A correct lookahead commits the rows of the accepted n-gram; the
-dump says which rows Genie commits. Findings: docs/genie.md ("lade").
+dump says which rows Genie commits. Findings: docs/notes/genie-record.md ("lade").
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ attends, and whether its tokens are ``basic``'s.
                                                    [--lade 3,3,3] [--tokens 40] [--dump DIR]
 
 One text query through a ``lade`` dialog with ``debug.dump-tensors`` (a token query on a ``lade``
-dialog ends the process, docs/genie.md), then ``basic`` (token query) on the same prompt ids. In
+dialog ends the process, docs/notes/genie-record.md), then ``basic`` (token query) on the same prompt ids. In
 the scatter form Genie writes row i of a step at slot ``cache_index[i]`` (n, n + 1, ... in row
 order, a pad row at CL - 1), and the next step's mask attends the slots of the rows it accepted
 only, so the context a step's row 0 attends is read off the dump: the ids written to the slots
@@ -16,7 +16,7 @@ it attends, in slot order (``contexts``). Two checks:
 - after lade's first step: its tokens against basic's continuation of the context lade had
   committed by its second step (the check of the scatter form alone, ``continuation``).
 
-Findings (libGenie 1.21, tiny llama, AR-16 / CL 128): docs/genie.md ("lade").
+Findings (libGenie 1.21, tiny llama, AR-16 / CL 128): docs/notes/genie-record.md ("lade").
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def lade_vs_basic(folder: Path, prompt: list[int], lade=(3, 3, 3), tokens: int =
     if ctx[n_prompt][:-1] != fed:
         raise RuntimeError(f"the first lade step's context is not the prompt: {ctx[n_prompt]}")
     # lade's last call before its context shrinks (past max-num-tokens Genie goes on and its
-    # mask retreats: docs/genie.md)
+    # mask retreats: docs/notes/genie-record.md)
     last = n_prompt
     for i in range(n_prompt + 1, len(ctx)):
         if len(ctx[i]) < len(ctx[last]):

@@ -8,7 +8,7 @@ form reaches, before any HTP graph.
 Forms: one symmetric scale a cache, from the calibration text's peak x 1.25 (what a static
 encoding of the cache buffer can do; forge/quantize/calibtext.py's text); or a scale per row (per head and
 position) from the row's own peak (what ``--kv-values u8`` computes in the graph). Results and
-the form they chose: docs/htp.md ("Speed on the NPU").
+the form they chose: docs/notes/htp-speed.md.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ number for the docs is then the real build's (bench/npu_estimate.py).
 
 ``--optrace GRAPH``: that graph's per-op breakdown as well (bench/npu_estimate.py
 ``optrace_report``). ``--baseline``: the graphs as hexforge made them before the levers of
-docs/htp.md "Speed on the NPU" (fp32 KV cache, keys as rows, the compiler's default
+docs/notes/htp-speed.md (fp32 KV cache, keys as rows, the compiler's default
 finalization), the "before" of each ratio. ``--block-size``: a weight-only recipe's
 blocks along K. ``--option``: a QNN EP provider option for the estimates (e.g.
 ``htp_graph_finalization_optimization_mode=3``), to try the compiler's own levers.

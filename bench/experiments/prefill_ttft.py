@@ -1,5 +1,5 @@
 """TTFT of a long prompt: AR-N prefill vs decode-over-prompt (the seed bundles' runtime's only
-mode: docs/realsize.md), on the CPU backend, interleaved runs of one bundle.
+mode: docs/notes/realsize.md), on the CPU backend, interleaved runs of one bundle.
 
     python bench/experiments/prefill_ttft.py [--family qwen3_5] [--prompt 256] [--prefill-len 64] [--runs 5]
                                  [--hidden 256]

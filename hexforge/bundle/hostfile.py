@@ -76,7 +76,7 @@ _ST_NUMPY = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16":
 def map_for_gathers(path: Path) -> mmap.mmap:
     """``path`` as a read-only memory map, advised MADV_RANDOM where the OS has it: a gather reads
     scattered rows, and under the default advice each page fault also reads the kernel's
-    read-around window: a cold row costs ten times as much (docs/measurements.md)."""
+    read-around window: a cold row costs ten times as much (docs/notes/measurements.md)."""
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if hasattr(m, "madvise") and hasattr(mmap, "MADV_RANDOM"):  # not on Windows

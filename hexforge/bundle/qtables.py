@@ -71,7 +71,7 @@ class Int8Table:
     def __getitem__(self, ids) -> np.ndarray:
         q, s = self.q[ids], self.scales[ids]
         if q.dtype == np.uint8:  # q - 128 as int8, exactly: the top bit flipped (faster than a
-            q = q.view(np.int8) ^ np.int8(-128)  # 256-entry float table: docs/measurements.md)
+            q = q.view(np.int8) ^ np.int8(-128)  # 256-entry float table: docs/notes/measurements.md)
         return (q.reshape(*q.shape[:-1], -1, self.block) * s[..., None]).reshape(q.shape)
 
 
@@ -111,7 +111,7 @@ class Int4Table:
         self.nbytes = q.nbytes + scales.nbytes
 
     # byte -> its two columns' (nibble - 8), low nibble first: one np.take unpacks a row, half
-    # the time of shifts and masks or fancy indexing (docs/measurements.md)
+    # the time of shifts and masks or fancy indexing (docs/notes/measurements.md)
     _PAIRS = np.stack([np.arange(256) & 0x0F, np.arange(256) >> 4], axis=-1).astype(np.float32) - 8
 
     def __getitem__(self, ids) -> np.ndarray:

@@ -3,7 +3,7 @@
 Sources (keep them next to the numbers; the QNN EP accepts any soc_model id without validating it, so
 a wrong id here would silently build for the wrong SoC):
   * v81 = SM8850, soc_model 87 — the seed bundles (the hand-made QNN bundles hexforge came after,
-    docs/realsize.md), device-validated; docs/htp.md.
+    docs/notes/realsize.md), device-validated; docs/htp.md.
   * v79 = SM8750 (69), v75 = SM8650 (57), v73 = SM8550 (43) and SC8380XP / Snapdragon X Elite (60):
     commonly cited QNN soc_model ids (docs/htp.md; not device-validated here).
   * per-context ceiling: v81 — 1.8 GB per context loads, 3.6 GB fails with 0x3ea (the seed

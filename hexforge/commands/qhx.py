@@ -1,4 +1,4 @@
-"""``qhx-generate``: the argument order of the seed bundles' runtime (docs/realsize.md), as a
+"""``qhx-generate``: the argument order of the seed bundles' runtime (docs/notes/realsize.md), as a
 second entry point.
 
     qhx-generate MANIFEST libQnnHtp.so libQnnSystem.so ARTIFACTS_ROOT N_TOKENS PROMPT [IMAGE]

@@ -238,7 +238,7 @@ class InPlaceCache(nn.Module):
     Why: the static graph concatenates and attends over all C cache rows every step and masks
     the rows not held yet — at real context lengths most of a token's memory traffic — while
     GroupQueryAttention reads only the rows held, and a prefill chunk only its causal ones
-    (docs/measurements.md).
+    (docs/notes/measurements.md).
     Its present K/V outputs alias the cache inputs (output bind ``alias:<input>``: the runtime
     binds both to the state buffer), so it writes the new rows in place and copies nothing::
 
@@ -539,7 +539,7 @@ class WithHead(nn.Module):
                     └────▶ state outputs (as the shard's)
 
     Why: a separate head session is a second run per token, with its own thread pool to wake
-    (docs/measurements.md). The head graph stays for prefill's last row
+    (docs/notes/measurements.md). The head graph stays for prefill's last row
     (its weights shared with this graph's file: one copy on disk).
 
     outputs: the shard's (hidden_out kept: the oracle judges every shard's hidden) + logits."""

@@ -342,7 +342,7 @@ class Gemma4Shard(nn.Module):
 
     cpu=True, the cpu target's step: attention reads only the cache rows that hold a position.
     The static step (the HTP's) attends over every row and masks the rows not written yet, so
-    its cost follows --context, not the tokens held (docs/measurements.md)::
+    its cost follows --context, not the tokens held (docs/notes/measurements.md)::
 
         full   cache ──past──▶ GroupQueryAttention(q, k_new, v_new, kv_seqlens, kv_total)
                ▲                     │ reads rows [0, total), writes the T new rows in place
@@ -361,7 +361,7 @@ class Gemma4Shard(nn.Module):
     Outputs: new rows of the rings only, then present.L{i}.k/v per full layer (own or sharing)
     bound alias:past.L{cache}.k/v. Why: cut to the rows held, the full caches were sliced and
     concatenated each step (tens of MB copied a token at long context), so decode there fell
-    back to the static step's speed (docs/measurements.md).
+    back to the static step's speed (docs/notes/measurements.md).
     """
 
     def __init__(self, fam: Gemma4Family, hf, args: Args, layers: tuple[int, int], seq_len: int,

@@ -17,7 +17,7 @@ What the static graph does differently from HF (same numbers on the valid rows):
     keys sit >= 30 below every allowed one (weight <= e^-30) and the softmax input stays within
     [-3·cap - 30, cap] — finite in fp16 and narrow enough for uint16 activation quantization.
     HF fills masked logits with -1e9 (-inf in fp16); the HTP Softmax handles every fill alike, so
-    the bound is for quantization and fp16 hygiene, not a Softmax bug (docs/measurements.md).
+    the bound is for quantization and fp16 hygiene, not a Softmax bug (docs/notes/measurements.md).
   * clamps whose bound is infinite or beyond fp16's range are left out (unbounded Clip is rejected
     by the HTP; such a bound cannot act on anything an fp16 graph holds); finite bounds of the
     clippable linears stay, as constants.

@@ -27,7 +27,7 @@ cache group's ``cache-index-tensor-name``; Genie's log then says "scatter=true")
 
 In the scatter form Genie's lookahead dialog (``lade``) keeps a step's rejected rows out of the
 next step's mask (its slots stay written, unattended); in the concat form it commits every row
-of a step (docs/genie.md, "lade").
+of a step (docs/notes/genie-record.md, "lade").
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ has none of them), with their eager math, and the rope they share with the HTP g
 
 Not used: CausalConvWithState (GatedDeltaNet's short conv) and GatedRMSNorm (its per-head norm
 x SiLU(z)): they took 3x and ~8x the time of the plain nodes that replace them
-(qwen3_5.GatedDeltaNet._forward_cpu; docs/measurements.md).
+(qwen3_5.GatedDeltaNet._forward_cpu; docs/notes/measurements.md).
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def gqa_rotary(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, rows: int,
 
     Why the first: the Concat writes 2 x C x R/2 floats a step (512 KB at Qwen3-0.6B, C = 1024),
     with 8 more small nodes; nothing is made per step, as in genai's graph. The gain is within
-    the noise (docs/measurements.md): the form is kept for being the simpler step."""
+    the noise (docs/notes/measurements.md): the form is kept for being the simpler step."""
     T, R = int(cos.shape[2]), int(cos.shape[-1])
     if R > head_dim or (R // 2) % 8:
         return ()
@@ -246,7 +246,7 @@ class CacheLengths:
 # Written out, a linear layer's decode step is ~95 nodes (conv as K shifted multiply-adds, the key
 # heads expanded to the value heads, l2 norms, softplus gate, the delta-rule matmuls, the gated
 # norm); with these, 13, and LinearAttention writes the state in place
-# (``qwen3_5.Qwen35Family.cpu_step_module``), which is where the decode gains (docs/measurements.md).
+# (``qwen3_5.Qwen35Family.cpu_step_module``), which is where the decode gains (docs/notes/measurements.md).
 
 
 class _ContribOp(torch.autograd.Function):

@@ -148,7 +148,7 @@ class Qwen35Family(DecoderFamily):
         graph each linear layer's states are written in place: LinearAttention's ssm state and
         the conv's fifo are outputs bound to their own inputs (``alias:past.L<i>.*``) instead of
         being copied into the state buffers after the step, a copy that cost ~6 % of a token
-        (docs/measurements.md). In place is safe where every node reading the old state runs
+        (docs/notes/measurements.md). In place is safe where every node reading the old state runs
         before the node writing the new one, in any order onnxruntime picks: LinearAttention
         reads and writes its state itself (same bits in place, measured over 50 steps), and the
         fifo's one reader, the Concat, is an input of the Slice that writes it (the tests check
@@ -309,7 +309,7 @@ class GatedDeltaNet(nn.Module):
         took 3x and ~8x these nodes' time.
 
         Prefill chunks keep the matmul-only chunk form: onnxruntime's LinearAttention over T
-        tokens made the prefill slower (docs/measurements.md, both)."""
+        tokens made the prefill slower (docs/notes/measurements.md, both)."""
         kd = self.hk * self.dk
         ext = torch.cat((fifo, self.in_proj_qkv(x)), dim=1)  # [1, K, C]
         qkv = torch.nn.functional.silu((ext * self.conv_w).sum(1, keepdim=True))  # [1, 1, C]

@@ -13,7 +13,7 @@
   against what the machine has available (MemAvailable) when the build starts; exports side by
   side only run while memory holds them (forge/export/onnxexport.py). Refused, it names the largest context
   that fits. A lower bound for multimodal builds: the vision / audio towers' exports do not grow
-  with the context and can take more (docs/realsize.md); and the weights' part is the lower of
+  with the context and can take more (docs/notes/realsize.md); and the weights' part is the lower of
   the measured bounds (5 B a weight at real size, 9 on a 135M model), so what is refused does
   not fit.
 """

@@ -1,7 +1,7 @@
 """Giving memory back to the machine between a build's stages.
 
 A real-size build runs for hours in one process on a machine its peak nearly fills: what a stage
-freed must not stay in the process for the next one (docs/realsize.md)."""
+freed must not stay in the process for the next one (docs/notes/realsize.md)."""
 
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ def _anon_bytes() -> int:
 # ---- what a graph's export takes ------------------------------------------------------------
 # One export (torch's trace, the fold, the proto) adds to the process, measured alone on
 # SmolLM2-135M's and Gemma-3-270M's cpu shards at 4k-32k contexts (bench/export_memory.py,
-# docs/measurements.md): ~9 B a weight of the module for these small ones, 5 at real size
-# (Qwen3-VL-2B's 28-layer HTP shard, docs/realsize.md); and 2.9-3.0 x its example inputs' bytes
+# docs/notes/measurements.md): ~9 B a weight of the module for these small ones, 5 at real size
+# (Qwen3-VL-2B's 28-layer HTP shard, docs/notes/realsize.md); and 2.9-3.0 x its example inputs' bytes
 # (the caches at --context: the trace holds them, their updated copies and the attention over
 # them), counted 3.5, which also covers the HTP compile of that graph (3.4 x, SmolLM2 v81 fp16).
 # Two bounds for the weights' part: the export scheduler's must not start a child that does not

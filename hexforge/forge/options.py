@@ -164,7 +164,7 @@ class BuildOptions:
                                       metavar="FILE")] = None
     verify: Annotated[bool, Flag("skip the HF oracle and its gates; HTP targets still run each "
                                  "compiled graph once on the HTP against the graph it was "
-                                 "compiled from, on the CPU (docs/realsize.md)",
+                                 "compiled from, on the CPU (docs/notes/realsize.md)",
                                  name="--no-verify", negate=True)] = True
     verify_tokens: Annotated[int, Flag(
         "the oracle's teacher-forced / greedy tokens; on the x86 HTP simulator a real-size "
@@ -217,7 +217,7 @@ class BuildOptions:
         if self.kv_values != "fp16" and not (htp and self.recipe.name == "fp16"):
             # weight-only recipes' decode is bound by the vector units that dequantize their
             # weights, not by DDR: the values' dequantization made them slower under Hextimate
-            # (SmolLM2 w8-fp16 2,093 -> 2,249 us, w4-fp16 1,837 -> 2,469; docs/htp.md)
+            # (SmolLM2 w8-fp16 2,093 -> 2,249 us, w4-fp16 1,837 -> 2,469; docs/notes/htp-speed.md)
             raise BuildError(f"--kv-values {self.kv_values} needs an HTP --target and --quant "
                              "fp16 (the weight-only recipes' decode is vector-bound: 8-bit values "
                              "make it slower; fixed-point ones keep their calibrated cache)")

@@ -75,7 +75,7 @@ def configure_threads(so) -> None:
     ends. A step runs shard -> shard -> head, each session with its own pool: a pool that spins
     on after its run (onnxruntime's default) steals the cores the next session needs, and one
     that never spins (sleeping workers) pays a wake-up per op, ~100 ops per layer (the decode
-    speeds of each setting: docs/measurements.md). HEXFORGE_CPU_SPIN=0 turns spinning off (a
+    speeds of each setting: docs/notes/measurements.md). HEXFORGE_CPU_SPIN=0 turns spinning off (a
     loaded machine, where a spinning thread takes a core another process needs)."""
     so.intra_op_num_threads = cpu_threads()
     so.inter_op_num_threads = 1
@@ -107,7 +107,7 @@ def prepack_prefill(weights: str, weight_bytes: int) -> bool:
     - int8 / int4: always (MatMulNBits loses its int8 kernels unpacked: 3x the TTFT).
     - fp32: when the second copy is small next to the machine's RAM (at most 1/6 of it: Qwen3-0.6B's
       2.4 GB on a 16 GB laptop, not Gemma-4-E2B's 9 GB, ~2 x 7 GB packed on a 24 GB machine),
-      where the faster prefill is worth the memory (docs/measurements.md)."""
+      where the faster prefill is worth the memory (docs/notes/measurements.md)."""
     if weights != "fp32":
         return True
     memory = physical_memory_bytes()

@@ -17,7 +17,7 @@
 
 It pays where the Python loop shows (small models), with the engine's AR-1 paths keeping the
 per-step arrays the same objects so that nothing is rebound; real-size steps are bound by weight
-traffic (docs/measurements.md).
+traffic (docs/notes/measurements.md).
 """
 
 from __future__ import annotations

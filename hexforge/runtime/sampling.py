@@ -20,7 +20,7 @@ Sampler = Callable[[np.ndarray], int]
 
 def greedy(logits: np.ndarray) -> int:
     # numpy's argmax on the host, not an ArgMax node at the end of the head graph: over a real
-    # vocabulary onnxruntime's CPU ArgMax took three times numpy's (docs/measurements.md)
+    # vocabulary onnxruntime's CPU ArgMax took three times numpy's (docs/notes/measurements.md)
     return int(np.argmax(logits))
 
 

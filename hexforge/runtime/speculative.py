@@ -25,7 +25,7 @@ seeing the tokens accepted before the row) and compares: every token is distribu
 decoding.
 
 A verify step is worth it only where its expected tokens beat what its time buys in decode steps: on
-a cpu an 8-row call costs more than a one-row call (docs/measurements.md), so drafts that keep
+a cpu an 8-row call costs more than a one-row call (docs/notes/measurements.md), so drafts that keep
 missing (open-ended text, where a one-token match is a weak guess) would make decoding slower. The
 drafter keeps, per n-gram length, how many drafts a verify step accepted lately, the engine how long
 each kind of step takes (``StepCosts``), and a draft is sent only while 1 + accepted >= verify time

@@ -11,7 +11,7 @@ and turns that into the additive attention mask of a step.
 Decode steps (T = 1) have their own cheap paths, same values as the general ones: the mask is one
 persistent row that each commit moves on by one or two elements (``decode_mask``), and a KV write is
 one row by basic indexing: rebuilding the mask and fancy-indexed writes were a fifth of a
-tiny-model token (docs/measurements.md).
+tiny-model token (docs/notes/measurements.md).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ class State:
         -100 too: the test on w8-fp16 gives a fresh engine's logits bit for bit), and their
         values, zero-initialised or stale, are finite. Zeroing them cost every request a pass
         over all of them, and the first one a fault of every page; left alone, a page of cache
-        is resident once a step writes a row in it (docs/measurements.md)."""
+        is resident once a step writes a row in it (docs/notes/measurements.md)."""
         for name, b in self.buffers.items():
             if name not in self.kv:
                 b.fill(0)

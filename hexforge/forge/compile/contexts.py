@@ -20,7 +20,7 @@ from ..heap import release_heap
 
 # QNN's graph finalization effort per graph role (``htp_graph_finalization_optimization_mode``;
 # unset = the compiler's default, which read as mode 2). Measured under Hextimate on real
-# SmolLM2 v81 graphs (docs/htp.md "Speed on the NPU"): mode 3 makes the shards' graphs faster
+# SmolLM2 v81 graphs (docs/notes/htp-speed.md): mode 3 makes the shards' graphs faster
 # — w8-fp16 decode 2,482 -> 2,093 us, w4-fp16 2,261 -> 1,837, prefill AR-64 0.71-0.75x in every
 # precision, fp16 decode unchanged (bandwidth-bound) — for ~1.9x the prefill graph's compile
 # time; the int8 head is slower at 3 (653 -> 728 us) and at 1 (802), so it keeps the default.
@@ -41,7 +41,7 @@ def compile_graph(src: Path, ctx: Path, htp_arch: int, soc_model: int, fp16: boo
     Builds call it one graph at a time, though a compile keeps one core of two busy: two in
     threads (onnxruntime lets go of the GIL while it builds a session) kept only 1.14 cores busy,
     each compile cost ~18 % more CPU, and the four 16-layer w4-fp16 compiles of Qwen3.5-4B took
-    1,126 s where one at a time took 1,086 s, at 11.7 GB instead of 6.9 (docs/realsize.md). It
+    1,126 s where one at a time took 1,086 s, at 11.7 GB instead of 6.9 (docs/notes/realsize.md). It
     stays thread-safe (the EP's registration lock, the stdout guard's nesting count)."""
     import onnxruntime as ort
 

@@ -14,7 +14,7 @@ about as much as the arithmetic in it (a few us on 2 cores whatever its size), s
 
 The residual fusion (any graph) is the same arithmetic in one kernel; the packed MatMulNBits
 (int8/int4 graphs) reads the same weights in one call. fp32 MatMuls are not packed: one larger
-fp32 MatMul ran slower than three (docs/measurements.md).
+fp32 MatMul ran slower than three (docs/notes/measurements.md).
 Both are pure rewiring, the values stay bit-identical (packing concatenates the quantized blocks
 along N; each output column still sees its own blocks).
 """
@@ -85,7 +85,7 @@ def pack_sibling_matmuls(model, min_group: int = 3) -> int:
     (q, k and v of an attention; Qwen3.5's four in-projections) -> one MatMulNBits over the
     concatenated weights + a Split. Groups smaller than ``min_group`` stay as they are: gate/up
     pairs, which genai leaves apart too: packed, they gained on an MLP chain alone but nothing past
-    the noise in a decode token, which streams its weights from memory (docs/measurements.md).
+    the noise in a decode token, which streams its weights from memory (docs/notes/measurements.md).
     -> nodes removed."""
     from onnx import helper, numpy_helper
 

@@ -199,7 +199,7 @@ def plan_target(fam, hf, target: Target, opts, log) -> list[tuple[int, int]]:
 
 def disk_need(fam, hf, targets: list[Target], opts, tower_params: int = 0) -> int:
     """About how many bytes of free disk a build's graphs take at its peak, beside the host
-    tensors (measured on Gemma-4-E4B: docs/realsize.md):
+    tensors (measured on Gemma-4-E4B: docs/notes/realsize.md):
 
         cpu target      fp32 graphs, all the build long (the bundle ships them), the encoder
                         towers' (``tower_params`` parameters) among them; --device-only: the

@@ -5,7 +5,7 @@
 
 The fewest shards a contiguous split allows, then the layers spread evenly over them: greedy
 packing alone fills every shard but the last to the ceiling ([0,14) [14,28) [28,32) for
-Qwen3.5-4B on v81), and a shard's compile peaks at ~9x its binary (docs/realsize.md), so the
+Qwen3.5-4B on v81), and a shard's compile peaks at ~9x its binary (docs/notes/realsize.md), so the
 biggest shard sets the build's memory. Balanced, the same three contexts are ~11 layers each.
 """
 

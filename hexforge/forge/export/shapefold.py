@@ -1,7 +1,7 @@
 """Fold the shape arithmetic a torchscript export leaves when torch's shape inference is off.
 
 torch's ONNX shape inference runs with the module's parameters attached to the graph: at real
-size it is half of an export's time, mostly copying weights (docs/realsize.md). Without it the
+size it is half of an export's time, mostly copying weights (docs/notes/realsize.md). Without it the
 symbolic functions do not know the static shapes and emit them as ops:
 
     x ──Shape──Gather──Unsqueeze──Concat──> Reshape(x, ·)        (per reshape, per layer)

@@ -425,7 +425,7 @@ def _qdq_on_cpu(bundle: Path, manifest: Manifest, family, hf, tok: TextTokenizer
                 ) -> dict:
     """Target ``name``'s QDQ graphs — what was compiled — run on the CPU EP and judged like it.
     A gate the QDQ graphs miss on the CPU too was lost to the quantization, which a compiler fix
-    would not change (docs/measurements.md has such a case)."""
+    would not change (docs/notes/measurements.md has such a case)."""
     m, twin = qdq_twin(manifest, name, files, encoders)
     engine = Engine(bundle, m, twin, Backend("cpu"))
     r = verify_target(family, hf, engine, tok, m, twin, manifest.targets[name].quant,

@@ -23,7 +23,7 @@ from ..heap import release_heap
 # int4-b128: one fp32 scale per 128 weights instead of per 32 (the common int4 group of GPTQ/AWQ
 # checkpoints): 4.25 bits a weight instead of 5, so a decode token reads 15 % fewer bytes, and
 # MLAS's int8 kernel does a quarter of the per-block scale work; int8-b128 likewise, 8.25 bits a
-# weight instead of 9. Both run faster than block 32 (docs/measurements.md).
+# weight instead of 9. Both run faster than block 32 (docs/notes/measurements.md).
 CPU_WEIGHTS: dict[str, tuple[int, int] | None] = {
     "fp32": None, "int8": (8, 32), "int8-b128": (8, 128), "int4": (4, 32), "int4-b128": (4, 128)}
 CPU_ACCURACY_LEVEL = 4
@@ -31,7 +31,7 @@ CPU_ACCURACY_LEVEL = 4
 # a real-size tied head is over it (Qwen3.5-4B's 248,320 x 2,560: 2.5 GB)
 ONE_NODE_BYTES = 1 << 30
 # the media towers' weights under each --cpu-weights: int8 under int4 too, as an int4 tower's soft
-# tokens moved far from fp32's for no speed (docs/measurements.md)
+# tokens moved far from fp32's for no speed (docs/notes/measurements.md)
 CPU_ENCODER_WEIGHTS: dict[str, str] = {"fp32": "fp32", "int8": "int8", "int8-b128": "int8",
                                        "int4": "int8", "int4-b128": "int8"}
 
@@ -194,7 +194,7 @@ def cpu_head_format(bits: int, block_size: int) -> tuple[int, int]:
     """The lm_head's (bits, block) under weights of (bits, block): int4 weights keep an int8 head
     in blocks of 32 (and so an int8 embedding where it is tied), as llama.cpp keeps its output
     matrix at 6 bits in Q4_K_M: an int4 head alone costs most of an int4 model's KL to HF
-    (docs/measurements.md)."""
+    (docs/notes/measurements.md)."""
     return (8, 32) if bits == 4 else (bits, block_size)
 
 

@@ -280,7 +280,7 @@ def _act_matmul_inputs(qm) -> set[str]:
     """Outputs of the QuantizeLinear nodes whose tensors both inputs of an activation x activation
     MatMul dequantize: they keep their calibrated range. The HTP's act x act MatMul keeps only
     the high bits of its 16-bit inputs, so a widened range costs those inputs most of their
-    resolution (docs/measurements.md)."""
+    resolution (docs/notes/measurements.md)."""
     producer = {o: n for n in qm.graph.node for o in n.output}
     keep: set[str] = set()
     for _, *dqs in _act_x_act_matmuls(qm):
@@ -358,7 +358,7 @@ def int16_matmul_rhs(qm) -> int:
 
     Why: the QNN EP (onnxruntime-qnn 2.7 / QNN 2.51, v81) runs such a MatMul with input 1 held at 8
     bits; with input 1 int16 symmetric (uint16 x int16) the HTP matches the CPU EP exactly
-    (docs/measurements.md). Here that is QK^T (keys) and
+    (docs/notes/measurements.md). Here that is QK^T (keys) and
     probs.V (values) of every attention layer. The uint16 tensor keeps its range: a fresh
     DequantizeLinear of it feeds an int16 Q/DQ pair (DQ -> Q becomes one QNN Convert) spanning the
     same range symmetrically, so at most 1 bit of its 16 is spent on the sign."""

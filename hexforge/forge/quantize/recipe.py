@@ -47,12 +47,12 @@ class QuantRecipe:
     bytes_per_weight: float = 2.0  # for the planner and the roofline
     mask_value: float = -30000.0  # additive mask; bounded so 16-bit activations keep resolution
     # calibrated activation ranges widened x this: unseen prompts exceed MinMax ranges, and
-    # clipping, not 16-bit resolution, dominated the error (docs/measurements.md)
+    # clipping, not 16-bit resolution, dominated the error (docs/notes/measurements.md)
     range_margin: float = 3.0
     # GPTQ with the calibration Hessians (validated per weight on held-out calibration rows,
     # weightquant.validated_gptq), else round to nearest. Not for int8: with a few hundred
     # calibration rows per graph (H of rank << K at real widths) it fits those rows and loses on
-    # others (docs/measurements.md)
+    # others (docs/notes/measurements.md)
     gptq: bool = True
     # input 1 of activation x activation MatMuls (QK^T keys, probs.V values) as symmetric int16:
     # the HTP holds a dynamic uint16 input 1 at 8 bits (qdq.int16_matmul_rhs)

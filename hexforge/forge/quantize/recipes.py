@@ -33,7 +33,7 @@ RECIPES = {
                           gptq=False),
     # decoder weights int4 (block 64) via GPTQ with Hessians pooled over the prefill + decode graphs
     # of a shard, each weight's GPTQ kept only where it beats round to nearest on held-out rows;
-    # lm_head int8 (docs/measurements.md has the measurements behind each choice)
+    # lm_head int8 (docs/notes/measurements.md has the measurements behind each choice)
     "w4-u16": FixedPointRecipe("w4-u16", "uint16", 4, block_size=64,
                           bytes_per_weight=0.5 + 2 / 64, mask_value=-100.0, head_bits=8),
     # int8 weights with one scale per 128 input rows instead of one per output channel

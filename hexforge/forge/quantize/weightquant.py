@@ -69,7 +69,7 @@ def _gptq(w: np.ndarray, H: np.ndarray, block: int, block_scale, qlo: int, qhi: 
     GPTQ_SUB rows by rank-1 updates (a few cache-resident rows), the rest of its block by one
     GEMM per sub-block, and the rows after the block by one GEMM per block. float32 like the
     paper's code (``_hinv`` too): with ``_hinv`` ~3x faster than the float64 row-by-row loop it
-    replaces, with the same output error (docs/measurements.md).
+    replaces, with the same output error (docs/notes/measurements.md).
     ``block_scale(rows [block, N]) -> [N]``: each block's scale, from its rows as updated so far.
     -> (scales [K/block, N] float32, q [K, N] int8 in [qlo, qhi])."""
     K, N = w.shape
@@ -104,7 +104,7 @@ def _hinv(H: np.ndarray, W: np.ndarray, damp: float) -> np.ndarray:
     Hessians of the down projections are K = intermediate (12288 for Gemma-4-E2B's wide MLPs).
 
     In float32, as the GPTQ paper's code: half the float64 time with the same output error (the
-    damping bounds the condition number; docs/measurements.md); float64 where float32 fails (not
+    damping bounds the condition number; docs/notes/measurements.md); float64 where float32 fails (not
     positive definite in its rounding)."""
     from scipy.linalg import LinAlgError, cholesky, lapack
 
@@ -159,7 +159,7 @@ def gptq_damp(n_rows: int, K: int) -> float:
     rows it saw; more damping pulls its updates toward round to nearest where the rows say
     little. The built-in calibration gives ~300 rows (prefill + decode, less the held-out ones)
     against K 1024-12288: the rule follows the held-out error and end-to-end cosine of each
-    damping (docs/measurements.md, with the tables)."""
+    damping (docs/notes/measurements.md, with the tables)."""
     return float(np.clip(0.3 * (K / max(n_rows, 1)) ** 2, 0.01, 3.0))
 
 
@@ -178,7 +178,7 @@ def validated_gptq(w: np.ndarray, rows: np.ndarray, gptq, rtn) -> tuple[np.ndarr
 
     Why: with fewer calibration rows than inputs (H of rank r < K) GPTQ fits the rows it saw and
     spreads its error into the directions they leave out: on a real-width model it lost to round
-    to nearest on rows it had not seen, on the tiny one it won (docs/measurements.md). Which one
+    to nearest on rows it had not seen, on the tiny one it won (docs/notes/measurements.md). Which one
     wins depends on the model and the calibration, so each weight is judged on its own."""
     val = rows[::HOLDOUT]
     train = np.delete(rows, np.s_[::HOLDOUT], axis=0).astype(np.float64)
