@@ -132,6 +132,7 @@ def main() -> int:
     from hexforge.families.blocks import calibrate_norm_scales
     from hexforge.families.genieio import DenseGenieStep, GenieContract
     from hexforge.forge.compile.contexts import compile_shared
+    from hexforge.forge.context import StageContext
     from hexforge.forge.genie.decoder import compile_genie_graphs, export_genie_graphs
     from hexforge.forge.pipeline import BuildOptions, build
     from hexforge.forge.source.tiny import make_tiny_checkpoint
@@ -206,8 +207,9 @@ def main() -> int:
         def step(hf, args, host, layers, T, context, scale, form=form):
             return DenseGenieStep.make(fam, hf, args, host, layers, T, context, form, scale)
 
-        (paths,) = export_genie_graphs(fam, hf, args, host, folder / "onnx", prefill, context,
-                                       1.0, "torchscript", print, step=step)
+        ctx = StageContext(fam, hf, args, BuildOptions(context=context, prefill_len=prefill,
+                                                       exporter="torchscript"), folder, print)
+        (paths,) = export_genie_graphs(ctx, host, folder / "onnx", 1.0, step=step)
         compiled[name] = paths
         bins = compile_genie_graphs(paths, folder / "bin", arch, soc, print)
         # hexforge's names: point the default group's mask at ours

@@ -89,9 +89,8 @@ def cpu_twin(bundle: Path, name: str, target: str, tokens: int, work: Path) -> d
     from hexforge.bundle.manifest import load_manifest
     from hexforge.families import load_family
     from hexforge.forge.compile.probe import qdq_graph_files
-    from hexforge.forge.oracle.verify import _qdq_on_cpu, hf_references
+    from hexforge.forge.oracle.verify import Judge, hf_references, qdq_on_cpu
     from hexforge.forge.source.checkpoint import read_checkpoint
-    from hexforge.runtime.text import TextTokenizer
 
     ck = read_checkpoint(gguf(name, work))
     fam = load_family(ck.model_type).FAMILY
@@ -99,9 +98,9 @@ def cpu_twin(bundle: Path, name: str, target: str, tokens: int, work: Path) -> d
     manifest = load_manifest(bundle)
     files = {g: str(f.relative_to(bundle)) for g, f in
              qdq_graph_files(bundle, manifest, target).items()}
-    refs = hf_references(bundle, manifest, fam, hf, [target], new_tokens=tokens)
-    tok = TextTokenizer(bundle / manifest.tokenizer.dir)
-    r = _qdq_on_cpu(bundle, manifest, fam, hf, tok, target, files, tokens, refs[target])
+    judge = Judge.of(bundle, manifest, fam, hf, tokens)
+    refs = hf_references(judge, [target])
+    r = qdq_on_cpu(bundle, judge, target, files, refs[target])
     r["greedy"] |= {"new_tokens": tokens}
     return r
 

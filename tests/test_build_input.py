@@ -71,6 +71,19 @@ def test_context_past_the_models_positions_is_one_line_exit_2(ckpt, tmp_path):
     nothing_left(tmp_path)
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--eval-tokens", "1"], "--eval-tokens must be >= 2"),
+    (["--eval-text", "no-such-file.txt"], "no-such-file.txt"),
+])
+def test_a_bad_held_out_text_is_one_line_exit_2_before_any_work(ckpt, tmp_path, flags, says):
+    """The oracle's held-out text (``EvalText.of``, shared by build and verify) is read before
+    any weight: a bad one is refused in one line and nothing is written."""
+    line = one_line(hexforge("build", ckpt("llama"), "-o", tmp_path / "out", *flags,
+                             cwd=tmp_path))
+    assert says in line, line
+    nothing_left(tmp_path)
+
+
 def test_the_default_context_fits_a_model_trained_on_fewer_positions(tmp_path, monkeypatch,
                                                                       capsys):
     """A model of 512 positions built with no --context was refused: "give --context 512 or

@@ -59,7 +59,8 @@ def test_every_relative_link_in_the_docs_resolves(page):
         path, _, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
         if not dest.exists():
-            broken.append(f"{target}: no file {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}")
+            where = dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest
+            broken.append(f"{target}: no file {where}")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
     assert not broken, "\n".join(broken)

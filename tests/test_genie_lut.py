@@ -89,13 +89,63 @@ def test_regression_lut_past_4_gib_is_8_bit_a_row_and_genie_equals_qnn_sim(tmp_p
     assert bench.compare(bundle, variant, tmp_path) == []
 
 
-def test_audio_rows_into_an_8_bit_lut_are_refused_in_one_line():
+def test_host_rows_into_an_8_bit_lut_go_in_the_graph_inputs_16_bit_codes():
+    """Rows the host hands Genie (audio) with an 8-bit LUT: the graph input's encoding, which
+    genie_pipeline.json carries (``rows_encoding``); a folder without it is refused in one line."""
     from hexforge.bundle.errors import RequestError
+    from hexforge.bundle.lut import LutEncoding
     from hexforge.runtime.genie.pipelinemodel import lut_rows
 
     cfg = {"dialog": {"embedding": {"datatype": "ufixed8", "quant-param": {"type": "pcq"}}}}
-    with pytest.raises(RequestError, match="8-bit with a scale a row"):
-        lut_rows(np.zeros((2, 4), np.float32), cfg)
+    rows = np.random.default_rng(0).normal(size=(3, 8)).astype(np.float32)
+    got = lut_rows(rows, cfg, {"rows_encoding": [1e-3, 31000]})
+    assert got.dtype == np.uint16 and np.array_equal(got, LutEncoding(1e-3, 31000).quantize(rows))
+    with pytest.raises(RequestError, match="rebuild it") as e:
+        lut_rows(rows, cfg, {"lut_width": 8})
+    assert "\n" not in str(e.value)
+
+
+def test_regression_an_8_bit_lut_pipeline_took_no_media_then_wrong_audio_rows(tmp_path,
+                                                                             monkeypatch):
+    """With the LUT 8-bit a row, libGenie's pipeline did not start ("PCQ scale file not found":
+    the text-encoder node's scale / offset files were left relative), and audio rows handed over
+    as float32 gave other tokens from the 4th; refused before. Now the image (a node connection:
+    Genie converts the rows) and the recording (the host's rows in the graph input's codes) give
+    qnn-sim's tokens (random weights: plumbing)."""
+    import soundfile as sf
+    from PIL import Image
+
+    import hexforge
+    from hexforge.forge.genie import folder
+    from hexforge.forge.options import BuildOptions
+    from hexforge.forge.pipeline import build
+    from hexforge.forge.source.tiny import make_tiny_checkpoint
+    from hexforge.runtime.genie.pipelinemodel import open_genie
+
+    monkeypatch.setattr(folder, "LUT_CEILING", 1)
+    bundle = tmp_path / "b"
+    build(make_tiny_checkpoint("gemma4_mm", tmp_path / "ck"), bundle,
+          BuildOptions(targets="v81", quant="fp16", context=128, prefill_len=16, genie=True,
+                       genie_host_rows=True, audio_seconds=4.0, verify=False, device_only=True),
+          log=lambda m: None)
+    assert json.loads((bundle / "genie-v81" / "genie_config.json").read_text())[
+        "dialog"]["embedding"]["datatype"] == "ufixed8"
+    t = np.arange(int(44100 * 1.3)) / 44100
+    sf.write(tmp_path / "speech.wav", 0.4 * np.sin(2 * np.pi * (300 + 400 * t) * t), 44100,
+             subtype="PCM_16")
+    pixels = np.random.default_rng(0).random((45, 83, 3)) * 255
+    Image.fromarray(pixels.astype(np.uint8)).save(tmp_path / "photo.png")
+    for kind, item in (("audios", "speech.wav"), ("images", "photo.png")):
+        media = {kind: [str(tmp_path / item)]}
+        want = hexforge.load(bundle, backend="qnn-sim").generate(
+            "Describe it.", max_new_tokens=8, ignore_eos=True, **media).token_ids
+        model = open_genie(bundle)
+        try:
+            got = model.generate("Describe it.", max_new_tokens=8, ignore_eos=True,
+                                 **media).token_ids
+        finally:
+            model.close()
+        assert got == want, kind
 
 
 def test_by_default_the_host_keeps_its_precision_and_the_oracle_reads_the_8_bit_lut(

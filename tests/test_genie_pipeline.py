@@ -265,7 +265,9 @@ def test_genie_nodes_export_from_a_bf16_checkpoint(gemma4, ckpt, tmp_path):
 
     from hexforge.bundle.manifest import load_manifest
     from hexforge.families import encoder_families, load_family
+    from hexforge.forge.context import StageContext
     from hexforge.forge.genie.towers import export_nodes
+    from hexforge.forge.options import BuildOptions
     from hexforge.forge.source.checkpoint import read_checkpoint
 
     bf16 = tmp_path / "bf16"
@@ -278,8 +280,8 @@ def test_genie_nodes_export_from_a_bf16_checkpoint(gemma4, ckpt, tmp_path):
     hf = fam.load_hf(c.dir)
     assert next(hf.parameters()).dtype == torch.bfloat16
     m = load_manifest(gemma4)
-    nodes = export_nodes(encoder_families(m.hf_config), m.encoders, hf, fam,
-                         fam.Args.from_config(c.config), m, gemma4, tmp_path / "nodes", "torchscript",
-                         lambda line: None)
+    ctx = StageContext(fam, hf, fam.Args.from_config(c.config), BuildOptions(exporter="torchscript"),
+                       gemma4, lambda line: None)
+    nodes = export_nodes(ctx, encoder_families(m.hf_config), m.encoders, m, tmp_path / "nodes")
     assert set(nodes) == {"image", "audio"}
     assert all(path.is_file() for _, path in nodes.values())

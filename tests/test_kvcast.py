@@ -117,7 +117,7 @@ def test_u8_value_cache_on_the_simulator_follows_hf_as_closely_as_the_graphs_do(
     "new:" missed (prefill cos 0.43, KL 1e-2)."""
     from hexforge.bundle.manifest import load_manifest
     from hexforge.families import load_family
-    from hexforge.forge.oracle.verify import verify_bundle
+    from hexforge.forge.oracle.verify import Judge, verify_bundle
     from hexforge.forge.source.checkpoint import read_checkpoint
 
     bundle = htp_bundle(family, "fp16", verify=False, device_only=True, kv_values="u8")
@@ -133,7 +133,7 @@ def test_u8_value_cache_on_the_simulator_follows_hf_as_closely_as_the_graphs_do(
         assert {t.dtype for n, t in io.items() if n.endswith(".vs")} == {"float16"}
     c = read_checkpoint(ckpt(family))
     fam = load_family(c.model_type).FAMILY
-    r = verify_bundle(bundle, m, fam, fam.load_hf(c.dir), new_tokens=8)["v81"]
+    r = verify_bundle(bundle, Judge.of(bundle, m, fam, fam.load_hf(c.dir), 8))["v81"]
     assert min(g["cos_min"] for g in r["graphs"].values()) > 0.9999, r["graphs"]
     assert r["text"]["kl_mean"] < 1e-5 and r["teacher_forced"]["kl_mean"] < 1e-5
 

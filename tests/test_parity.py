@@ -109,7 +109,7 @@ def test_the_oracles_greedy_tokens_are_read_off_teacher_forcing_until_a_miss(bun
     from hexforge.bundle.manifest import load_manifest
     from hexforge.families import load_family
     from hexforge.forge.oracle.backend import OracleCpuBackend
-    from hexforge.forge.oracle.verify import oracle_prompt, verify_target
+    from hexforge.forge.oracle.verify import Judge, default_eval, oracle_prompt, verify_target
     from hexforge.runtime.engine import Engine
     from hexforge.runtime.text import TextTokenizer
 
@@ -132,7 +132,7 @@ def test_the_oracles_greedy_tokens_are_read_off_teacher_forcing_until_a_miss(bun
                 logits[token] += 1e4 * (at == bias_at)
                 return logits
             engine.decode = biased
-        return verify_target(family, hf, engine, tok, manifest, "cpu", "fp32", new_tokens=16,
+        return verify_target(Judge(family, hf, tok, manifest, 16, default_eval()), engine, "cpu",
                              **kw)
 
     r = oracle()

@@ -46,6 +46,7 @@ def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work
     from hexforge.forge.compile.hextimate import estimate_graph
     from hexforge.forge.compile.kvcast import fp16_kv, u8_value_state, u8_values
     from hexforge.forge.compile.steptime import target_estimate
+    from hexforge.forge.context import StageContext
     from hexforge.forge.export.graphs import export_float, plan_target
     from hexforge.forge.pipeline import BuildOptions
     from hexforge.forge.quantize.calibtext import calibration_text
@@ -80,8 +81,8 @@ def graphs_estimate(model: str, quant: str, context: int, prefill_len: int, work
     root.mkdir(parents=True)
     t = time.perf_counter()
     shards = plan_target(fam, hf, target, opts, log)
-    graphs, plan = export_float(fam, hf, args, shards, opts, root, "g", log,
-                                fp16_residual_scale=fp16_scale(fam, peak, log),
+    ctx = StageContext(fam, hf, args, opts, root, log)
+    graphs, plan = export_float(ctx, shards, "g", fp16_residual_scale=fp16_scale(fam, peak, log),
                                 keys_transposed=not baseline)  # baseline: keys as rows
     state = fam.state_spec(args, context)
     if kv_values == "u8" and not baseline:  # the build's --kv-values u8

@@ -195,18 +195,17 @@ def cmd_verify(a) -> int:
     from ..bundle.manifest import load_manifest
     from ..families import load_family
     from ..forge.oracle.quality import oracle_line
-    from ..forge.oracle.verify import verify_bundle
-    from ..forge.pipeline import BuildOptions, _evaluation
+    from ..forge.oracle.verify import EvalText, Judge, verify_bundle
     from ..forge.source.checkpoint import read_checkpoint
 
     manifest = load_manifest(a.bundle)
-    evaluation = _evaluation(BuildOptions(eval_text=a.eval_text, eval_tokens=a.eval_tokens))
+    evaluation = EvalText.of(a.eval_text, a.eval_tokens)
     ckpt = read_checkpoint(a.reference, log=lambda m: print(m, file=sys.stderr))
     fam = load_family(ckpt.model_type).FAMILY
     hf = fam.load_hf(ckpt.dir)
     targets = [a.target] if a.target else None
-    report = verify_bundle(Path(a.bundle), manifest, fam, hf, targets, new_tokens=a.n,
-                           evaluation=evaluation)
+    report = verify_bundle(Path(a.bundle), Judge.of(Path(a.bundle), manifest, fam, hf, a.n,
+                                                    evaluation), targets)
     if a.json:
         print(json.dumps(report))
     else:

@@ -24,7 +24,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from ..bundle.targets import Target, parse_targets
 from ..families import encoder_families, family_name, load_family
 from ..families.base import DecoderFamily, EncoderFamily
 from .budget import check_memory, check_positions, fit_context
+from .context import StageContext
 from .export.encoders import (
     calibrate_encoder_norms,
     compile_encoders,
@@ -55,9 +56,10 @@ from .export.encoders import (
     quantize_cpu_encoders,
 )
 from .export.fuse import fuse_cpu_graph
-from .export.graphs import disk_need, export_float, plan_target, weight_groups, weights_file
+from .export.graphs import disk_need, export_float, plan_target
 from .export.hostwrite import write_host_tensors
 from .export.onnxexport import share_weights
+from .export.plan import weight_groups, weights_file
 from .heap import release_mapped_pages
 from .options import BuildOptions
 from .partial import TempDir, remove_stale
@@ -102,10 +104,10 @@ def _generation_defaults(gen: dict, config: dict) -> GenerationDefaults:
     )
 
 
-def _build_cpu_target(fam, hf, args, target: Target, opts: BuildOptions, out: Path,
-                      log: Log) -> TargetSpec:
-    graphs, plan = export_float(fam, hf, args, plan_target(fam, hf, target, opts, log), opts, out,
-                                target.name, log, cpu=True)
+def _build_cpu_target(ctx: StageContext, target: Target) -> TargetSpec:
+    opts, out, log = ctx.opts, ctx.root, ctx.log
+    graphs, plan = export_float(ctx, plan_target(ctx.fam, ctx.hf, target, opts, log), target.name,
+                                cpu=True)
     nbits = check_cpu_weights(opts.cpu_weights)
     if nbits:  # weight-only int8/int4: one graph in memory at a time, then re-shared per shard
         bits, block = nbits
@@ -115,7 +117,7 @@ def _build_cpu_target(fam, hf, args, target: Target, opts: BuildOptions, out: Pa
         with stage(f"quantize cpu weights {opts.cpu_weights}", sum(map(len, groups))) as advance:
             for group in groups:
                 for name in group:
-                    quantize_cpu_graph(folder / f"{name}.onnx", bits, block, args.vocab_size)
+                    quantize_cpu_graph(folder / f"{name}.onnx", bits, block, ctx.args.vocab_size)
                     advance()
                 # q/k/v MatMulNBits packed into one (fuse.pack_sibling_matmuls) as re-shared
                 share_weights([folder / f"{n}.onnx" for n in group], weights_file(group),
@@ -159,6 +161,10 @@ class _Build:
     tmp: Path  # the locked temp dir every stage writes into
     log: Log
     timings: dict[str, float]
+
+    def ctx(self) -> StageContext:
+        """What a stage reads, made for one call (a stage keeps no HF model past it)."""
+        return StageContext(self.src.fam, self.hf, self.src.args, self.opts, self.tmp, self.log)
 
 
 def build(checkpoint: str | Path, output: str | Path, opts: BuildOptions | None = None,
@@ -225,8 +231,10 @@ def _check_source(checkpoint: str | Path, out: Path, opts: BuildOptions, log: Lo
     opts.validate()  # the options alone, before the checkpoint is read
     ckpt = read_checkpoint(checkpoint, log)
     targets = parse_targets(opts.targets)
-    if opts.verify:
-        _evaluation(opts)
+    if opts.verify:  # a bad --eval-text fails before any work
+        from .oracle.verify import EvalText
+
+        EvalText.of(opts.eval_text, opts.eval_tokens)
     fam = load_family(ckpt.model_type).FAMILY
     fam.check_config(ckpt.config)
     args = fam.Args.from_config(ckpt.config)
@@ -332,8 +340,7 @@ def _cpu_target(b: _Build, host: HostRecipe, enc_specs: list[EncoderSpec]
     src, hf, opts, tmp, log = b.src, b.hf, b.opts, b.tmp, b.log
     # --device-only: no cpu decoder graphs (the bundle would drop them); the towers' float
     # graphs are still exported to cpu/: the HTP compiles them and calibration runs them
-    cpu = None if opts.device_only else _build_cpu_target(src.fam, hf, src.args, src.targets[0],
-                                                           opts, tmp, log)
+    cpu = None if opts.device_only else _build_cpu_target(b.ctx(), src.targets[0])
     if cpu is not None and not src.htp_targets:  # a tied quantized head holds the quantized
         # embedding's bytes: stored once (--device-only has HTP targets)
         host.embed.shared = share_tied_embedding(tmp, cpu, host.embed.table)
@@ -378,8 +385,8 @@ def _htp_targets(b: _Build, manifest: Manifest, enc_graphs: list[GraphSpec],
         return {}, {}
     from .compile.stage import build_htp_targets
 
-    specs, qdq, estimates = build_htp_targets(src.fam, hf, src.args, htp_targets, opts, tmp,
-                                              manifest, enc_graphs, residual_peak, log)
+    specs, qdq, estimates = build_htp_targets(b.ctx(), htp_targets, manifest, enc_graphs,
+                                              residual_peak)
     manifest.targets.update(specs)
     items = None if opts.verify else [  # no oracle: each tower checked on the HTP
         example_feeds(e, spec) for e, spec in zip(src.encoders, enc_specs, strict=True)]
@@ -395,11 +402,10 @@ def _htp_targets(b: _Build, manifest: Manifest, enc_graphs: list[GraphSpec],
 
         # the towers as nodes of a Genie pipeline beside the decoder, exported first: the
         # decoder's 16-bit LUT covers the rows they can emit
-        nodes = (export_nodes(src.encoders, enc_specs, hf, src.fam, src.args, manifest, tmp,
-                              tmp / "_work" / "genie-nodes", opts.exporter, log)
-                 if src.encoders else {})
-        build_genie_bundles(src.fam, hf, src.args, htp_targets, opts, tmp, manifest,
-                            fp16_scale(src.fam, residual_peak, lambda m: None), log,
+        nodes = (export_nodes(b.ctx(), src.encoders, enc_specs, manifest,
+                              tmp / "_work" / "genie-nodes") if src.encoders else {})
+        build_genie_bundles(b.ctx(), htp_targets, manifest,
+                            fp16_scale(src.fam, residual_peak, lambda m: None),
                             media_row_bound(src.encoders, enc_specs, nodes, hf, log))
         build_genie_pipelines(nodes, enc_specs, htp_targets, tmp, log)
     if not opts.verify and not opts.keep_work:
@@ -412,21 +418,20 @@ def _oracle(b: _Build, manifest: Manifest, qdq: dict[str, dict[str, str]],
     """Every target judged against HF (forge/oracle/verify.py; the Genie folders as Genie feeds them),
     report.json written; a failed gate raises, its report kept beside the output."""
     from .oracle.quality import oracle_line
-    from .oracle.verify import hf_references, verify_bundle
+    from .oracle.verify import EvalText, Judge, hf_references, verify_bundle
 
     src, opts, tmp = b.src, b.opts, b.tmp
     t = time.perf_counter()
-    evaluation = _evaluation(opts)
-    refs = hf_references(tmp, manifest, src.fam, b.hf, new_tokens=opts.verify_tokens,
-                         evaluation=evaluation)
+    evaluation = EvalText.of(opts.eval_text, opts.eval_tokens)
+    judge = Judge.of(tmp, manifest, src.fam, b.hf, opts.verify_tokens, evaluation)
+    refs = hf_references(judge)
     release_mapped_pages(src.ckpt.dir)  # the HF forward read all of it; the graphs come next
     b.log("oracle: HF references computed")
     if not manifest.encoders:  # the graphs are judged against refs alone: free the HF
         b.hf = None  # model before they load (at real sizes both do not fit)
+        judge = replace(judge, hf=None)
         gc.collect()
-    report = verify_bundle(tmp, manifest, src.fam, b.hf, new_tokens=opts.verify_tokens,
-                           references=refs, qdq_twins=qdq, encoders=enc_graphs,
-                           evaluation=evaluation)
+    report = verify_bundle(tmp, judge, references=refs, qdq_twins=qdq, encoders=enc_graphs)
     if opts.genie:  # Genie returns no logits: its graphs, fed as Genie feeds them
         from .genie.verify import verify_genie_bundles
 
@@ -463,17 +468,6 @@ def _gate(report: dict[str, dict], out: Path) -> None:
 # the build option each modality's encoders may take: (spec keyword, BuildOptions field, CLI flag)
 ENCODER_OPTIONS = {"audio": ("max_seconds", "audio_seconds", "--audio-seconds"),
                    "image": ("image_size", "image_size", "--image-size")}
-
-
-def _evaluation(opts: BuildOptions):
-    """The oracle's held-out text from the options (a bad --eval-text fails before any work)."""
-    from .oracle.quality import eval_text
-    from .oracle.verify import EvalText
-
-    if opts.eval_tokens < 2:
-        raise BuildError("--eval-tokens must be >= 2")
-    name = Path(opts.eval_text).name if opts.eval_text else "built-in"
-    return EvalText(eval_text(opts.eval_text), name, opts.eval_tokens)
 
 
 def _check_encoder_options(encoders: list, opts: BuildOptions) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from ...bundle.manifest import GraphSpec, Manifest, RunPlan, TargetSpec
 from ...bundle.targets import Target
 from ...runtime import qnn
+from ..context import StageContext
 from ..export.graphs import export_float, plan_target
 from ..heap import release_mapped_pages
 from ..progress import stage
@@ -31,8 +32,8 @@ from . import contexts as compiler  # through the module: tests swap compiler.co
 from .kvcast import fp16_kv, u8_value_state, u8_values
 
 
-def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, manifest: Manifest,
-                      encoders: list[GraphSpec], residual_peak: float, log
+def build_htp_targets(ctx: StageContext, targets: list[Target], manifest: Manifest,
+                      encoders: list[GraphSpec], residual_peak: float
                       ) -> tuple[dict[str, TargetSpec], dict[str, dict[str, str]], dict[str, dict]]:
     """-> (target specs, per target: graph name -> the QDQ graph it was compiled from, under
     ``root/_work``: the oracle runs those on the CPU EP when a target fails its gate; per target
@@ -40,6 +41,7 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
     ``encoders``: the towers' float graphs (calibration's media prompts run them).
     ``residual_peak``: the calibrated peak |x| of the residual stream; graphs with fp16
     activations carry it scaled into fp16's range where the family can (``fp16_scale``)."""
+    fam, hf, opts, root, log = ctx.fam, ctx.hf, ctx.opts, ctx.root, ctx.log
     recipe = opts.recipe
     scale = recipe.residual_scale(fam, residual_peak, log)
     u8_v = opts.kv_values == "u8"  # validate(): only with fp16 activations
@@ -56,8 +58,7 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
         key = tuple(shards)
         if key not in prepared:  # float export + calibration + QDQ are arch-independent
             rel = f"_work/{recipe.name}-{len(prepared)}"
-            graphs, plan = export_float(fam, hf, args, shards, opts, root, rel, log,
-                                        fp16_residual_scale=scale)
+            graphs, plan = export_float(ctx, shards, rel, fp16_residual_scale=scale)
             if recipe.fp16_activations:  # half the cache's DDR bytes a step (kvcast.py)
                 if u8_v:  # before fp16_kv: it rewrites float32 I/O only
                     graphs = u8_values(root, graphs)
@@ -65,8 +66,7 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
             srcs = root / rel
             if not opts.verify:  # each compiled graph's check call, while the float graphs exist
                 checked[key] = _capture(root, manifest, graphs, plan, recipe, opts, log)
-            recipe.prepare(ShardJob(fam, hf, args, root, manifest, graphs, plan, srcs, opts,
-                                    encoders, target, log))
+            recipe.prepare(ShardJob(ctx, manifest, graphs, plan, srcs, encoders, target))
             if recipe.quantized and not opts.keep_work:  # the quantized graphs are compiled:
                 _drop_float_graphs(srcs)  # the float ones go before the binaries come (disk peak)
             prepared[key] = (graphs, plan, srcs)
@@ -93,10 +93,10 @@ def build_htp_targets(fam, hf, args, targets: list[Target], opts, root: Path, ma
                     "bytes": res["bin_bytes"] + res["ctx"].stat().st_size}))
                 advance()
         if not opts.verify:  # no oracle (real sizes): each graph once on the HTP vs its float
-            compiled = _check_compiled(root, manifest, graphs, plan, srcs, compiled, target, soc,
-                                       sdk, recipe, checked[key], log)
+            compiled = _check_compiled(ctx, manifest, prepared[key], compiled, target, sdk,
+                                       checked[key])
         if opts.share_weights:
-            compiled = _share(compiled, plan, srcs, folder, target, soc.soc_model, recipe, log)
+            compiled = _share(ctx, compiled, plan, srcs, target)
         specs[target.name] = TargetSpec(
             name=target.name, htp_arch=target.htp_arch, soc_model=soc.soc_model, qnn_sdk=sdk,
             quant=recipe.name, mask_value=recipe.mask_value, graphs=compiled, plan=plan,
@@ -147,14 +147,18 @@ def _capture(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: RunP
     return calls
 
 
-def _check_compiled(root: Path, manifest: Manifest, graphs: list[GraphSpec], plan: RunPlan,
-                    srcs: Path, compiled: list[GraphSpec], target: Target, soc, sdk: str,
-                    recipe: QuantRecipe, calls: dict, log) -> list[GraphSpec]:
+def _check_compiled(ctx: StageContext, manifest: Manifest,
+                    prepared: tuple[list[GraphSpec], RunPlan, Path], compiled: list[GraphSpec],
+                    target: Target, sdk: str, calls: dict) -> list[GraphSpec]:
     """forge/compile/graphcheck.py on one target's compiled graphs (``calls``: the float graphs'
     captured calls, ``_capture``), each against the quantized graph in ``srcs`` it was compiled
     from (run on the CPU; fp16: the float graph's own outputs); -> the graphs with their
-    ``htp_check``. A graph over the error bar fails the build."""
+    ``htp_check``. A graph over the error bar fails the build. ``prepared``: (float graphs, their
+    plan, the folder of the graphs the compiles read)."""
     from . import graphcheck
+
+    graphs, plan, srcs = prepared
+    recipe, soc = ctx.opts.recipe, target.default_soc
 
     spec = TargetSpec(name=target.name, htp_arch=target.htp_arch, soc_model=soc.soc_model,
                       qnn_sdk=sdk, quant=recipe.name, mask_value=recipe.mask_value,
@@ -162,7 +166,7 @@ def _check_compiled(root: Path, manifest: Manifest, graphs: list[GraphSpec], pla
     suffix = recipe.compiled_suffix
     sources = {g.name: srcs / f"{g.name}{suffix}" for g in graphs} if recipe.quantized else None
     return graphcheck.gate(target.name, compiled,
-                           graphcheck.check_target(root, spec, recipe, calls, log, sources))
+                           graphcheck.check_target(ctx.root, spec, recipe, calls, ctx.log, sources))
 
 
 def _warn_over_ceiling(name: str, bin_bytes: int, target: Target, log) -> None:
@@ -174,13 +178,15 @@ def _warn_over_ceiling(name: str, bin_bytes: int, target: Target, log) -> None:
             "0x3ea); a smaller --max-shard-bytes splits it")
 
 
-def _share(compiled: list[GraphSpec], plan: RunPlan, srcs: Path, folder: Path, target: Target,
-           soc_model: int, recipe: QuantRecipe, log) -> list[GraphSpec]:
+def _share(ctx: StageContext, compiled: list[GraphSpec], plan: RunPlan, srcs: Path,
+           target: Target) -> list[GraphSpec]:
     """Recompile each shard's prefill + decode into one weight-shared context for the device.
 
     The x86 simulator cannot load shared contexts (libQnnHtp segfaults; ORT runs them on ARM only),
     so the unshared twins just compiled from the same sources are what the oracle runs: they are
     kept under ``<target>/verify/`` until the build's oracle is done, then removed."""
+    folder, recipe, log = ctx.root / target.name, ctx.opts.recipe, ctx.log
+    soc_model = target.default_soc.soc_model
     twins = folder / "verify"
     twins.mkdir()
     shared = {n for shard in plan.shards for n in (shard.prefill, shard.decode)}

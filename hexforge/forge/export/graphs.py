@@ -11,23 +11,22 @@ SA8797 (v81), SmolLM2: AR-8 3,478 us vs AR-1 3,469; the head 891 us on 8 rows vs
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ...bundle.describe import layer_span
 from ...bundle.errors import BuildError
 from ...bundle.manifest import GraphSpec, RunPlan, ShardPlan
 from ...bundle.targets import Target
+from ..context import StageContext
 from ..heap import release_heap, release_mapped_pages
 from ..progress import stage
 from .fuse import fuse_cpu_graph
 from .onnxexport import export_modules, share_weights
-from .plan import plan_shards
+from .plan import plan_shards, weight_groups, weights_file
 
 
-def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
-                  rel_folder: str, log, cpu: bool = False, fp16_residual_scale: float | None = None,
-                  keys_transposed: bool = True) -> tuple[list[GraphSpec], RunPlan]:
-    """Export prefill + decode per shard and the head as float ONNX into root/rel_folder.
+def export_float(ctx: StageContext, shards: list[tuple[int, int]], rel_folder: str, *,
+                 cpu: bool = False, fp16_residual_scale: float | None = None,
+                 keys_transposed: bool = True) -> tuple[list[GraphSpec], RunPlan]:
+    """Export prefill + decode per shard and the head as float ONNX into ctx.root/rel_folder.
     cpu: the cpu target's own graphs — fused onnxruntime nodes (``fuse``), prefill and decode
     graphs that update the cache in place (``fam.cpu_step_module``), the last decode graph with
     the head inside (``blocks.WithHead``) — not the static form the HTP targets calibrate and
@@ -44,12 +43,9 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
     from ...families.blocks import OverRows, WithHead
     from ...families.form import CPU, PLAIN, fp16
 
-    if cpu:
-        form = CPU
-    elif fp16_residual_scale is not None:
-        form = fp16(fp16_residual_scale, keys_transposed)
-    else:
-        form = PLAIN
+    fam, hf, args, opts, root, log = ctx.fam, ctx.hf, ctx.args, ctx.opts, ctx.root, ctx.log
+    form = CPU if cpu else PLAIN if fp16_residual_scale is None else fp16(fp16_residual_scale,
+                                                                            keys_transposed)
     fuse = fuse_cpu_graph if cpu else None
     folder = root / rel_folder
     folder.mkdir(parents=True)
@@ -123,23 +119,6 @@ def export_float(fam, hf, args, shards: list[tuple[int, int]], opts, root: Path,
     for g in graphs:
         g.bytes = (root / g.file).stat().st_size
     return graphs, run_plan
-
-
-def weight_groups(plan: RunPlan, cpu: bool) -> list[list[str]]:
-    """The graphs that share one weight file: each shard's prefill + decode (+ verify), and the
-    head — on its own for HTP targets (with its verify rows), with the last shard on cpu (whose
-    decode graph runs it)."""
-    groups = [s.names() for s in plan.shards]
-    if cpu:
-        groups[-1].append(plan.head)
-    else:
-        groups.append([plan.head] + ([plan.verify_head] if plan.verify_head else []))
-    return groups
-
-
-def weights_file(group: list[str]) -> str:
-    """s3.prefill -> s3.weights, head -> head.weights."""
-    return group[0].split(".")[0] + ".weights"
 
 
 # A compiled context holds more than its weights: 2-4 % more at real size (Qwen3.5-4B v81 w8-fp16:

@@ -12,6 +12,7 @@ biggest shard sets the build's memory. Balanced, the same three contexts are ~11
 from __future__ import annotations
 
 from ...bundle.errors import BuildError
+from ...bundle.manifest import RunPlan
 
 
 def _greedy(layer_bytes: list[int], cap: int) -> list[tuple[int, int]]:
@@ -47,3 +48,20 @@ def plan_shards(layer_bytes: list[int], max_bytes: int) -> list[tuple[int, int]]
         else:
             lo = mid + 1
     return _greedy(layer_bytes, hi)
+
+
+def weight_groups(plan: RunPlan, cpu: bool) -> list[list[str]]:
+    """The graphs that share one weight file: each shard's prefill + decode (+ verify), and the
+    head — on its own for HTP targets (with its verify rows), with the last shard on cpu (whose
+    decode graph runs it)."""
+    groups = [s.names() for s in plan.shards]
+    if cpu:
+        groups[-1].append(plan.head)
+    else:
+        groups.append([plan.head] + ([plan.verify_head] if plan.verify_head else []))
+    return groups
+
+
+def weights_file(group: list[str]) -> str:
+    """s3.prefill -> s3.weights, head -> head.weights."""
+    return group[0].split(".")[0] + ".weights"

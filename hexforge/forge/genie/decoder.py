@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ...bundle.errors import BuildError
 from ...runtime.genie.libgenie import x86_room_note
+from ..context import StageContext
 
 
 def graph_name(seq_len: int, context: int, split: int = 0, splits: int = 1) -> str:
@@ -34,14 +35,16 @@ def graph_name(seq_len: int, context: int, split: int = 0, splits: int = 1) -> s
     return f"{kind}_ar{seq_len}_cl{context}_{split + 1}_of_{splits}"
 
 
-def export_genie_graphs(fam, hf, args, host, folder: Path, prefill_len: int, context: int,
-                        residual_scale: float, exporter: str, log,
+def export_genie_graphs(ctx: StageContext, host, folder: Path, residual_scale: float,
                         shards: list[tuple[int, int]] | None = None, step=None
                         ) -> list[list[Path]]:
-    """Per split (the planner's ``shards``; default one), one ONNX graph per AR (prefill, then
-    decode) in ``folder``, the split's weights in one file; ``step`` (default
+    """Per split (the planner's ``shards``; default one), one ONNX graph per AR (the options'
+    prefill, then decode) in ``folder``, the split's weights in one file; ``step`` (default
     ``fam.genie_step``) makes each module. -> per split, its graph paths."""
     from ..export.onnxexport import export_module, share_weights
+
+    fam, hf, args, log = ctx.fam, ctx.hf, ctx.args, ctx.log
+    prefill_len, context, exporter = ctx.opts.prefill_len, ctx.opts.context, ctx.opts.exporter
 
     folder.mkdir(parents=True, exist_ok=True)
     shards = shards or [(0, args.num_hidden_layers)]
@@ -146,8 +149,8 @@ def check_options(fam, args, opts) -> None:
                          f"{opts.prefill_len // 2} or --context {2 * opts.context}")
 
 
-def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, residual_scale: float,
-                        log, media_bound: float | None = 0.0) -> dict[str, Path]:
+def build_genie_bundles(ctx: StageContext, targets, manifest, residual_scale: float,
+                        media_bound: float | None = 0.0) -> dict[str, Path]:
     """For each HTP target, ``root/genie-<target>/``: the decoder in Genie's contract
     (``GenieStep``), split as the planner splits the target's graphs, weight-only quantized like
     them when the recipe says so, compiled per arch, with genie_config.json,
@@ -160,6 +163,7 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
     from .folder import folder_name, lut_encoding, write_bundle_files
     from .geniex import write_geniex_files
 
+    fam, hf, args, opts, root, log = ctx.fam, ctx.hf, ctx.args, ctx.opts, ctx.root, ctx.log
     recipe = opts.recipe
     work = root / "_work" / "genie"
     step = scatter_step(fam) if opts.genie_kv == "scatter" else None
@@ -169,7 +173,7 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
     lut = (lut_encoding(root / "host.safetensors", spec, media_bound)
            if spec.lut and media_bound is not None else None)
     if lut is not None and lut.per_row:  # for the oracle's emulator: Genie reads it from the binary
-        from .verify import LUT_INPUT
+        from .folder import LUT_INPUT
 
         log("[genie] the embedding LUT would be 4 GiB or more at 16 bits, past what libGenie "
             "reads: it is 8-bit with a scale a row (docs/genie.md)")
@@ -184,9 +188,8 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
         key = tuple(shards)
         if key not in splits:
             t = time.perf_counter()
-            paths = export_genie_graphs(fam, hf, args, host, work / f"onnx{len(splits)}",
-                                        opts.prefill_len, opts.context, residual_scale,
-                                        opts.exporter, log, shards, step)
+            paths = export_genie_graphs(ctx, host, work / f"onnx{len(splits)}", residual_scale,
+                                        shards, step)
             if lut is not None:  # Genie copies the LUT's 16-bit rows as they are
                 for p in (p for split in paths for p in split):
                     quantize_input(p, "inputs_embeds", lut.scale, lut.zero_point)
@@ -217,9 +220,7 @@ def build_genie_bundles(fam, hf, args, targets, opts, root: Path, manifest, resi
             else:
                 bins += compile_genie_graphs(split, work / target.name, folder, target.htp_arch,
                                              soc, say)
-        write_bundle_files(folder, manifest, bins, root / manifest.tokenizer.dir / "tokenizer.json",
-                           soc, target.htp_arch, spec, root / "host.safetensors", lut,
-                           weight_sharing=opts.share_weights, cache_index=step is not None)
+        write_bundle_files(ctx, folder, manifest, bins, target, spec, lut)
         # GenieX's metadata.json beside Genie's files, from the graphs the binaries hold
         write_geniex_files(folder, manifest.model_type, [p for split in paths for p in split],
                            root / manifest.tokenizer.dir)

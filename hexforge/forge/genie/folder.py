@@ -26,7 +26,9 @@ from pathlib import Path
 from ...bundle.errors import BuildError
 from ...bundle.lut import LutEncoding
 from ...bundle.manifest import Manifest
+from ...bundle.targets import Target
 from ...runtime.genie.model import sampler_config
+from ..context import StageContext
 
 CONFIG = "genie_config.json"
 EXTENSIONS = "htp_backend_ext_config.json"
@@ -121,6 +123,9 @@ def backend_extensions(soc_model: int, htp_arch: int, weight_sharing: bool) -> d
 
 LUT = {True: "embedding.u16", False: "embedding.f32"}  # fixed point or not
 ROW_LUT, ROW_SCALES, ROW_OFFSETS = "embedding.u8", "embedding.scale", "embedding.offset"
+# (in the build's work folder) an 8-bit LUT's graph-input encoding [scale, zero_point]: what Genie
+# turns its rows into, and what rows the host hands Genie must already be in (towers.py)
+LUT_INPUT = "lut-input.json"
 NEVER_ROW = 1  # rows past the vocabulary at the LUT's end: an eos-token Genie can read
 # libGenie 1.21 holds a LUT's byte size in 32 bits: at 2^32 bytes or more it reads rows at
 # offsets wrapped past 4 GiB ("T2E conversion overflow", a prompt id refused, other tokens):
@@ -252,13 +257,14 @@ def write_lut(host_file: Path, spec, encoding: LutEncoding | None, dst: Path) ->
     return width
 
 
-def write_bundle_files(folder: Path, manifest: Manifest, bins: list[Path], tokenizer_json: Path,
-                       soc_model: int, htp_arch: int, spec, host_file: Path,
-                       lut: LutEncoding | None = None, weight_sharing: bool = False,
-                       cache_index: bool = False) -> Path:
-    """genie_config.json, htp_backend_ext_config.json, tokenizer.json (and the embedding LUT
-    where the family has Genie gather its inputs) beside ``bins`` (which are in ``folder``
-    already). -> the config's path."""
+def write_bundle_files(ctx: StageContext, folder: Path, manifest: Manifest, bins: list[Path],
+                       target: Target, spec, lut: LutEncoding | None = None) -> Path:
+    """genie_config.json, htp_backend_ext_config.json, tokenizer.json (and the embedding LUT, from
+    the build's host tables, where the family has Genie gather its inputs) beside ``bins`` (which
+    are in ``folder`` already), for ``target``'s arch and SoC. -> the config's path."""
+    tokenizer_json = ctx.root / manifest.tokenizer.dir / "tokenizer.json"
+    host_file = ctx.root / "host.safetensors"
+    cache_index = ctx.opts.genie_kv == "scatter"  # the decoder's graphs take a cache_index
     if any(b.parent != folder for b in bins):
         raise BuildError("a Genie bundle's binaries must sit beside its genie_config.json")
     shutil.copy2(tokenizer_json, folder / TOKENIZER)
@@ -269,6 +275,7 @@ def write_bundle_files(folder: Path, manifest: Manifest, bins: list[Path], token
     cfg = dialog_config(manifest, [b.name for b in bins], bos_token(tokenizer_json), spec,
                         lut=table, cache_index=cache_index)
     (folder / EXTENSIONS).write_text(
-        json.dumps(backend_extensions(soc_model, htp_arch, weight_sharing), indent=1) + "\n")
+        json.dumps(backend_extensions(target.default_soc.soc_model, target.htp_arch,
+                                      ctx.opts.share_weights), indent=1) + "\n")
     (folder / CONFIG).write_text(json.dumps(cfg, indent=1) + "\n")
     return folder / CONFIG

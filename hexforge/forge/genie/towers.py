@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ...bundle.errors import BuildError
+from ..context import StageContext
 
 PIPELINE = "genie_pipeline.json"
 TEXT_GENERATOR = "text-generator.json"
@@ -155,11 +156,15 @@ def text_generator_config(dialog_config: dict) -> dict:
     return {"text-generator": json.loads(json.dumps(dialog_config["dialog"]))}
 
 
-def pipeline_description(forms: dict, specs: dict, lut_width: int) -> dict:
+def pipeline_description(forms: dict, specs: dict, lut_width: int,
+                         rows_encoding: list[float] | None = None) -> dict:
     """genie_pipeline.json: the nodes, their connections (each node-routed encoder's embeddings
     into the text-generator; a WILDCARD pair where the encoder has side outputs the generator
     reads by name), and per modality the node IO each host array goes to, the fixed-point
-    range of each (the host refuses values past it) and how its rows reach the generator."""
+    range of each (the host refuses values past it) and how its rows reach the generator.
+    ``rows_encoding``: an 8-bit LUT's graph-input encoding [scale, zero_point], which rows the
+    host hands the generator must be in (libGenie 1.21 takes them as that input's 16-bit codes:
+    float32 rows gave other tokens from the 4th, tiny Gemma-4 with a recording)."""
     nodes = {"textGenerator": TEXT_GENERATOR, "textEncoder": TEXT_ENCODER}
     connections = [["textEncoder", TEXT_OUTPUT, "textGenerator", EMBEDDING_INPUT]]
     media = {}
@@ -180,15 +185,18 @@ def pipeline_description(forms: dict, specs: dict, lut_width: int) -> dict:
                            "fixed_point": {k: list(v) for k, v in form.fixed_point.items()},
                            "side_outputs": side, "model": form.model}
     return {"version": 1, "nodes": nodes, "connections": connections, "media": media,
-            "text": {"node": "textEncoder", "input": TEXT_INPUT, "lut_width": lut_width},
+            "text": {"node": "textEncoder", "input": TEXT_INPUT, "lut_width": lut_width,
+                     **({"rows_encoding": rows_encoding} if rows_encoding else {})},
             "rows_input": EMBEDDING_INPUT}
 
 
-def export_nodes(encoders: list, specs: list, hf, fam, args, manifest, root: Path, work: Path,
-                 exporter: str, log) -> dict[str, tuple[object, Path]]:
+def export_nodes(ctx: StageContext, encoders: list, specs: list, manifest, work: Path
+                 ) -> dict[str, tuple[object, Path]]:
     """Each tower that states a Genie node form, exported once (the graph is arch-independent)
     with its fixed-point inputs: {modality: (form, onnx path)}; the others are said and left
     out (their media are refused by ``--backend genie``)."""
+    hf, fam, args, root, log = ctx.hf, ctx.fam, ctx.args, ctx.root, ctx.log
+    exporter = ctx.opts.exporter
     from ...bundle.errors import UnsupportedModelError
     from ..export.onnxexport import export_module, share_weights
 
@@ -236,7 +244,7 @@ def build_genie_pipelines(nodes: dict, specs: list, targets, root: Path, log) ->
     from ..compile.contexts import compile_graph
     from . import geniex
     from .ctxname import rename_graph
-    from .folder import CONFIG, folder_name
+    from .folder import CONFIG, LUT_INPUT, folder_name
 
     if not nodes:
         return
@@ -268,8 +276,10 @@ def build_genie_pipelines(nodes: dict, specs: list, targets, root: Path, log) ->
         (folder / TEXT_ENCODER).write_text(json.dumps(text_encoder_config(dialog), indent=1)
                                            + "\n")
         width = int(dialog["dialog"]["embedding"]["size"])
+        note = root / "_work" / "genie" / LUT_INPUT  # an 8-bit LUT's (decoder.py wrote it)
+        enc = json.loads(note.read_text()) if note.is_file() else None
         (folder / PIPELINE).write_text(json.dumps(
-            pipeline_description(forms, by_modality, width), indent=1) + "\n")
+            pipeline_description(forms, by_modality, width, enc), indent=1) + "\n")
         if "geniex:image" in nodes and (folder / geniex.METADATA).is_file():
             form, path = nodes["geniex:image"]
             res = compile_graph(path, work / f"{target.name}-geniex-vision.ctx.onnx",

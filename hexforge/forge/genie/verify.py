@@ -36,7 +36,6 @@ from ...bundle.lut import LUT_DTYPES, LutEncoding
 
 MASKED = -1000.0  # what Genie writes into a float32 mask (docs/genie.md)
 STATES = ("conv_state_", "recurrent_state_")  # Genie's linear-attention tensors
-LUT_INPUT = "lut-input.json"  # (in the build's work folder) a per-row LUT's graph-input encoding
 
 
 def genie_inv_freq(positional_encoding: dict) -> np.ndarray:
@@ -301,7 +300,7 @@ def verify_genie_bundles(root: Path, manifest, args, refs: dict[str, dict], new_
     from ...runtime import qnn
     from ..oracle.verify import simulated_steps
     from ..progress import stage
-    from .folder import folder_name
+    from .folder import LUT_INPUT, folder_name
 
     out = {}
     work = root / "_work" / "genie"

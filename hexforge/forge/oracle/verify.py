@@ -11,12 +11,13 @@ Gates are data (GATES, per quant recipe); fp32 CPU graphs must be greedy-exact.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from ...bundle.errors import BackendError
+from ...bundle.errors import BackendError, BuildError
 from ...bundle.manifest import ENCODER_ROLES, GraphSpec, Manifest
 from ...runtime import qnn
 from ...runtime.backends import Backend
@@ -154,6 +155,16 @@ class EvalText:
     name: str = "built-in"
     max_tokens: int = 256
 
+    @classmethod
+    def of(cls, path: str | None, max_tokens: int) -> EvalText:
+        """From ``--eval-text`` / ``--eval-tokens`` (a bad file or count fails before any work;
+        no path: the built-in text)."""
+        from .quality import eval_text
+
+        if max_tokens < 2:
+            raise BuildError("--eval-tokens must be >= 2")
+        return cls(eval_text(path), Path(path).name if path else "built-in", max_tokens)
+
     def ids(self, tok: TextTokenizer, prefill_len: int, context: int) -> list[int]:
         """At most max_tokens, and no more than whole prefill chunks inside the context (a
         chunk of a cpu graph that writes its cache in place must end inside it)."""
@@ -168,16 +179,39 @@ def default_eval() -> EvalText:
     return EvalText(EVAL_TEXT)
 
 
-def hf_references(bundle: Path, manifest: Manifest, family, hf, targets: list[str] | None = None,
-                  new_tokens: int = 64, evaluation: EvalText | None = None) -> dict[str, dict]:
+@dataclass(frozen=True)
+class Judge:
+    """The oracle's side of one bundle, as every check reads it: the family and its HF model
+    (None once ``hf_references`` ran, unless towers are judged), the bundle's tokenizer and
+    manifest, the greedy tokens asked for and the held-out text."""
+
+    family: Any
+    hf: Any
+    tok: TextTokenizer
+    manifest: Manifest
+    new_tokens: int
+    evaluation: EvalText
+
+    @classmethod
+    def of(cls, bundle: Path, manifest: Manifest, family, hf, new_tokens: int = 64,
+           evaluation: EvalText | None = None) -> Judge:
+        from ...bundle.manifest import confine
+
+        return cls(family, hf, TextTokenizer(confine(bundle, manifest.tokenizer.dir)), manifest,
+                   new_tokens, evaluation or default_eval())
+
+    @property
+    def tokens(self) -> int:
+        """The greedy tokens judged: as asked, within the context (the prompt needs 2 rows)."""
+        return min(self.new_tokens, self.manifest.context - 2)
+
+
+def hf_references(judge: Judge, targets: list[str] | None = None) -> dict[str, dict]:
     """HF's side of the oracle for each target (one HF run per distinct prompt), computed before
     any graph loads: the caller may then free the HF model (``verify_bundle(references=...)``).
     A bf16/fp16-loaded model computes as fp32 (``family.float32_forward``)."""
-    from ...bundle.manifest import confine
-
-    tok = TextTokenizer(confine(bundle, manifest.tokenizer.dir))
-    evaluation = evaluation or default_eval()
-    n = min(new_tokens, manifest.context - 2)
+    family, hf, tok, manifest = judge.family, judge.hf, judge.tok, judge.manifest
+    evaluation, n = judge.evaluation, judge.tokens
     out, done = {}, {}
     names = targets or list(manifest.targets)
     with family.float32_forward(hf), stage("oracle: HF references", len(names)) as advance:
@@ -222,10 +256,9 @@ def oracle_prompt(tok: TextTokenizer, prefill_len: int, context: int, new_tokens
     return verify_prompt(tok, max(1, min(N + N // 2 + 1, context - new_tokens)))
 
 
-def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Manifest, target: str,
-                  quant: str, new_tokens: int = 64, ref: dict | None = None,
-                  evaluation: EvalText | None = None, steps: int | None = None,
-                  continue_after_miss: bool = True, text_head=None) -> dict:
+def verify_target(judge: Judge, engine: Engine, target: str, ref: dict | None = None,
+                  steps: int | None = None, continue_after_miss: bool = True,
+                  text_head=None) -> dict:
     """One target against HF: teacher-forced on HF's greedy tokens (the first ``steps`` of
     ``new_tokens``), the held-out text, greedy. ``continue_after_miss``: at a greedy miss run the
     bundle's own greedy tokens on (else they stop at the miss: the matching prefix is known from
@@ -233,7 +266,9 @@ def verify_target(family, hf, engine: Engine, tok: TextTokenizer, manifest: Mani
     held-out text's rows go through (default the target's own: ``quality.bundle_logits``)."""
     from .quality import bundle_logits, compare, log_softmax
 
-    evaluation = evaluation or default_eval()
+    family, hf, tok, manifest = judge.family, judge.hf, judge.tok, judge.manifest
+    evaluation, new_tokens = judge.evaluation, judge.tokens
+    quant = manifest.targets[target].quant
     prompt = oracle_prompt(tok, engine.prefill_len, manifest.context, new_tokens)
     ids = evaluation.ids(tok, engine.prefill_len, manifest.context)
     if ref is None:
@@ -365,19 +400,16 @@ def simulator_line(steps: int, n: int, twin_head: bool) -> str:
             "second decode loop)")
 
 
-def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[str] | None = None,
-                  new_tokens: int = 64, references: dict[str, dict] | None = None,
+def verify_bundle(bundle: Path, judge: Judge, targets: list[str] | None = None,
+                  references: dict[str, dict] | None = None,
                   qdq_twins: dict[str, dict[str, str]] | None = None,
-                  evaluation: EvalText | None = None, encoders: list[GraphSpec] | None = None
-                  ) -> dict:
+                  encoders: list[GraphSpec] | None = None) -> dict:
     """Judge each target's graphs against HF: ``references`` (``hf_references``) when given, then
     ``hf`` may be None unless the bundle has encoders. An HTP target that fails and has
     ``qdq_twins`` (graph name -> the QDQ graph it was compiled from) gets them judged on the CPU
     EP too (``qdq_on_cpu``), with the towers' float graphs ``encoders`` (default: the cpu
     target's): whether the quantization or the HTP lost the accuracy."""
-    from ...bundle.manifest import confine
-
-    tok = TextTokenizer(confine(bundle, manifest.tokenizer.dir))
+    manifest, family, hf = judge.manifest, judge.family, judge.hf
     report = {}
     for name in targets or list(manifest.targets):
         spec = manifest.targets[name]
@@ -395,12 +427,11 @@ def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[st
             "qnn" if qnn.is_arm_host() else "qnn-sim", spec.htp_arch)
         engine = Engine(bundle, manifest, name, backend)
         simulated = spec.htp_arch is not None and not qnn.is_arm_host()
-        n = min(new_tokens, manifest.context - 2)
+        n = judge.tokens
         steps = simulated_steps(spec, n) if simulated else n
         twin = simulated_twin_head(bundle, spec, (qdq_twins or {}).get(name), engine)
-        report[name] = r = verify_target(family, hf, engine, tok, manifest, name, spec.quant,
-                                         new_tokens=n, ref=(references or {}).get(name),
-                                         evaluation=evaluation, steps=steps,
+        report[name] = r = verify_target(replace(judge, manifest=manifest), engine, name,
+                                         ref=(references or {}).get(name), steps=steps,
                                          continue_after_miss=not simulated, text_head=twin)
         if simulated:
             r["simulator"] = simulator_line(steps, n, twin is not None)
@@ -413,24 +444,19 @@ def verify_bundle(bundle: Path, manifest: Manifest, family, hf, targets: list[st
                               f" < {e['gate']}" for n, e in r["encoders"].items() if not e["passed"]]
             r["passed"] = not r["failures"]
         if not r["passed"] and name in (qdq_twins or {}):
-            r["qdq_on_cpu"] = _qdq_on_cpu(bundle, manifest, family, hf, tok, name,
-                                          qdq_twins[name], new_tokens, (references or {}).get(name),
-                                          evaluation, encoders)
+            r["qdq_on_cpu"] = qdq_on_cpu(bundle, judge, name, qdq_twins[name],
+                                          (references or {}).get(name), encoders)
     return report
 
 
-def _qdq_on_cpu(bundle: Path, manifest: Manifest, family, hf, tok: TextTokenizer, name: str,
-                files: dict[str, str], new_tokens: int, ref: dict | None,
-                evaluation: EvalText | None = None, encoders: list[GraphSpec] | None = None
-                ) -> dict:
+def qdq_on_cpu(bundle: Path, judge: Judge, name: str, files: dict[str, str], ref: dict | None,
+                encoders: list[GraphSpec] | None = None) -> dict:
     """Target ``name``'s QDQ graphs — what was compiled — run on the CPU EP and judged like it.
     A gate the QDQ graphs miss on the CPU too was lost to the quantization, which a compiler fix
     would not change (docs/notes/measurements.md has such a case)."""
-    m, twin = qdq_twin(manifest, name, files, encoders)
+    m, twin = qdq_twin(judge.manifest, name, files, encoders)
     engine = Engine(bundle, m, twin, Backend("cpu"))
-    r = verify_target(family, hf, engine, tok, m, twin, manifest.targets[name].quant,
-                      new_tokens=min(new_tokens, manifest.context - 2), ref=ref,
-                      evaluation=evaluation)
+    r = verify_target(replace(judge, manifest=m), engine, twin, ref=ref)
     return {k: r[k] for k in ("graphs", "teacher_forced", "text", "passed", "failures")} | {
         "greedy": {k: r["greedy"][k] for k in ("new_tokens", "matching_prefix")}}
 

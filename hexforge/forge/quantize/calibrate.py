@@ -198,10 +198,11 @@ def calibrate_and_quantize(job: ShardJob, recipe: QuantRecipe) -> None:
     """The float graphs' activation ranges from the calibration text (and the towers' media
     prompts), then each graph's QDQ twin ``srcs/<name>.qdq.onnx`` beside it."""
     t = time.perf_counter()
-    root, graphs, srcs, log = job.root, job.graphs, job.srcs, job.log
-    text = calibration_text(job.opts.calib)
-    with job.fam.float32_forward(job.hf):  # the towers run on the media prompts
-        cal = calibrate(root, job.manifest, graphs, job.plan, recipe, text, job.hf,
+    ctx = job.ctx
+    root, graphs, srcs, log = ctx.root, job.graphs, job.srcs, ctx.log
+    text = calibration_text(ctx.opts.calib)
+    with ctx.fam.float32_forward(ctx.hf):  # the towers run on the media prompts
+        cal = calibrate(root, job.manifest, graphs, job.plan, recipe, text, ctx.hf,
                         work=srcs / "calib", log=log, encoders=job.encoders)
     gc.collect()  # the float engine's sessions and weight maps, before quantizing
     what = f"quantize {recipe.name}" + (" (GPTQ)" if recipe.gptq else "")

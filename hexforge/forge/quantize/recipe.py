@@ -16,25 +16,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ..context import StageContext
+
 
 @dataclass
 class ShardJob:
-    """One float export of the HTP stage, as a recipe's ``prepare`` needs it: the graphs under
-    ``root`` (``graphs``, ``plan``), the folder their quantized twins go to (``srcs``), and
-    the build's model, options, towers' graphs and log."""
+    """One float export of the HTP stage, as a recipe's ``prepare`` needs it: the build's
+    context (model, options, ``ctx.root`` holding ``graphs`` / ``plan``, log), the folder the
+    quantized twins go to (``srcs``), the towers' graphs and the target."""
 
-    fam: Any
-    hf: Any
-    args: Any
-    root: Path
+    ctx: StageContext
     manifest: Any
     graphs: list
     plan: Any
     srcs: Path
-    opts: Any
     encoders: list
     target: Any
-    log: Any
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ class WeightOnlyRecipe(QuantRecipe):
         import time
 
         t = time.perf_counter()
-        weight_only(job.plan, job.srcs, self, job.args.vocab_size)
-        job.log(f"[{job.target.name}] weights {self.name}: MatMulNBits int{self.weight_bits}, "
+        weight_only(job.plan, job.srcs, self, job.ctx.args.vocab_size)
+        job.ctx.log(f"[{job.target.name}] weights {self.name}: MatMulNBits int{self.weight_bits}, "
                 f"blocks of {self.block_size}, fp16 activations ({time.perf_counter() - t:.1f}s)")
 
     def head_bytes_per_weight(self) -> float:
@@ -52,8 +52,8 @@ def weight_only(plan: RunPlan, folder: Path, recipe: QuantRecipe, vocab_size: in
     fp16 activations; its activation input must be rank 3, as every projection's [1, T, K] is."""
     import onnx
 
-    from ..export.graphs import weight_groups, weights_file
     from ..export.onnxexport import share_weights
+    from ..export.plan import weight_groups, weights_file
     from .nbits import quantize_cpu_graph
 
     groups = weight_groups(plan, cpu=False)

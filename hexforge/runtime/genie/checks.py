@@ -43,12 +43,20 @@ def named_files(config: dict) -> Iterator[tuple[str, str]]:
         for i, p in enumerate(binary.get(key, []) or []):
             yield f"engine.model.binary.{key}[{i}]", p
     for block in ("embedding", "perlayer-embedding"):
-        if "lut-path" in d.get(block, {}):
-            yield f"{block}.lut-path", d[block]["lut-path"]
-        quant = d.get(block, {}).get("quant-param", {})
-        for key in ("scale", "offset"):  # a PCQ LUT's (a value a row): files, not numbers
-            if isinstance(quant.get(key), str):
-                yield f"{block}.quant-param.{key}", quant[key]
+        for where, path in lut_files(d.get(block, {})):
+            yield f"{block}.{where}", path
+
+
+def lut_files(lut: dict) -> Iterator[tuple[str, str]]:
+    """(key path in the block, path) for the files an embedding LUT block names: the table, and a
+    PCQ LUT's scales and offsets (a value a row: files, not numbers). The dialog's ``embedding``
+    and a pipeline text-encoder's ``lut`` are such blocks."""
+    if "lut-path" in lut:
+        yield "lut-path", lut["lut-path"]
+    quant = lut.get("quant-param", {})
+    for key in ("scale", "offset"):
+        if isinstance(quant.get(key), str):
+            yield f"quant-param.{key}", quant[key]
 
 
 def read_config(folder: Path) -> dict:

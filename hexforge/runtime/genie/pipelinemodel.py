@@ -29,7 +29,7 @@ from ...bundle.errors import BundleError, RequestError
 from ...bundle.lut import LutEncoding
 from ..options import Done, GenerationOptions, Piece, check_request
 from . import libgenie as genie
-from .checks import check_prompt_fits
+from .checks import check_prompt_fits, lut_files
 from .libpipeline import Node, Pipeline
 from .model import GenieModel, absolute_paths, genie_result, never_eos, sampler_config
 
@@ -40,12 +40,18 @@ PIPELINE = "genie_pipeline.json"
 
 
 def node_paths(config: dict, folder: Path) -> dict:
-    """A node config with its files (binaries, extension config; a text-encoder's LUT and
-    tokenizer) made absolute: Genie resolves them against the working directory."""
+    """A node config with its files (binaries, extension config; a text-encoder's LUT, its PCQ
+    scales and offsets, and tokenizer) made absolute: Genie resolves them against the working
+    directory."""
     cfg = json.loads(json.dumps(config))
     body = next(iter(cfg.values()))
-    if "engine" not in body:  # a text-encoder: its LUT and tokenizer
-        body["lut"]["lut-path"] = str(folder / body["lut"]["lut-path"])
+    if "engine" not in body:  # a text-encoder: its LUT (an 8-bit one's scales too) and tokenizer
+        for where, path in list(lut_files(body["lut"])):
+            *outer, key = where.split(".")
+            block = body["lut"]
+            for k in outer:
+                block = block[k]
+            block[key] = str(folder / path)
         body["tokenizer"]["path"] = str(folder / body["tokenizer"]["path"])
         return cfg
     engine = body["engine"]
@@ -260,7 +266,8 @@ class GeniePipelineModel(GenieModel):
                     raise genie.GenieError(f"{media['node']}: its embeddings (< {n} rows)", -1,
                                            self.log_tail())
                 generator.set_data(spec["rows_input"],
-                                   lut_rows(node_pipe.rows[-1][:n], self.config))
+                                   lut_rows(node_pipe.rows[-1][:n], self.config,
+                                            self.pipeline_spec["text"]))
         tokens_q: queue.Queue = queue.Queue()
         done = object()
         pipe.on_token = tokens_q.put
@@ -320,15 +327,21 @@ class GeniePipelineModel(GenieModel):
         super().close()
 
 
-def lut_rows(rows: np.ndarray, config: dict) -> np.ndarray:
-    """Rows the host hands the text-generator, in its embedding LUT's datatype: Genie takes
-    them as LUT rows (a float32 row set on a uint16 LUT read as garbage: a tiny Gemma-4's audio
-    answer differed from the first token), where a node's connection converts them itself."""
+def lut_rows(rows: np.ndarray, config: dict, text: dict | None = None) -> np.ndarray:
+    """Rows the host hands the text-generator, in the 16-bit codes Genie feeds its graphs: a
+    16-bit LUT's own encoding (a float32 row set on a uint16 LUT read as garbage: a tiny
+    Gemma-4's audio answer differed from the first token); with an 8-bit LUT, a scale a row,
+    the graph input's (``text``: genie_pipeline.json's, ``rows_encoding``; measured on tiny
+    Gemma-4: float32 rows gave other tokens from the 4th, these qnn-sim's). A node's
+    connection converts its rows itself."""
     emb = config["dialog"].get("embedding", {})
     if emb.get("datatype") == "ufixed8":  # a LUT past 4 GiB at 16 bits, a scale a row
-        raise RequestError("this Genie folder's embedding LUT is 8-bit with a scale a row (a "
-                           "16-bit one would pass the 4 GiB libGenie reads): rows the host "
-                           "hands Genie (audio) are not supported with it; use --backend qnn-sim")
+        enc = (text or {}).get("rows_encoding")
+        if enc is None:
+            raise RequestError("this Genie folder's 8-bit embedding LUT comes without the "
+                               "encoding rows from the host must be in (built before hexforge "
+                               "wrote it): rebuild it, or use --backend qnn-sim")
+        return LutEncoding(float(enc[0]), int(enc[1])).quantize(rows)
     if emb.get("datatype") != "ufixed16":
         return rows
     return LutEncoding.of_quant_param(emb["quant-param"]).quantize(rows)
