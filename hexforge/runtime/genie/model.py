@@ -17,7 +17,7 @@ import copy
 import json
 import platform
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -227,25 +227,38 @@ class GenieModel(GenerationMethods):
         check_request(r.ids, r.max_new, self.n_vocab, self.context)  # integrity: before libGenie
         check_prompt_fits(len(r.ids), self.config)
         dialog = self._dialog_for(r.temperature, r.top_k, r.top_p, r.seed, r.ignore_eos)
+        yield from self.pieces(dialog.generate(r.ids, r.max_new), r, len(r.ids), t0, "genie",
+                               lambda: dialog.last_status == 0)
+
+    def pieces(self, tokens: Iterator[int], r: GenieRequest, prompt_tokens: int, t0: float,
+               backend: str, ended_itself: Callable[[], bool]) -> Iterator[Piece | Done]:
+        """The one loop a Genie request's tokens go through, a dialog's or a pipeline's: a
+        ``Piece`` per piece of text, then one ``Done``. ``tokens`` is closed at an EOS (its
+        producer stops Genie or lets it run out); ``ended_itself``: once the tokens ran out
+        short of ``r.max_new``, whether Genie stopped at an EOS it did not hand over."""
         detok = self.tokenizer.detokenizer()
-        tokens: list[int] = []
+        out: list[int] = []
         finish, t_first = "length", None
-        for token in dialog.generate(r.ids, r.max_new):
-            t_first = t_first or time.perf_counter()
-            if token in self.eos and not r.ignore_eos:  # Genie hands the EOS over, then stops
-                finish = "stop"
-                break
-            tokens.append(token)
-            piece = detok.add(token)
-            if piece:
-                yield Piece(piece, token)
-        if finish == "length" and len(tokens) < r.max_new and dialog.last_status == 0:
-            finish = "stop"  # Genie stopped at an EOS it did not hand over
+        try:
+            for token in tokens:
+                t_first = t_first or time.perf_counter()
+                if token in self.eos and not r.ignore_eos:  # Genie hands the EOS over, then stops
+                    finish = "stop"
+                    break
+                out.append(token)
+                piece = detok.add(token)
+                if piece:
+                    yield Piece(piece, token)
+        finally:
+            close = getattr(tokens, "close", None)
+            if close is not None:
+                close()
+        if finish == "length" and len(out) < r.max_new and ended_itself():
+            finish = "stop"
         tail = detok.flush()
         if tail:
             yield Piece(tail, None)
-        yield Done(genie_result(self.tokenizer, tokens, len(r.ids), finish, t0, t_first,
-                                "genie"))
+        yield Done(genie_result(self.tokenizer, out, prompt_tokens, finish, t0, t_first, backend))
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if self.chat_template is None:

@@ -31,7 +31,7 @@ from ..options import Done, GenerationOptions, Piece, check_request
 from . import libgenie as genie
 from .checks import check_prompt_fits, lut_files
 from .libpipeline import Node, Pipeline
-from .model import GenieModel, absolute_paths, genie_result, never_eos, sampler_config
+from .model import GenieModel, absolute_paths, never_eos, sampler_config
 
 # the options a pipeline honours beside a dialog's
 MEDIA_OPTIONS = frozenset({"images", "audios"})
@@ -268,48 +268,8 @@ class GeniePipelineModel(GenieModel):
                 generator.set_data(spec["rows_input"],
                                    lut_rows(node_pipe.rows[-1][:n], self.config,
                                             self.pipeline_spec["text"]))
-        tokens_q: queue.Queue = queue.Queue()
-        done = object()
-        pipe.on_token = tokens_q.put
-        result: list[int] = []
-        error: list[BaseException] = []
-
-        def run():
-            try:
-                result.append(pipe.execute())
-            except BaseException as e:  # raised again on the caller's thread
-                error.append(e)
-            finally:
-                tokens_q.put(done)
-
-        worker = threading.Thread(target=run, name="genie-pipeline", daemon=True)
-        worker.start()
-        detok = self.tokenizer.detokenizer()
-        tokens: list[int] = []
-        finish, t_first = "length", None
-        while (t := tokens_q.get()) is not done:
-            t_first = t_first or time.perf_counter()
-            if len(tokens) >= max_new:
-                continue
-            if t in self.eos and not ignore_eos:
-                finish = "stop"
-                continue
-            if finish == "stop":
-                continue
-            tokens.append(t)
-            piece = detok.add(t)
-            if piece:
-                yield Piece(piece, t)
-        worker.join()
-        if error:
-            raise error[0]
-        if finish == "length" and len(tokens) < max_new:
-            finish = "stop"
-        tail = detok.flush()
-        if tail:
-            yield Piece(tail, None)
-        yield Done(genie_result(self.tokenizer, tokens, len(ids), finish, t0, t_first,
-                                "genie-pipeline"))
+        yield from self.pieces(pipeline_tokens(pipe, max_new), r, len(ids), t0,
+                               "genie-pipeline", lambda: True)
 
     def log_tail(self) -> list[str]:
         return self._made[2].tail() if self._made is not None else []
@@ -325,6 +285,39 @@ class GeniePipelineModel(GenieModel):
             log.close()
             self._made = None
         super().close()
+
+
+def pipeline_tokens(pipe: Pipeline, max_new: int) -> Iterator[int]:
+    """The text-generator's tokens (at most ``max_new``) as its callback hands them over: the
+    pipeline runs on a thread. Closed early (an EOS), the pipeline runs out before the pipe may
+    be used again (no ABORT here); an error on its thread is raised here, on the caller's."""
+    tokens: queue.Queue = queue.Queue()
+    done = object()
+    pipe.on_token = tokens.put
+    error: list[BaseException] = []
+
+    def run():
+        try:
+            pipe.execute()
+        except BaseException as e:  # raised again on the caller's thread
+            error.append(e)
+        finally:
+            tokens.put(done)
+
+    worker = threading.Thread(target=run, name="genie-pipeline", daemon=True)
+    worker.start()
+    n, t = 0, None
+    try:
+        while (t := tokens.get()) is not done:
+            if n < max_new:
+                n += 1
+                yield t
+    finally:
+        while t is not done:  # closed at a token: the rest are drained
+            t = tokens.get()
+        worker.join()
+        if error:
+            raise error[0]
 
 
 def lut_rows(rows: np.ndarray, config: dict, text: dict | None = None) -> np.ndarray:
