@@ -12,7 +12,7 @@ import pytest
 
 import hexforge
 from hexforge.bundle.errors import RequestError
-from hexforge.runtime.model import StopStrings
+from hexforge.runtime.loop import StopStrings
 from hexforge.runtime.sampling import make_sampler, min_p, repetition_penalty
 from tests.conftest import prompt_ids
 

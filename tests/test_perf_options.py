@@ -181,20 +181,21 @@ def test_bound_session_rebinds_what_changed_between_calls(tmp_path):
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma4", "qwen3_5"])
 def test_decode_fast_path_gives_the_general_paths_logits_bit_for_bit(bundle, family, monkeypatch):
-    """A decode step writes its host inputs into the last step's arrays (Engine._decode_inputs);
-    forced through the general path (_step_inputs) every step, the logits are the same bits.
+    """A decode step writes its host inputs into the last step's arrays (StepInputs._decode);
+    forced through the general path (StepInputs._general) every step, the logits are the same
+    bits.
     gemma4: per-layer host embeddings, two ropes, sliding-window masks; qwen3_5: recurrent state.
     Two prompts, the second after a reset: the kept dict outlives reset()."""
     import hexforge
-    from hexforge.runtime.engine import Engine
+    from hexforge.runtime.stepinputs import StepInputs
 
     b = bundle(family)
     fast, general = hexforge.load(b).engine, hexforge.load(b).engine
-    general._decode_inputs = lambda token: None  # every step through _step_inputs
+    general.inputs._decode = lambda token, pos: None  # every step through _general
     taken = []
-    real = Engine._decode_inputs
-    monkeypatch.setattr(Engine, "_decode_inputs",
-                        lambda self, token: taken.append(real(self, token)) or taken[-1])
+    real = StepInputs._decode
+    monkeypatch.setattr(StepInputs, "_decode",
+                        lambda self, token, pos: taken.append(real(self, token, pos)) or taken[-1])
     rng = np.random.default_rng(2)
     for n in (21, 5):
         prompt = [int(x) for x in rng.integers(3, fast.vocab_size, n)]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import hexforge
-from hexforge.runtime.engine import tail_selector
+from hexforge.runtime.stepinputs import tail_selector
 from tests.conftest import N, prompt_ids
 
 LENGTHS = [1, N - 1, N + 1, 3 * N + 5]

@@ -51,7 +51,7 @@ def run_demo(workdir: str | None = None, tiny: bool = False, family: str = "llam
         print(f"1. SmolLM2-135M-Instruct from {source}")
     targets = "cpu,v81" if qnn.available() else "cpu"
     # fp16 on the HTP: the x86 simulator emulates the weight-only recipes' MatMulNBits at ~6x the
-    # cost of an fp16 step (a SmolLM2 w8-fp16 decode step ~33 s there), which the oracle pays
+    # cost of an fp16 step, which the oracle pays (docs/quality.md#what-the-oracle-measures)
     opts = BuildOptions(targets=targets, quant="fp16", context=256, prefill_len=32,
                         verify_tokens=8, eval_tokens=96)
     t1 = time.perf_counter()

@@ -20,7 +20,7 @@ def decode_bytes_per_token(bundle: Path, t) -> int:
     one does not run it). For HTP targets that is the context binaries' size (weights dominate);
     for cpu the external weight ranges those graphs name, each once (a shard's prefill and decode
     share one weight file, but a range only one of them reads is not read per token: Qwen3.5's
-    int4 file held 96 MB of prefill-only in-projections, and the whole file was counted)."""
+    int4 file holds prefill-only in-projections)."""
     import onnx
     from onnx.external_data_helper import ExternalDataInfo
 

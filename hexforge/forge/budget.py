@@ -4,8 +4,9 @@
   on) is refused in one line.
 - The machine's memory: a build's graphs take the caches at ``--context`` as inputs, and every
   export (and HTP compile) holds ~3x them beside its weights. At 1M tokens SmolLM2-135M's caches
-  are 46 GB in fp32: the build was killed by the OOM killer a minute in, without a word. The
-  estimate is the one export a build cannot do without, the largest of its graphs::
+  are 46 GB in fp32: such a build was killed by the OOM killer, without a word
+  (docs/notes/measurements.md, "build memory"). The estimate is the one export a build cannot
+  do without, the largest of its graphs::
 
       need(context) = PROCESS_BYTES + max over graphs of  5 B x weights + 3.5 x caches(context)
                                                           (memory.export_need_bytes, least)

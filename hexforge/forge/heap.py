@@ -12,10 +12,11 @@ from pathlib import Path
 # ---- giving back the pages of mapped files ----------------------------------------------------
 # transformers maps the safetensors (MAP_PRIVATE) and the build's calibration sessions map their
 # weight files: every page the build has read once stays in this process's RSS until unmapped.
-# After the host tensors, that is the whole checkpoint (Gemma-4-E2B: 8.7 of a 17 GB peak), though
-# each later stage reads one shard of it. The pages are clean copies of their files: dropping them
-# costs a page-cache fault on the next read. A mapping holding private (copy-on-write) pages is
-# left alone: MADV_DONTNEED would throw those writes away.
+# After the host tensors, that is the whole checkpoint (Gemma-4-E2B: half the build's peak;
+# docs/notes/cpu-performance.md), though each later stage reads one shard of it. The pages are
+# clean copies of their files: dropping them costs a page-cache fault on the next read. A
+# mapping holding private (copy-on-write) pages is left alone: MADV_DONTNEED would throw those
+# writes away.
 MADV_DONTNEED = 4
 
 

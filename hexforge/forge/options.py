@@ -217,7 +217,7 @@ class BuildOptions:
         if self.kv_values != "fp16" and not (htp and self.recipe.name == "fp16"):
             # weight-only recipes' decode is bound by the vector units that dequantize their
             # weights, not by DDR: the values' dequantization made them slower under Hextimate
-            # (SmolLM2 w8-fp16 2,093 -> 2,249 us, w4-fp16 1,837 -> 2,469; docs/notes/htp-speed.md)
+            # (docs/notes/htp-speed.md)
             raise BuildError(f"--kv-values {self.kv_values} needs an HTP --target and --quant "
                              "fp16 (the weight-only recipes' decode is vector-bound: 8-bit values "
                              "make it slower; fixed-point ones keep their calibrated cache)")

@@ -32,6 +32,7 @@ from .options import check_request
 from .sampling import Sampler
 from .speculative import PromptLookup, StepCosts, check_speculation, speculative_steps
 from .state import NP_DTYPES, State, target_forms
+from .stepinputs import StepInputs
 from .stepplan import StepPlan
 
 # observer(graph, feeds {input name: array}, outputs {bind: array}, valid positions): the oracle
@@ -39,29 +40,19 @@ from .stepplan import StepPlan
 Observer = Callable[[GraphSpec, dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray], None]
 
 
-def tail_selector(k: int, T: int, n_valid: int) -> np.ndarray:
-    """One-hot [1, k, k+T]: row i picks row n_valid + i of [fifo (k rows) | step inputs (T rows)],
-    i.e. the last k inputs that were real tokens (pad rows of a last chunk are skipped)."""
-    sel = np.zeros((1, k, k + T), dtype=np.float32)
-    sel[0, np.arange(k), n_valid + np.arange(k)] = 1.0
-    return sel
-
-
 class Engine:
     def __init__(self, bundle: Path, manifest: Manifest, target: str, backend: Backend):
         self.manifest, self.target = manifest, manifest.targets[target]
-        self.context = manifest.context
-        self.prefill_len = self.target.plan.prefill_len
         tensors = load_host_tensors(confine(bundle, manifest.host_tensors))
         embed = manifest.host.embed
         if embed.shared is not None:  # a tied quantized head's rows: the table stored once
             tensors[embed.table] = shared_table(confine(bundle, embed.shared.file), embed.table,
                                                 embed.shared)
-        self.host = HostInputs(manifest.host, tensors, self.context + self.prefill_len,
-                               [e.placeholder_id for e in manifest.encoders])
-        self.plan = StepPlan.of(manifest, self.target, self.host.rope)  # what each step runs
-        self.prompt_offset = 0  # index in the prompt of the current step's first row
+        host = HostInputs(manifest.host, tensors, self.context + self.prefill_len,
+                          [e.placeholder_id for e in manifest.encoders])
+        self.plan = StepPlan.of(manifest, self.target, host.rope)  # what each step runs
         self.state = State(manifest, target_forms(manifest, self.target))  # HTP: fp16 KV
+        self.inputs = StepInputs(host, self.plan, self.state, self.target)
         # verify graphs (speculative decoding) load on first use — the first verify step, after
         # the first token: a request without it pays neither their load time nor their copy of
         # the weights, and a prompt-lookup request's first token does not wait for them
@@ -69,17 +60,9 @@ class Engine:
         self.step_costs = StepCosts()  # decode vs verify step time: when a draft pays
         self.sessions = {g.name: backend.session(bundle, self.target, g) for g in self.target.graphs
                          if g.role != "verify" and g.name != self.target.plan.verify_head}
-        self.hidden_dtype = NP_DTYPES[self.target.hidden_dtype]
         self.pos = 0
         self.resets = 0  # a chat session's state is its own only while no reset came between
         self.observer: Observer | None = None
-        # cpu graphs that read only the cache rows held (in-place caches; Gemma-4's cut caches):
-        # rows held after the step, per group, as GroupQueryAttention takes them — arrays kept
-        # across steps, updated in place
-        self.kv_lengths = {name: (np.zeros(1, np.int32), np.zeros((), np.int32))
-                           for name in self.plan.kv_length_groups}
-        self.media: MediaRows | None = None  # the current prompt's soft tokens (prefill only)
-        self.rope_delta = 0  # M-RoPE: rope position = slot position + delta after the prompt
         # per graph, each input's step key or its state buffer (which lives as long as the
         # engine): bound once, not per call
         self._feeds = {name: [(f.name, f.key or "", None if f.state is None
@@ -87,9 +70,18 @@ class Engine:
                        for name, feeds in self.plan.feeds.items()}
         for name in list(self.sessions):
             self._check_in_place(self.target.graph(name))
-        self._constants_of: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-        self._kept_rows: dict[str, np.ndarray] = {}
-        self._ar1_inputs: dict[str, np.ndarray] | None = None  # see _decode_inputs
+
+    @property
+    def context(self) -> int:
+        return self.manifest.context
+
+    @property
+    def prefill_len(self) -> int:
+        return self.target.plan.prefill_len
+
+    @property
+    def host(self) -> HostInputs:
+        return self.inputs.host
 
     @property
     def verify_len(self) -> int:
@@ -121,9 +113,9 @@ class Engine:
 
     def reset(self) -> None:
         self.state.reset()
+        self.inputs.reset()
         self.pos = 0
         self.resets += 1
-        self.media, self.rope_delta = None, 0
 
     # ---- one step ----------------------------------------------------------------------------
     def _run(self, graph: GraphSpec, inputs: dict[str, np.ndarray], positions: np.ndarray) -> None:
@@ -140,100 +132,13 @@ class Engine:
             outputs = {s.bind: v for s, v in zip(graph.outputs, values, strict=True)}
             self.observer(graph, feeds, outputs, positions)
 
-    def _constants(self, T: int, n_valid: int) -> dict[str, np.ndarray]:
-        """The inputs that depend on (T, n_valid) only: valid [1, T], the tail:<k> one-hots,
-        zero deepstack rows. Made once per (T, n_valid) — a decode step is always (1, 1) — and
-        shared by every step of that shape, so nothing may write them."""
-        c = self._constants_of.get((T, n_valid))
-        if c is None:
-            c = {bind: np.zeros((1, T, dim), np.float32) for bind, dim in self.plan.row_binds.items()}
-            if self.plan.binds_valid:
-                c["valid"] = (np.arange(T) < n_valid).astype(np.float32)[None]  # [1, T]
-            for k in self.plan.tails:
-                c[f"tail:{k}"] = tail_selector(k, T, n_valid)
-            self._constants_of[(T, n_valid)] = c
-        return c
-
-    def _step_inputs(self, ids: np.ndarray, positions: np.ndarray, n_valid: int, role: str
-                     ) -> dict[str, np.ndarray]:
-        """The host-made inputs of a step at positions [T]: {bind: array}."""
-        T = ids.shape[0]
-        gather_ids = self.host.media_ids(ids)
-        embeds = self.host.embed(gather_ids)
-        inputs = {f"host:{name}": value
-                  for name, value in self.host.extra_embeds(gather_ids).items()}
-        inputs.update(self._constants(T, n_valid))
-        rope_pos = positions + self.rope_delta
-        if self.media is not None:  # this step's slice of the prompt's soft tokens
-            embeds, rows, rope_pos = self.media.slice(self.prompt_offset, T, embeds, rope_pos)
-            inputs.update(rows)  # replaces the zero rows
-        inputs["hidden"] = inputs["embed"] = embeds.astype(self.hidden_dtype, copy=False)
-        for name in self.plan.ropes:
-            inputs[f"rope_cos:{name}"], inputs[f"rope_sin:{name}"] = self.host.rope_tables(
-                name, rope_pos)
-        self._lengths_and_masks(inputs, role, positions if T > 1 else None)
-        if T == 1:  # AR-1: the per-step rows go into arrays kept across steps, which IO binding
-            # then binds once (a bind costs ~1 us, copying one row ~0.2 us)
-            for key in self.plan.row_keys:
-                inputs[key] = self._kept_row(key, inputs[key])
-            inputs["embed"] = inputs["hidden"]
-        return inputs
-
-    def _decode_inputs(self, token: int) -> dict[str, np.ndarray] | None:
-        """A decode step's inputs (T = 1, no media rows) written into the arrays the last one
-        bound — the dict of the first AR-1 step, kept: the embed and rope rows in place, the cache
-        lengths and mask rows as ``_step_inputs`` makes them. The same values by the same float ops
-        in fewer Python steps, which show on small models. None where the general path must run:
-        no AR-1 step yet, media rows in the step, a rope position past the tables."""
-        inputs, host, p = self._ar1_inputs, self.host, self.pos
-        rope_pos = p + self.rope_delta
-        if inputs is None or self.media is not None or not 0 <= rope_pos < host.max_positions:
-            return None
-        host.write_token_rows(token, self._kept_rows)
-        # a shard's output replaced "hidden" last step
-        inputs["hidden"] = inputs["embed"] = self._kept_rows["hidden"]
-        for name in self.plan.ropes:
-            cos, sin = host.rope[name]
-            self._kept_rows[f"rope_cos:{name}"][0, 0] = cos[rope_pos]
-            self._kept_rows[f"rope_sin:{name}"][0, 0] = sin[rope_pos]
-        self._lengths_and_masks(inputs, "decode")
-        return inputs
-
-    def _lengths_and_masks(self, inputs: dict[str, np.ndarray], role: str,
-                           positions: np.ndarray | None = None) -> None:
-        """A step's cache lengths (row p holds position p) and masks into ``inputs``: rows at
-        ``positions`` [T], or (None) one row at self.pos, whose masks are their groups'
-        persistent decode rows."""
-        last = self.pos if positions is None else int(positions[-1])
-        for name, (seqlens, total) in self.kv_lengths.items():
-            total[...] = last + 1
-            seqlens[0] = last
-            inputs[f"kv_seqlens:{name}"], inputs[f"kv_total:{name}"] = seqlens, total
-        mask_value = self.target.mask_value
-        for name in self.plan.masks[role]:
-            group = self.state.groups[name]
-            inputs[f"mask:{name}"] = (group.decode_mask(self.pos, mask_value) if positions is None
-                                      else group.mask(positions, mask_value))
-
-    def _kept_row(self, key: str, value: np.ndarray) -> np.ndarray:
-        """value copied into the array kept for key (made on first use)."""
-        kept = self._kept_rows.get(key)
-        if kept is None or kept.shape != value.shape or kept.dtype != value.dtype:
-            kept = self._kept_rows[key] = np.empty_like(value)
-        kept[...] = value
-        return kept
-
     def forward(self, ids: np.ndarray, n_valid: int, role: str, head: bool = True
                 ) -> np.ndarray | None:
         """Run ids [T] (first n_valid real) at self.pos through every shard; -> logits [V], or
         None with head=False (a prefill chunk before the last: its logits are never read)."""
         positions = np.arange(self.pos, self.pos + ids.shape[0], dtype=np.int64)
         valid = positions[:n_valid]
-        inputs = self._decode_inputs(int(ids[0])) if role == "decode" else None
-        if inputs is None:
-            inputs = self._step_inputs(ids, positions, n_valid, role)
-            if role == "decode" and self.media is None:
-                self._ar1_inputs = inputs
+        inputs = self.inputs.step(ids, positions, n_valid, role)
         for graph in self.plan.graphs[role]:
             self._run(graph, inputs, valid)  # hidden -> hidden, state -> new:<state>
         # the state writes, once every graph has read the old rows
@@ -267,7 +172,8 @@ class Engine:
 
     def _prefill(self, ids: list[int], mode: str, media: MediaRows | None) -> np.ndarray:
         ids_arr = np.asarray(ids, dtype=np.int64)
-        self.media, self.prompt_offset = media, 0
+        rows = self.inputs
+        rows.media, rows.prompt_offset = media, 0
         try:
             if mode == "decode":
                 return self._prefill_ar1(ids_arr, 0)
@@ -281,7 +187,7 @@ class Engine:
                 n = chunk.shape[0]
                 if n < N:
                     chunk = np.concatenate([chunk, np.zeros(N - n, dtype=np.int64)])
-                self.prompt_offset = start
+                rows.prompt_offset = start
                 # only the last chunk's logits are read; an observer (calibration, the oracle)
                 # sees every chunk's head as well
                 if start + N >= len(ids_arr):
@@ -290,20 +196,21 @@ class Engine:
             raise ValueError("an empty prompt has no logits")
         finally:
             if media is not None:
-                self.rope_delta = media.rope_delta
-            self.media = None
+                rows.rope_delta = media.rope_delta
+            rows.media = None
 
     def _prefill_ar1(self, ids: np.ndarray, start: int) -> np.ndarray:
         """ids[start:] one token a step through the AR-1 graphs; -> the last one's logits."""
         for i in range(start, len(ids)):
-            self.prompt_offset = i
+            self.inputs.prompt_offset = i
             logits = self._logits(ids[i:i + 1], 1, "decode")
         return logits
 
     def head_logits(self, hidden: np.ndarray) -> np.ndarray:
         """The head graph on one hidden row [1, 1, H] -> logits [V] (a copy): the oracle runs
         every row of a prefill chunk through it (forge/oracle/quality.py)."""
-        out: dict[str, np.ndarray] = {"hidden": np.ascontiguousarray(hidden, dtype=self.hidden_dtype)}
+        dtype = self.inputs.hidden_dtype
+        out: dict[str, np.ndarray] = {"hidden": np.ascontiguousarray(hidden, dtype=dtype)}
         self._run(self.plan.head, out, np.array([self.pos - 1]))
         return out["logits"][0, -1].copy()
 
@@ -325,7 +232,7 @@ class Engine:
         padded = np.zeros(T, dtype=np.int64)
         padded[:n] = ids
         positions = np.arange(self.pos, self.pos + T, dtype=np.int64)
-        inputs = self._step_inputs(padded, positions, n, "verify")
+        inputs = self.inputs.step(padded, positions, n, "verify")
         for graph in self.plan.graphs["verify"]:
             self._run(graph, inputs, positions[:n])
         return Verification(self, inputs, positions[:n])

@@ -16,6 +16,7 @@ from ..bundle.manifest import Manifest, confine, load_manifest
 from .backends import Backend
 from .constrain import Grammars
 from .engine import Engine
+from .loop import Stops, StopStrings, emit
 from .multimodal import Encoded, decode_media, encode_media, prepare_media
 from .options import (
     Done,
@@ -64,40 +65,6 @@ def pick_target(manifest: Manifest, backend: Backend, target: str | None = None)
     if len(htp) > 1:
         raise BackendError(f"the bundle holds {', '.join(htp)}: say which with --arch")
     return next(iter(htp))
-
-
-class StopStrings:
-    """Releases streamed text, holding back any tail that could still become a stop string; cuts
-    exactly where the first stop string begins (also when it spans tokens or ends inside one)."""
-
-    def __init__(self, stops: list[str]):
-        if any(not isinstance(x, str) or not x for x in stops):
-            raise RequestError("stop strings must be non-empty strings")
-        self.stops, self.text, self.released, self.hit = stops, "", 0, False
-
-    def add(self, piece: str) -> str:
-        if self.hit:  # the output has ended
-            return ""
-        self.text += piece
-        if not self.stops:
-            out, self.released = self.text[self.released:], len(self.text)
-            return out
-        start = max(0, self.released - max(map(len, self.stops)) + 1)
-        found = [i for i in (self.text.find(x, start) for x in self.stops) if i >= 0]
-        if found:
-            cut = min(found)
-            out = self.text[self.released:cut]
-            self.text, self.released, self.hit = self.text[:cut], cut, True
-            return out
-        hold = max((k for x in self.stops for k in range(1, len(x))
-                    if self.text.endswith(x[:k])), default=0)
-        end = max(self.released, len(self.text) - hold)
-        out, self.released = self.text[self.released:end], end
-        return out
-
-    def flush(self) -> str:
-        out, self.released = self.text[self.released:], len(self.text)
-        return out
 
 
 class Model(GenerationMethods):
@@ -189,45 +156,34 @@ class Model(GenerationMethods):
                                g.top_k if o.top_k is None else o.top_k,
                                g.top_p if o.top_p is None else o.top_p, o.seed, o.min_p,
                                o.repetition_penalty, history, o.penalty_window, constraint)
-        stops = StopStrings(list([o.stop] if isinstance(o.stop, str) else o.stop or []))
         eos = set() if o.ignore_eos else set(g.eos_token_ids)
-        eos |= set(o.stop_token_ids or [])
-        detok = self.tokenizer.detokenizer()
-        tokens: list[int] = []
         lps: list[dict] | None = [] if o.logprobs is not None else None
-        finish, t_first = "length", None
-        if steps is None:
-            steps = lambda ids, sampler, n, drafter: self.engine.generate_step(  # noqa: E731
-                ids, sampler, n, o.prefill_mode, media=media, drafter=drafter)
-        for token, logits in steps(ids, sampler, max_new, drafter):
-            if t_first is None:
-                t_first = time.perf_counter()
-            if token in eos:
-                finish = "stop"
-                break
-            tokens.append(token)
+
+        def taken(token: int, logits: np.ndarray) -> None:
             history.append(token)
             if constraint is not None:
                 constraint.advance(token)
             if lps is not None:
                 lps.append(token_logprobs(logits, token, o.logprobs or 0))
-            piece = stops.add(detok.add(token))
-            if piece:
-                yield Piece(piece, token)
-            if stops.hit or (constraint is not None and constraint.done):  # done: only EOS is left
-                finish = "stop"
-                break
-            if o.should_stop is not None and o.should_stop():
-                finish = "cancelled"
-                break
-        if not stops.hit:
-            tail = stops.add(detok.flush()) + (stops.flush() if not stops.hit else "")
-            if tail:
-                yield Piece(tail, None)
+
+        def ended() -> str | None:
+            if constraint is not None and constraint.done:  # only EOS is left
+                return "stop"
+            return "cancelled" if o.should_stop is not None and o.should_stop() else None
+
+        stops = Stops(eos | set(o.stop_token_ids or []),
+                      StopStrings(list([o.stop] if isinstance(o.stop, str) else o.stop or [])),
+                      taken, ended)
+        if steps is None:
+            steps = lambda ids, sampler, n, drafter: self.engine.generate_step(  # noqa: E731
+                ids, sampler, n, o.prefill_mode, media=media, drafter=drafter)
+        out = yield from emit(steps(ids, sampler, max_new, drafter), self.tokenizer.detokenizer(),
+                              stops, max_new)
+        tokens = out.tokens
         result = GenerationResult(
-            text=stops.text if stops.stops else self.tokenizer.decode(tokens), token_ids=tokens,
-            prompt_tokens=len(ids), finish_reason="stop" if stops.hit else finish,
-            **request_clock(t0, t_first, len(tokens)), logprobs=lps,
+            text=out.text if stops.strings.stops else self.tokenizer.decode(tokens),
+            token_ids=tokens, prompt_tokens=len(ids), finish_reason=out.finish,
+            **request_clock(t0, out.t_first, len(tokens)), logprobs=lps,
             speculation=drafter.stats.to_dict() if drafter is not None else None,
         )
         yield Done(result)

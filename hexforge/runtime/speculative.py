@@ -171,7 +171,9 @@ class Stepper(Protocol):
 
     step_costs: StepCosts
     pos: int  # the next row's position
-    context: int
+
+    @property
+    def context(self) -> int: ...
 
     @property
     def verify_len(self) -> int: ...  # rows of a verify step

@@ -19,11 +19,10 @@ from ...runtime.backends import explain_qnn_error
 from ..heap import release_heap
 
 # QNN's graph finalization effort per graph role (``htp_graph_finalization_optimization_mode``;
-# unset = the compiler's default, which read as mode 2). Measured under Hextimate on real
-# SmolLM2 v81 graphs (docs/notes/htp-speed.md): mode 3 makes the shards' graphs faster
-# — w8-fp16 decode 2,482 -> 2,093 us, w4-fp16 2,261 -> 1,837, prefill AR-64 0.71-0.75x in every
-# precision, fp16 decode unchanged (bandwidth-bound) — for ~1.9x the prefill graph's compile
-# time; the int8 head is slower at 3 (653 -> 728 us) and at 1 (802), so it keeps the default.
+# unset = the compiler's default, which read as mode 2). Under Hextimate mode 3 makes the shards'
+# weight-only decode and every prefill faster (fp16 decode is bound by its bytes: unchanged) for
+# about twice the prefill graph's compile time; the int8 head is slower at 3 and at 1, so it
+# keeps the default (docs/notes/htp-speed.md, "Graph finalization mode 3").
 FINALIZE_MODE = {"prefill": "3", "decode": "3", "verify": "3"}
 
 
@@ -39,10 +38,9 @@ def compile_graph(src: Path, ctx: Path, htp_arch: int, soc_model: int, fp16: boo
     """-> {"ctx": path, "bin": path, "seconds": float, "bin_bytes": int}; cleans up on failure.
 
     Builds call it one graph at a time, though a compile keeps one core of two busy: two in
-    threads (onnxruntime lets go of the GIL while it builds a session) kept only 1.14 cores busy,
-    each compile cost ~18 % more CPU, and the four 16-layer w4-fp16 compiles of Qwen3.5-4B took
-    1,126 s where one at a time took 1,086 s, at 11.7 GB instead of 6.9 (docs/notes/realsize.md). It
-    stays thread-safe (the EP's registration lock, the stdout guard's nesting count)."""
+    threads (onnxruntime lets go of the GIL while it builds a session) were slower than one after
+    the other, at about twice the memory (docs/notes/realsize.md#where-the-time-goes). It stays
+    thread-safe (the EP's registration lock, the stdout guard's nesting count)."""
     import onnxruntime as ort
 
     bin_path = ctx.with_name(ctx.stem + "_qnn.bin")

@@ -139,10 +139,10 @@ _chdir_lock = threading.Lock()
 def _working_folder(folder: Path, move: bool) -> Iterator[None]:
     """Inside, the process works in ``folder`` (when ``move``). An optrace profile's graph
     finalize writes ``<graph>_schematic.bin`` into the working folder, whatever
-    ``profiling_file_path`` says, and the QNN EP has no option to name another (measured:
-    onnxruntime-qnn 2.7.0; the basic and detailed levels, compiles and simulator runs write
-    nothing there): a 19.6 MB one, from a run in the repository's root, was committed (issue
-    78). The working folder is the process's: one move at a time, paths made absolute before."""
+    ``profiling_file_path`` says, and the QNN EP has no option to name another (onnxruntime-qnn
+    2.7.0; the basic and detailed levels, compiles and simulator runs write nothing there): a
+    run from the repository's root left one to be committed (issue 78). The working folder is
+    the process's: one move at a time, paths made absolute before."""
     if not move:
         yield
         return

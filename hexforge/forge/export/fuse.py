@@ -1,7 +1,8 @@
 """Node fusions for the cpu target's onnxruntime graphs, applied to the exported ONNX.
 
 onnxruntime's own optimizer leaves both patterns alone in our graphs, and at AR-1 a node costs
-about as much as the arithmetic in it (a few us on 2 cores whatever its size), so nodes count:
+about as much as the arithmetic in it (a few us whatever its size: docs/notes/measurements.md),
+so nodes count:
 
     Add(x, d) ─┬▶ SimplifiedLayerNormalization(γ)     SkipSimplifiedLayerNormalization(x, d, γ)
                └▶ other users of x + d           ⟶      ├▶ normed

@@ -5,8 +5,8 @@ compile them. The cpu target also ships an AR-k verify graph per shard (speculat
 runtime/speculative.py) on the same weight file: on cpu a k-row call costs little more than one
 row while the AR-N prefill graph costs N rows' compute (bench/speculative.py measures both).
 HTP targets get them with --htp-verify, and the head on k rows beside the one-row head: a
-decode step streams every weight once for one row, so k rows cost about as much (Hextimate,
-SA8797 (v81), SmolLM2: AR-8 3,478 us vs AR-1 3,469; the head 891 us on 8 rows vs 842 on one).
+decode step streams every weight once for one row, so k rows cost about as much (Hextimate:
+docs/speculative.md#on-the-npu-by-hextimate).
 """
 
 from __future__ import annotations
@@ -121,8 +121,7 @@ def export_float(ctx: StageContext, shards: list[tuple[int, int]], rel_folder: s
     return graphs, run_plan
 
 
-# A compiled context holds more than its weights: 2-4 % more at real size (Qwen3.5-4B v81 w8-fp16:
-# 1.780 GB of planned weights compiled to a 1.847 GB prefill binary, 1.817 GB decode). The
+# A compiled context holds more than its weights: 2-4 % more at real size (docs/htp.md). The
 # target's ceiling is the context's, so the planner gives the weights the ceiling less this;
 # --max-shard-bytes names the weights' own ceiling.
 CONTEXT_OVERHEAD = 1.04

@@ -18,8 +18,8 @@ def write_host_tensors(path: Path, tensors: dict,
     """safetensors with floating torch tensors in the precision they hold: bf16 and fp16 tables
     as they are (BF16 / F16; the runtime upcasts the rows it gathers, which is exact), any other
     as F32, converted a chunk of rows at a time (a table never exists whole twice in memory).
-    A bf16 checkpoint's tables were written as F32, twice its bytes: Gemma-4-E2B's per-layer
-    table 9.4 GB instead of 4.7, Qwen3.5-0.8B's embedding 1.02 GB instead of 0.51.
+    F32 would double a bf16 checkpoint's tables: Gemma-4-E2B's per-layer table 9.4 GB instead of
+    4.7, Qwen3.5-0.8B's embedding 1.02 GB instead of 0.51.
     The tables named in ``quantized`` (name -> (bits, block)) are written as 8-bit rows + per-block
     scales (bundle/qtables.py ``Int8Table``; its own block) or int4 rows + scales per ``block``
     columns (``Int4Table``), a chunk at a time too. The tables in ``row_scales`` (name -> float32

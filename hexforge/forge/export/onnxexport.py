@@ -34,8 +34,9 @@ def export_module(module, path: Path, exporter: str = "dynamo", fold: bool = Fal
 
     fold (torchscript): export without torch's shape inference and fold the shapes afterwards
     on the graph alone (forge/export/shapefold.py): the same graph, ~40 % less export time at real
-    size. The decoder graphs take it; the encoders do not (without it the Gemma-4 audio
-    conformer's export is invalid: a ConcatFromSequence typed int64)."""
+    size (docs/notes/realsize.md#where-the-time-goes). The decoder graphs take it; the encoders
+    do not (without it the Gemma-4 audio conformer's export is invalid: a ConcatFromSequence typed
+    int64)."""
     import torch
 
     io: GraphIO = module.io
@@ -48,8 +49,8 @@ def export_module(module, path: Path, exporter: str = "dynamo", fold: bool = Fal
     try:
         # no_grad: the torchscript trace runs the module on real tensors, and with the weights'
         # requires_grad autograd kept every layer's activations for a backward pass that never
-        # comes (Gemma-4-E4B's vision tower, [12, 2520, 2520] attention: 14.5 GB, not 3.5). The
-        # graph is the same either way.
+        # comes (Gemma-4-E4B's vision tower, [12, 2520, 2520] attention: four times the memory).
+        # The graph is the same either way.
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             if exporter == "dynamo":
@@ -100,12 +101,12 @@ def export_modules(jobs: list[tuple[object, Path]], exporter: str, fold: bool = 
     finishes. -> (inputs, outputs) per job, in order.
 
     Why: an export is one core's work (torch's trace, the fold, the proto's serialization) and a
-    real-size build runs dozens of them, ~30 s each. A forked child reads the shard's fp32
-    weights the parent holds copy-on-write; what it adds is the trace and the proto, about
-    twice the module's fp32 weights at most (Qwen3.5-4B's 4-layer cpu shard side by side 11.7 GB
-    for the build, one at a time 5.3), and ~3x its example inputs, the caches at --context
-    (``export_need``). A child starts while the machine's
-    available memory holds its need and the running children's; the first always starts."""
+    real-size build runs dozens of them, most of a minute each (docs/notes/realsize.md). A
+    forked child reads the shard's fp32 weights the parent holds copy-on-write; what it adds is
+    the trace and the proto, about twice the module's fp32 weights at most, and ~3x its example
+    inputs, the caches at --context (``export_need``; docs/notes/measurements.md, "build
+    memory"). A child starts while the machine's available memory holds its need and the
+    running children's; the first always starts."""
     from ..heap import available_bytes
 
     workers = min(len(jobs), workers or min(os.cpu_count() or 1, 3))

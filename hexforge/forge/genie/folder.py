@@ -128,9 +128,9 @@ ROW_LUT, ROW_SCALES, ROW_OFFSETS = "embedding.u8", "embedding.scale", "embedding
 LUT_INPUT = "lut-input.json"
 NEVER_ROW = 1  # rows past the vocabulary at the LUT's end: an eos-token Genie can read
 # libGenie 1.21 holds a LUT's byte size in 32 bits: at 2^32 bytes or more it reads rows at
-# offsets wrapped past 4 GiB ("T2E conversion overflow", a prompt id refused, other tokens):
-# measured on Gemma-4-E2B (5.5 GB) and on a tiny Gemma-4 whose LUT is 4.4 GB (2.2 GB: every id
-# right, rows past 2^31 bytes too), bench/genie_lut_reach.py
+# offsets wrapped past 4 GiB ("T2E conversion overflow", a prompt id refused, other tokens),
+# while rows past 2^31 bytes read right (docs/genie.md#the-lut-past-4-gib; the runs:
+# docs/notes/genie-record.md)
 LUT_CEILING = 1 << 32
 
 

@@ -21,7 +21,7 @@ class OracleCpuBackend(Backend):
     graphs are 9 GB on disk): there every weights file is mapped once and handed to each session
     reading it as shared initializers, unpacked, so prefill and decode of a shard hold one copy.
     Elsewhere it shares nothing: unpacked, MatMulNBits leaves its int8 kernels (an int8 SmolLM2
-    decode step took ~1.4 s in the oracle against ~30 ms packed)."""
+    decode step ~45x slower in the oracle; docs/notes/measurements.md, ``prepack_prefill``)."""
 
     def __init__(self, prepack: bool = True):
         """prepack=False: no session packs its weights, whatever their size (a few calls per

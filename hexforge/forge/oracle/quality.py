@@ -140,9 +140,9 @@ def rows_head(engine):
     [1, n, V]; None for HTP targets (static shapes) or a head with more inputs than ``hidden``.
 
     Why: the head graph is [1, 1, H] (the decode step's), so the held-out text went through it a
-    row at a time, each call reading the whole head: Gemma-3's 262,144 x 640 fp32 rows (671 MB)
-    600 times, ~50 s of a build. The same graph, the same weights, 64 rows a call: 14x less
-    time for bit-identical logits (measured, onnxruntime 1.32 CPU EP, 2 cores)."""
+    row at a time, each call reading the whole head (Gemma-3's 262,144 x 640 fp32 rows) again.
+    The same graph, the same weights, 64 rows a call: about 14x less time for bit-identical
+    logits."""
     import onnx
     import onnxruntime as ort
 
@@ -172,7 +172,7 @@ def rows_head(engine):
                                 str(path.parent))
     session = ort.InferenceSession(model.SerializeToString(), so,
                                    providers=["CPUExecutionProvider"])
-    dtype = engine.hidden_dtype
+    dtype = engine.inputs.hidden_dtype
     out = model.graph.output[0].name
     return lambda hidden: session.run([out], {"hidden": hidden.astype(dtype)})[0]
 
@@ -181,11 +181,12 @@ def twin_head(path, hidden_dtype: str = "float32"):
     """The head graph an HTP target's head binary was compiled from (``path``, its weights
     beside it) on the CPU EP, as a function [1, 1, H] -> logits [1, 1, V].
 
-    Why: on the x86 simulator a weight-only head (MatMulNBits, emulated) takes ~4.5 s a row,
-    and the held-out text is 256 rows: ~19 of a first build's minutes. Its CPU twin holds the
-    same quantized weights (the int8 / int4 grid the device reads) at ~10 ms a row; only the
-    HTP's fp16 rounding of the activations is missing, which the head binary's own rows (the
-    teacher-forced ones, on the simulator) measure."""
+    Why: on the x86 simulator a weight-only head (MatMulNBits, emulated) takes seconds a row,
+    over the 256 rows of the held-out text. Its CPU twin holds the same quantized weights (the
+    int8 / int4 grid the device reads) at milliseconds a row
+    (docs/quality.md#what-the-oracle-measures); only the HTP's fp16 rounding of the activations
+    is missing, which the head binary's own rows (the teacher-forced ones, on the simulator)
+    measure."""
     import onnxruntime as ort
 
     from ...runtime.backends import configure_threads

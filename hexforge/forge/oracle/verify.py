@@ -358,10 +358,10 @@ def kl_failures(gate: Gate, teacher_forced: dict, text: dict) -> list[str]:
 
 
 # The x86 simulator has no HTP kernel for MatMulNBits: it emulates each one, so a weight-only
-# (w8-fp16 / w4-fp16) SmolLM2 decode step takes ~30 s there (fp16 ~5 s), and 64 teacher-forced
-# steps were most of an 85-minute first build. Such targets are judged there on this many
-# teacher-forced tokens (the held-out text, the KL gate's main witness, whole); on a device, and
-# for the other recipes, on all of them.
+# (w8-fp16 / w4-fp16) decode step takes about six times an fp16 one there, and 64 teacher-forced
+# steps were most of a first build (docs/quality.md#what-the-oracle-measures). Such targets are
+# judged there on this many teacher-forced tokens (the held-out text, the KL gate's main
+# witness, whole); on a device, and for the other recipes, on all of them.
 SIMULATED_NBITS_TOKENS = 8
 
 

@@ -228,8 +228,8 @@ class Gram:
     """H = sum X^T X of one input activation, kept in the smaller of its two forms: the rows X
     [r, K] (float32) while r < 2K, else H [K, K] (float64). Calibration sees a few hundred rows,
     so for wide inputs the rows win by far: a real-size Gemma-4-E2B down projection (K = 12288)
-    has a 1.2 GB H and ~330 rows of 16 MB; storing every H (~29 GB, estimated) ran that build
-    out of its 42 GB of free disk."""
+    has a 1.2 GB H and ~330 rows of 16 MB; storing every H (~29 GB in all) ran such a build out
+    of disk."""
 
     def __init__(self, rows: np.ndarray | None = None, H: np.ndarray | None = None,
                  n: int | None = None):

@@ -24,6 +24,7 @@ from pathlib import Path
 from ...bundle.errors import BundleError, RequestError
 from ...bundle.lut import LUT_DTYPES
 from ...bundle.manifest import GenerationDefaults, load_manifest
+from ..loop import Stops, StopStrings, emit
 from ..options import (
     Done,
     GenerationMethods,
@@ -232,33 +233,24 @@ class GenieModel(GenerationMethods):
 
     def pieces(self, tokens: Iterator[int], r: GenieRequest, prompt_tokens: int, t0: float,
                backend: str, ended_itself: Callable[[], bool]) -> Iterator[Piece | Done]:
-        """The one loop a Genie request's tokens go through, a dialog's or a pipeline's: a
-        ``Piece`` per piece of text, then one ``Done``. ``tokens`` is closed at an EOS (its
-        producer stops Genie or lets it run out); ``ended_itself``: once the tokens ran out
-        short of ``r.max_new``, whether Genie stopped at an EOS it did not hand over."""
-        detok = self.tokenizer.detokenizer()
-        out: list[int] = []
-        finish, t_first = "length", None
+        """A Genie request's tokens, a dialog's or a pipeline's, through the generation loop
+        every runtime shares (runtime/loop.py): a ``Piece`` per piece of text, then one ``Done``.
+        ``tokens`` is closed at an EOS or at ``r.max_new`` (its producer stops Genie or lets it
+        run out); ``ended_itself``: once the tokens ran out short of ``r.max_new``, whether
+        Genie stopped at an EOS it did not hand over."""
+        eos = set() if r.ignore_eos else set(self.eos)  # Genie hands the EOS over, then stops
         try:
-            for token in tokens:
-                t_first = t_first or time.perf_counter()
-                if token in self.eos and not r.ignore_eos:  # Genie hands the EOS over, then stops
-                    finish = "stop"
-                    break
-                out.append(token)
-                piece = detok.add(token)
-                if piece:
-                    yield Piece(piece, token)
-        finally:
+            out = yield from emit(((t, None) for t in tokens), self.tokenizer.detokenizer(),
+                                  Stops(eos, StopStrings([])), r.max_new)
+        finally:  # read out, stopped early or abandoned: the producer is stopped
             close = getattr(tokens, "close", None)
             if close is not None:
                 close()
-        if finish == "length" and len(out) < r.max_new and ended_itself():
+        finish = out.finish
+        if finish == "length" and len(out.tokens) < r.max_new and ended_itself():
             finish = "stop"
-        tail = detok.flush()
-        if tail:
-            yield Piece(tail, None)
-        yield Done(genie_result(self.tokenizer, out, prompt_tokens, finish, t0, t_first, backend))
+        yield Done(genie_result(self.tokenizer, out.tokens, prompt_tokens, finish, t0,
+                                out.t_first, backend))
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if self.chat_template is None:
