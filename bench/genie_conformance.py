@@ -32,7 +32,8 @@ NEW_TOKENS = 10
 @dataclass(frozen=True)
 class Variant:
     """One tiny configuration: ``family`` (a hexforge.forge.source.tiny TINY_CONFIGS key), its seed, config
-    overrides and build options beyond the fixed ones (fp16, v81, --genie, --no-verify)."""
+    overrides and build options beyond the fixed ones (fp16, v81, --genie, --no-verify,
+    --device-only)."""
 
     name: str
     family: str
@@ -146,8 +147,9 @@ def build_variant(v: Variant, folder: Path) -> Path:
     ckpt = folder / "ckpt"
     if not (ckpt / "config.json").exists():
         make_tiny_checkpoint(v.family, ckpt, seed=v.seed, **v.config)
+    # device-only: both sides run the HTP's binaries, no cpu graphs are read
     opts = BuildOptions(**(dict(targets="v81", quant="fp16", context=CONTEXT, prefill_len=PREFILL,
-                                genie=True, verify=False) | v.build))
+                                genie=True, verify=False, device_only=True) | v.build))
     build(ckpt, folder / "b", opts, log=lambda m: None)
     return folder / "b"
 
