@@ -300,3 +300,48 @@ print(r.text)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and len(out.stdout.strip()) == 3, out.stderr
+
+
+def test_the_loop_hands_out_at_most_max_new_tokens_and_stops_its_source():
+    """runtime/loop.emit, the loop every runtime shares: a source that runs on past the request's
+    length (Genie's lade dialog ignores max-num-tokens) is cut on the host and closed, and the
+    pieces joined are the tokens' text; an EOS ends it before the length."""
+    from hexforge.runtime.loop import Stops, emit
+
+    class Source:
+        def __init__(self):
+            self.read, self.closed = 0, False
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):  # 50 tokens: a loop without the cut fails, not hangs
+            if self.read == 50:
+                raise StopIteration
+            self.read += 1
+            return 100 + self.read % 7, None
+
+        def close(self):
+            self.closed = True
+
+    class Detok:
+        def add(self, token):
+            return f"<{token}>"
+
+        def flush(self):
+            return ""
+
+    def run(eos):
+        src, pieces = Source(), []
+        gen = emit(src, Detok(), Stops(eos, StopStrings([])), 5)
+        while True:
+            try:
+                pieces.append(next(gen).text)
+            except StopIteration as end:
+                return src, pieces, end.value
+
+    src, pieces, out = run(set())
+    assert out.tokens == [101, 102, 103, 104, 105] and out.finish == "length"
+    assert src.read == 5 and src.closed and "".join(pieces) == out.text
+    src, pieces, out = run({103})
+    assert out.tokens == [101, 102] and out.finish == "stop" and src.closed

@@ -15,8 +15,9 @@ residual output on a uint16 grid (per tensor, asymmetric, min / max), the projec
 int8 or int4 per output channel (symmetric, round to nearest). KL and top-1 against the
 unrounded forward over positions 1.. (position 0 predicts from the BOS row alone). ``sink
 const``: row 0 left in float (the constant prefix) and out of the ranges; ``sink rounded``: every
-row rounded, as a w8-u16 graph does today. Then each projection kind alone with uint16 inputs
-(the others float, every weight at the given bits): the sensitivity table.
+row rounded, as a w8-u16 graph does today. Then the sensitivity table: each projection kind's
+weights alone rounded (activations float), and each kind alone with uint16 inputs (float
+weights); a diagnostic row takes its ranges from the scored text (what clipping costs).
 
     python bench/experiments/sink_u16.py smollm2 [--bits 8] [--tokens 256] [--json OUT]
     python bench/experiments/sink_u16.py gemma3
@@ -55,8 +56,10 @@ class Rounding:
     """Hooks on the HF model: records per-tensor ranges (``calibrate``) or rounds (``apply``) the
     inputs of the projections named in ``kinds`` and, with ``resid``, each layer's output."""
 
-    def __init__(self, hf, layers, kinds: set[str], resid: bool, sink_const: bool):
+    def __init__(self, hf, layers, kinds: set[str], resid: bool, sink_const: bool,
+                 margin: float = 1.0):
         self.hf, self.layers, self.kinds, self.resid = hf, layers, kinds, resid
+        self.margin = margin  # each range widened about its middle by this factor
         self.first = 1 if sink_const else 0  # rows from here on are the graph's
         self.ranges: dict[str, list[float]] = {}
         self.recording = True
@@ -80,7 +83,8 @@ class Rounding:
             r[0], r[1] = min(r[0], lo), max(r[1], hi)
             return x
         lo, hi = self.ranges[key]
-        lo, hi = min(lo, 0.0), max(hi, 0.0)
+        mid, half = (lo + hi) / 2, (hi - lo) / 2 * self.margin
+        lo, hi = min(mid - half, 0.0), max(mid + half, 0.0)
         s = max(hi - lo, 1e-12) / U16
         z = round(-lo / s)
         q = (torch.round(part / s) + z).clamp(0, U16)
@@ -105,24 +109,38 @@ class Rounding:
             h.remove()
 
 
-def round_weights(hf, layers, bits: int, head: bool) -> list:
-    """Every decoder projection's weight (and the head's, with ``head``) rounded per output
-    channel; -> what to restore. The head gets a parameter of its own (a tied one is the
-    embedding's too, which stays float)."""
+def round_weights(hf, layers, bits: int | None, head_bits: int | None, only: str | None,
+                  sink_const: bool) -> list:
+    """The decoder projections' weights (``only``: one kind's) rounded to ``bits`` and the
+    head's to ``head_bits``, per output channel (None: left float); -> what to undo. With
+    ``sink_const`` row 0 keeps the float weights' output: the constant prefix is computed at
+    build time in float, and row 0 reads only itself, so its path stays float throughout.
+    The head gets a parameter of its own (a tied one is the embedding's too, which stays float)."""
     from hexforge.forge.oracle.quality import rtn
 
+    todo = []
+    if bits:
+        todo += [m for layer in layers for name, m in layer.named_modules()
+                 if isinstance(m, torch.nn.Linear) and only in (None, name.rsplit(".", 1)[-1])]
+    if head_bits:
+        todo.append(hf.get_output_embeddings())
     saved = []
     with torch.no_grad():
-        for layer in layers:
-            for m in layer.modules():
-                if isinstance(m, torch.nn.Linear):
-                    saved.append((m, m.weight))
-                    m.weight = torch.nn.Parameter(rtn(m.weight.data.float(), bits, None))
-        if head:
-            m = hf.get_output_embeddings()
-            saved.append((m, m.weight))
-            m.weight = torch.nn.Parameter(rtn(m.weight.data.float(), bits, None))
+        for m in todo:
+            w = m.weight
+            b = head_bits if m is hf.get_output_embeddings() else bits
+            m.weight = torch.nn.Parameter(rtn(w.data.float(), b, None))
+            hook = m.register_forward_hook(_float_row0(w)) if sink_const else None
+            saved.append((m, w, hook))
     return saved
+
+
+def _float_row0(w: torch.Tensor):
+    def hook(m, args, out):
+        out = out.clone()
+        out[:, :1] = torch.nn.functional.linear(args[0][:, :1], w, m.bias)
+        return out
+    return hook
 
 
 def logits(hf, ids: list[int]) -> np.ndarray:
@@ -140,9 +158,10 @@ def score(ref: np.ndarray, got: np.ndarray, ids: list[int]) -> dict:
 
 
 def run(hf, layers, ref, eval_ids, calib_ids, kinds: set[str], resid: bool, sink_const: bool,
-        bits: int | None, head_bits: int | None) -> dict:
-    saved = round_weights(hf, layers, bits, head_bits is not None) if bits else []
-    rounding = Rounding(hf, layers, kinds, resid, sink_const)
+        bits: int | None, head_bits: int | None, only: str | None = None,
+        margin: float = 1.0) -> dict:
+    saved = round_weights(hf, layers, bits, head_bits, only, sink_const)
+    rounding = Rounding(hf, layers, kinds, resid, sink_const, margin)
     try:
         logits(hf, calib_ids)  # the ranges
         rounding.recording = False
@@ -152,8 +171,10 @@ def run(hf, layers, ref, eval_ids, calib_ids, kinds: set[str], resid: bool, sink
         return {**out, "resid_absmax": resid_max}
     finally:
         rounding.close()
-        for m, w in saved:
+        for m, w, hook in saved:
             m.weight = w
+            if hook is not None:
+                hook.remove()
 
 
 def main() -> None:
@@ -192,20 +213,30 @@ def main() -> None:
     b = a.bits
     print(f"{a.model}: {len(ev) - 1} held-out positions scored, ranges from {len(cal)} "
           f"calibration tokens; HF fp32 with fake quantization (not the HTP)")
-    row(f"weights int{b} (head too), activations float", kinds=set(), resid=False,
-        sink_const=False, bits=b, head_bits=b)
     for sink in (False, True):
         s = "const" if sink else "rounded"
-        row(f"activations u16 everywhere, float weights, sink {s}", kinds=every, resid=True,
-            sink_const=sink, bits=None, head_bits=None)
-        row(f"u16 everywhere + int{b} weights (head too), sink {s}", kinds=every, resid=True,
-            sink_const=sink, bits=b, head_bits=b)
-    for sink in (False, True):
-        s = "const" if sink else "rounded"
-        for kind in (*KINDS, "resid"):
-            kinds = set() if kind == "resid" else {kind}
-            row(f"u16 {kind} only + int{b} weights, sink {s}", kinds=kinds, resid=kind == "resid",
-                sink_const=sink, bits=b, head_bits=b)
+        row(f"int{b} weights (head too), float activations, sink {s}", kinds=set(),
+            resid=False, sink_const=sink, bits=b, head_bits=b)
+        for margin in (1.0, 4.0, 16.0):
+            row(f"u16 everywhere x{margin:g} ranges, float weights, sink {s}", kinds=every,
+                resid=True, sink_const=sink, bits=None, head_bits=None, margin=margin)
+        # diagnostic, not a recipe: ranges from the scored text itself (what a calibration text
+        # that missed what the held-out text reaches costs, as clipping)
+        r = {"what": f"(ranges from the scored text) u16 everywhere, sink {s}",
+             **run(hf, layers, ref, ev, ev, every, True, sink, None, None)}
+        rows.append(r)
+        print(f"{r['what']:58s} KL {r['kl']:.3e}  top-1 {r['top1']:.3f}", flush=True)
+        row(f"u16 everywhere x4 ranges + int{b} weights (head too), sink {s}", kinds=every,
+            resid=True, sink_const=sink, bits=b, head_bits=b, margin=4.0)
+    for kind in KINDS:  # the sensitivity table: one kind at a time, sink const, x4 ranges
+        head = kind == "lm_head"
+        row(f"int{b} {kind} weights only, sink const", kinds=set(), resid=False,
+            sink_const=True, bits=None if head else b, head_bits=b if head else None,
+            only=None if head else kind)
+    for kind in (*KINDS, "resid"):
+        row(f"u16 {kind} only (x4 ranges), float weights, sink const",
+            kinds=set() if kind == "resid" else {kind}, resid=kind == "resid", sink_const=True,
+            bits=None, head_bits=None, margin=4.0)
     if a.json:
         Path(a.json).write_text(json.dumps({"model": a.model, "bits": b, "rows": rows}, indent=1))
 
