@@ -57,9 +57,13 @@ class Rounding:
     inputs of the projections named in ``kinds`` and, with ``resid``, each layer's output."""
 
     def __init__(self, hf, layers, kinds: set[str], resid: bool, sink_const: bool,
-                 margin: float = 1.0):
+                 margin: float = 1.0, split: bool = False):
         self.hf, self.layers, self.kinds, self.resid = hf, layers, kinds, resid
         self.margin = margin  # each range widened about its middle by this factor
+        # split: the residual stream's outlier channels (peak > 8x the median channel's) each on
+        # a grid of their own, the others on one grid: a stream carried as two tensors
+        self.split = split
+        self.chan: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per-channel min, max
         self.first = 1 if sink_const else 0  # rows from here on are the graph's
         self.ranges: dict[str, list[float]] = {}
         self.recording = True
@@ -81,16 +85,34 @@ class Rounding:
             lo, hi = float(part.min()), float(part.max())
             r = self.ranges.setdefault(key, [lo, hi])
             r[0], r[1] = min(r[0], lo), max(r[1], hi)
+            flat = part.reshape(-1, part.shape[-1])
+            cmin, cmax = flat.amin(0), flat.amax(0)
+            if key in self.chan:
+                cmin, cmax = torch.minimum(cmin, self.chan[key][0]), \
+                    torch.maximum(cmax, self.chan[key][1])
+            self.chan[key] = (cmin, cmax)
             return x
-        lo, hi = self.ranges[key]
-        mid, half = (lo + hi) / 2, (hi - lo) / 2 * self.margin
-        lo, hi = min(mid - half, 0.0), max(mid + half, 0.0)
-        s = max(hi - lo, 1e-12) / U16
-        z = round(-lo / s)
-        q = (torch.round(part / s) + z).clamp(0, U16)
         out = x.clone()
-        out[:, self.first:] = (q - z) * s
+        if self.split and key.endswith("resid"):
+            cmin, cmax = self.chan[key]
+            peak = torch.maximum(cmin.abs(), cmax.abs())
+            outlier = peak > 8 * peak.median()
+            lo = torch.where(outlier, cmin, cmin[~outlier].min())
+            hi = torch.where(outlier, cmax, cmax[~outlier].max())
+            out[:, self.first:] = self._grid(part, lo, hi)
+        else:
+            lo, hi = self.ranges[key]
+            out[:, self.first:] = self._grid(part, torch.tensor(lo), torch.tensor(hi))
         return out
+
+    def _grid(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """x on the uint16 grid of [lo, hi] widened by the margin (0 inside), per element of
+        lo / hi's shape (a scalar: per tensor; [H]: per channel)."""
+        mid, half = (lo + hi) / 2, (hi - lo) / 2 * self.margin
+        lo, hi = torch.clamp(mid - half, max=0.0), torch.clamp(mid + half, min=0.0)
+        s = torch.clamp(hi - lo, min=1e-12) / U16
+        z = torch.round(-lo / s)
+        return (torch.clamp(torch.round(x / s) + z, 0, U16) - z) * s
 
     def _pre(self, key: str):
         def hook(_m, args):
@@ -159,9 +181,9 @@ def score(ref: np.ndarray, got: np.ndarray, ids: list[int]) -> dict:
 
 def run(hf, layers, ref, eval_ids, calib_ids, kinds: set[str], resid: bool, sink_const: bool,
         bits: int | None, head_bits: int | None, only: str | None = None,
-        margin: float = 1.0) -> dict:
+        margin: float = 1.0, split: bool = False) -> dict:
     saved = round_weights(hf, layers, bits, head_bits, only, sink_const)
-    rounding = Rounding(hf, layers, kinds, resid, sink_const, margin)
+    rounding = Rounding(hf, layers, kinds, resid, sink_const, margin, split)
     try:
         logits(hf, calib_ids)  # the ranges
         rounding.recording = False
@@ -228,6 +250,10 @@ def main() -> None:
         print(f"{r['what']:58s} KL {r['kl']:.3e}  top-1 {r['top1']:.3f}", flush=True)
         row(f"u16 everywhere x4 ranges + int{b} weights (head too), sink {s}", kinds=every,
             resid=True, sink_const=sink, bits=b, head_bits=b, margin=4.0)
+    for sink in (False, True):  # the stream's outlier channels on grids of their own
+        s = "const" if sink else "rounded"
+        row(f"u16 everywhere x4, outlier channels apart, float weights, sink {s}", kinds=every,
+            resid=True, sink_const=sink, bits=None, head_bits=None, margin=4.0, split=True)
     for kind in KINDS:  # the sensitivity table: one kind at a time, sink const, x4 ranges
         head = kind == "lm_head"
         row(f"int{b} {kind} weights only, sink const", kinds=set(), resid=False,
