@@ -166,6 +166,33 @@ def _float_row0(w: torch.Tensor):
     return hook
 
 
+def gptq_weights(hf, layers, calib_ids: list[int]) -> list:
+    """Every decoder projection's weight replaced by the build's GPTQ int8 per output channel
+    (``weightquant.validated_gptq``: kept only where it beats round to nearest on held-out
+    calibration rows), its inputs from the calibration text; -> what to restore."""
+    from hexforge.forge.quantize.weightquant import dequantize, gptq_int8, rtn_int8, validated_gptq
+
+    mods = [m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    rows: dict[int, list] = {id(m): [] for m in mods}
+    hooks = [m.register_forward_pre_hook(
+        lambda m, a: rows[id(m)].append(a[0].reshape(-1, a[0].shape[-1]).float().numpy()))
+        for m in mods]
+    try:
+        logits(hf, calib_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    saved, kept = [], 0
+    for m in mods:
+        w = m.weight.data.float().numpy().T.astype(np.float32)  # [K, N]: x @ w
+        scale, q, used = validated_gptq(w, np.concatenate(rows[id(m)]), gptq_int8, rtn_int8)
+        kept += used
+        saved.append((m, m.weight, None))
+        m.weight = torch.nn.Parameter(torch.from_numpy(dequantize(scale, q).T.copy()))
+    print(f"  GPTQ kept for {kept} of {len(mods)} projections (round to nearest elsewhere)")
+    return saved
+
+
 def logits(hf, ids: list[int]) -> np.ndarray:
     from hexforge.forge.oracle.quality import hf_logits
 
@@ -255,6 +282,18 @@ def main() -> None:
         s = "const" if sink else "rounded"
         row(f"u16 everywhere x4, outlier channels apart, float weights, sink {s}", kinds=every,
             resid=True, sink_const=sink, bits=None, head_bits=None, margin=4.0, split=True)
+    saved = gptq_weights(hf, layers, cal)  # the build's weight rounding, not round to nearest
+    try:
+        for head_bits in (None, b):
+            head = "head float" if head_bits is None else f"head int{b}"
+            row(f"GPTQ int8 projections ({head}), float activations", kinds=set(), resid=False,
+                sink_const=False, bits=None, head_bits=head_bits)
+            row(f"GPTQ int8 projections ({head}) + u16 x4, stream split, sink const",
+                kinds=every, resid=True, sink_const=True, bits=None, head_bits=head_bits,
+                margin=4.0, split=True)
+    finally:
+        for m, w, _ in saved:
+            m.weight = w
     for kind in KINDS:  # the sensitivity table: one kind at a time, sink const, x4 ranges
         head = kind == "lm_head"
         row(f"int{b} {kind} weights only, sink const", kinds=set(), resid=False,
