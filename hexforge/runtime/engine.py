@@ -1,4 +1,6 @@
-"""The engine: runs a bundle target's graphs. ``generate_step`` is the whole generation loop.
+"""The engine: runs a bundle target's graphs. ``generate_step`` yields a request's (token,
+logits) steps, which runtime/loop.py turns into text; ``stepinputs.StepInputs`` makes each step's
+host inputs.
 
 One step (prefill chunk of N, or a single decode token) at positions p .. p+T-1::
 
@@ -253,7 +255,7 @@ class Engine:
         # second image of the prompt) would overwrite
         return {o.bind: np.array(v) for o, v in zip(graph.outputs, values, strict=True)}
 
-    # ---- the loop ------------------------------------------------------------------------------
+    # ---- the steps of a request ---------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], max_new_tokens: int, past: int = 0) -> None:
         check_request(prompt_ids, max_new_tokens, self.vocab_size, self.context, past)
 
