@@ -86,6 +86,11 @@ class Engine:
         return self.inputs.host
 
     @property
+    def hidden_dtype(self) -> type:
+        """The dtype of the hidden rows the graphs hand on (the head's input)."""
+        return self.inputs.hidden_dtype
+
+    @property
     def verify_len(self) -> int:
         """Rows of a verify step (runtime/speculative.py drafts one fewer)."""
         return self.plan.verify_len
@@ -211,8 +216,8 @@ class Engine:
     def head_logits(self, hidden: np.ndarray) -> np.ndarray:
         """The head graph on one hidden row [1, 1, H] -> logits [V] (a copy): the oracle runs
         every row of a prefill chunk through it (forge/oracle/quality.py)."""
-        dtype = self.inputs.hidden_dtype
-        out: dict[str, np.ndarray] = {"hidden": np.ascontiguousarray(hidden, dtype=dtype)}
+        out: dict[str, np.ndarray] = {"hidden": np.ascontiguousarray(hidden,
+                                                                      dtype=self.hidden_dtype)}
         self._run(self.plan.head, out, np.array([self.pos - 1]))
         return out["logits"][0, -1].copy()
 

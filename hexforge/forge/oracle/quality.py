@@ -172,7 +172,7 @@ def rows_head(engine):
                                 str(path.parent))
     session = ort.InferenceSession(model.SerializeToString(), so,
                                    providers=["CPUExecutionProvider"])
-    dtype = engine.inputs.hidden_dtype
+    dtype = engine.hidden_dtype
     out = model.graph.output[0].name
     return lambda hidden: session.run([out], {"hidden": hidden.astype(dtype)})[0]
 
