@@ -63,9 +63,10 @@ class Rounding:
         # split: the residual stream's outlier channels (peak > 8x the median channel's) each on
         # a grid of their own, the others on one grid: a stream carried as two tensors
         self.split = split
-        self.chan: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per-channel min, max
+        # per tensor, each channel's min and max over the calibration rows (a tensor's range is
+        # their min and max)
+        self.chan: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.first = 1 if sink_const else 0  # rows from here on are the graph's
-        self.ranges: dict[str, list[float]] = {}
         self.recording = True
         self.handles: list = []
         for i, layer in enumerate(layers):
@@ -82,9 +83,6 @@ class Rounding:
     def _round(self, key: str, x: torch.Tensor) -> torch.Tensor:
         part = x[:, self.first:]
         if self.recording:
-            lo, hi = float(part.min()), float(part.max())
-            r = self.ranges.setdefault(key, [lo, hi])
-            r[0], r[1] = min(r[0], lo), max(r[1], hi)
             flat = part.reshape(-1, part.shape[-1])
             cmin, cmax = flat.amin(0), flat.amax(0)
             if key in self.chan:
@@ -101,9 +99,12 @@ class Rounding:
             hi = torch.where(outlier, cmax, cmax[~outlier].max())
             out[:, self.first:] = self._grid(part, lo, hi)
         else:
-            lo, hi = self.ranges[key]
-            out[:, self.first:] = self._grid(part, torch.tensor(lo), torch.tensor(hi))
+            out[:, self.first:] = self._grid(part, *self.range(key))
         return out
+
+    def range(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensor's calibrated min and max (scalars)."""
+        return self.chan[key][0].min(), self.chan[key][1].max()
 
     def _grid(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         """x on the uint16 grid of [lo, hi] with 0 inside, both ends scaled by the margin, per
@@ -216,7 +217,8 @@ def run(hf, layers, ref, eval_ids, calib_ids, kinds: set[str], resid: bool, sink
         logits(hf, calib_ids)  # the ranges
         rounding.recording = False
         out = score(ref, logits(hf, eval_ids), eval_ids)
-        resid_max = max((max(abs(v[0]), abs(v[1])) for k, v in rounding.ranges.items()
+        resid_max = max((max(abs(float(lo)), abs(float(hi))) for k in rounding.chan
+                         for lo, hi in [rounding.range(k)]
                          if k.endswith("resid")), default=None)
         return {**out, "resid_absmax": resid_max}
     finally:
