@@ -60,6 +60,40 @@ def test_genie_greedy_tokens_equal_qnn_sim(genie_bundle):
     assert got.finish_reason == "length" and got.prompt_tokens == 20
 
 
+def test_an_ar1_only_dialog_equals_qnn_sim_opening_its_decode_graphs_alone(genie_bundle):
+    """prefill_mode="decode" at load, the road of a model whose AR-N and AR-1 graph sets pass
+    the simulator's room together (issue 75: Gemma-4-E4B, Qwen3.5-4B): qnn-sim opens no
+    prefill graph until a request asks for one, and the Genie dialog is given its AR-1
+    contexts alone; on one bundle their greedy tokens are equal."""
+    import hexforge
+    from hexforge.bundle.errors import BundleError, RequestError
+    from hexforge.runtime.genie.checks import keep_ar1
+
+    ids = prompt_ids(20)
+    sim = hexforge.load(genie_bundle, backend="qnn-sim", prefill_mode="decode")
+    roles = {sim.engine.target.graph(n).role for n in sim.engine.sessions}
+    assert "prefill" not in roles and "decode" in roles
+    want = sim.generate(ids, max_new_tokens=8, ignore_eos=True).token_ids
+    chunked = sim.generate(ids, max_new_tokens=8, ignore_eos=True, prefill_mode="chunked")
+    assert "prefill" in {sim.engine.target.graph(n).role for n in sim.engine.sessions}
+    assert chunked.token_ids == hexforge.load(genie_bundle, backend="qnn-sim").generate(
+        ids, max_new_tokens=8, ignore_eos=True).token_ids  # opened late, the same graphs
+    model = hexforge.load(genie_bundle, backend="genie", prefill_mode="decode")
+    try:
+        assert model.config["dialog"]["engine"]["model"]["binary"]["ctx-bins"] == [
+            "token_ar1_cl128_1_of_1.bin"]
+        assert model.generate(ids, max_new_tokens=8, ignore_eos=True).token_ids == want
+        with pytest.raises(RequestError, match="set when it is loaded"):
+            model.generate(ids, max_new_tokens=2, prefill_mode="chunked")
+    finally:
+        model.close()
+    shared = {"engine": {"model": {"binary": {"ctx-bins": ["decoder_1_of_1.bin"]}}}}
+    with pytest.raises(BundleError, match="no AR-1-only dialog"):
+        keep_ar1(shared, genie_bundle / "genie-v81")
+    with pytest.raises(RequestError, match="prefill_mode must be one of"):
+        hexforge.load(genie_bundle, backend="cpu", prefill_mode="ar1")
+
+
 def test_genie_takes_the_typed_options_and_refuses_what_it_cannot_honour(genie_bundle):
     """GenieModel's generate has GenerationOptions' typed signature (as Model's); an option
     Genie has no counterpart for is one RequestError before libGenie runs; an unknown keyword is

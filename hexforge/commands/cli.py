@@ -38,7 +38,7 @@ def cmd_run(a) -> int:
     from .. import load
 
     model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target,
-                 allow_cpu_fallback=a.allow_cpu_fallback)
+                 allow_cpu_fallback=a.allow_cpu_fallback, prefill_mode=a.prefill_mode)
     if a.backend != "genie":
         _say_draft_cap(model, a.prompt_lookup)
     kw = _sampling(a)
@@ -113,7 +113,8 @@ def cmd_chat(a) -> int:
     (or /exit), and /image PATH, /audio PATH (bundles with those encoders) for the next message."""
     from .. import load
 
-    model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target)
+    model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target,
+                 prefill_mode=a.prefill_mode)
     _say_draft_cap(model, a.prompt_lookup)
     session = model.session(system=a.system)
     kw = _sampling(a)
@@ -333,6 +334,7 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
                    help="tokens to generate at most (default: the bundle's generation defaults, "
                         "64 unless the checkpoint's generation config says otherwise)")
     _backend_args(r, genie=True)
+    _prefill_arg(r)
     r.add_argument("--target", default=None, help="run this bundle target (default: by backend/arch)")
     r.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
     r.add_argument("--regex", metavar="RE", help="constrain the output to this regular expression")
@@ -357,6 +359,7 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("-n", "--max-new-tokens", dest="n", type=int, default=None,
                    help="tokens a reply generates at most")
     _backend_args(c)
+    _prefill_arg(c)
     c.add_argument("--target", default=None, help="run this bundle target (default: by backend/arch)")
     _sampling_args(c)
     c.set_defaults(fn=cmd_chat)
@@ -473,8 +476,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     bb.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (random ids)")
     bb.add_argument("-n", "--new-tokens", dest="n", type=int, default=32, help="decode tokens timed")
     bb.add_argument("--runs", type=int, default=3, help="timed runs (the median is reported)")
-    bb.add_argument("--prefill-mode", choices=("chunked", "decode"), default="chunked",
-                    help="chunked: AR-N prefill graphs; decode: the AR-1 graph over the prompt")
+    _prefill_arg(bb)
     _backend_args(bb)
     bb.add_argument("--op-profile", action="store_true",
                     help="instead: where a decode token's time goes, by op type (onnxruntime's "
@@ -489,6 +491,15 @@ def _backend_args(p: argparse.ArgumentParser, genie: bool = False) -> None:
                    help="cpu (default) | qnn (Snapdragon HTP) | qnn-sim (x86 HTP simulator) | auto"
                         + (" | genie (the bundle's --genie folder through libGenie)" if genie else ""))
     p.add_argument("--arch", default=None, help="the device's Hexagon arch, e.g. v81 (HTP backends)")
+
+
+def _prefill_arg(p: argparse.ArgumentParser) -> None:
+    from ..runtime.options import PREFILL_MODES
+
+    p.add_argument("--prefill-mode", choices=PREFILL_MODES, default="chunked",
+                   help="chunked: the AR-N prefill graphs; decode: the AR-1 graph over the prompt "
+                        "(the prefill graphs are not opened, a Genie dialog gets its AR-1 contexts "
+                        "alone: a model whose two graph sets pass the x86 simulator's room)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

@@ -43,7 +43,8 @@ Observer = Callable[[GraphSpec, dict[str, np.ndarray], dict[str, np.ndarray], np
 
 
 class Engine:
-    def __init__(self, bundle: Path, manifest: Manifest, target: str, backend: Backend):
+    def __init__(self, bundle: Path, manifest: Manifest, target: str, backend: Backend,
+                 prefill_mode: str = "chunked"):
         self.manifest, self.target = manifest, manifest.targets[target]
         tensors = load_host_tensors(confine(bundle, manifest.host_tensors))
         embed = manifest.host.embed
@@ -55,13 +56,19 @@ class Engine:
         self.plan = StepPlan.of(manifest, self.target, host.rope)  # what each step runs
         self.state = State(manifest, target_forms(manifest, self.target))  # HTP: fp16 KV
         self.inputs = StepInputs(host, self.plan, self.state, self.target)
-        # verify graphs (speculative decoding) load on first use — the first verify step, after
-        # the first token: a request without it pays neither their load time nor their copy of
-        # the weights, and a prompt-lookup request's first token does not wait for them
+        # a graph's session is opened when the engine is made if its steps are this engine's
+        # usual ones, else on its first use: verify graphs (speculative decoding) at the first
+        # verify step — a request without it pays neither their load time nor their copy of the
+        # weights — and, under prefill_mode "decode", the prefill graphs (a model whose two graph
+        # sets pass what one HTP process domain holds runs its prompts through AR-1 alone)
         self.bundle, self.backend = bundle, backend
+        self.prefill_mode = prefill_mode  # a request's default
         self.step_costs = StepCosts()  # decode vs verify step time: when a draft pays
-        self.sessions = {g.name: backend.session(bundle, self.target, g) for g in self.target.graphs
-                         if g.role != "verify" and g.name != self.target.plan.verify_head}
+        self.sessions: dict = {}
+        later = {"verify"} | ({"prefill"} if prefill_mode == "decode" else set())
+        for g in self.target.graphs:
+            if g.role not in later and g.name != self.target.plan.verify_head:
+                self.session(g)
         self.pos = 0
         self.resets = 0  # a chat session's state is its own only while no reset came between
         self.observer: Observer | None = None
@@ -70,8 +77,6 @@ class Engine:
         self._feeds = {name: [(f.name, f.key or "", None if f.state is None
                                else self.state.buffer(f.state)) for f in feeds]
                        for name, feeds in self.plan.feeds.items()}
-        for name in list(self.sessions):
-            self._check_in_place(self.target.graph(name))
 
     @property
     def context(self) -> int:
@@ -95,14 +100,20 @@ class Engine:
         """Rows of a verify step (runtime/speculative.py drafts one fewer)."""
         return self.plan.verify_len
 
-    def _check_in_place(self, g: GraphSpec) -> None:
-        """A graph that updates a cache in place (``alias:<input>`` outputs) needs a session that
-        writes its outputs into that input's memory (the cpu backend's ``BoundSession``)."""
-        if (any(o.bind.startswith("alias:") for o in g.outputs)
-                and not getattr(self.sessions[g.name], "writes_in_place", False)):
-            raise BundleError(f"graph {g.name} updates its cache in place (alias: outputs), which "
-                              f"only the cpu backend runs; target {self.target.name} cannot run "
-                              f"on backend {self.backend.name}")
+    def session(self, g: GraphSpec):
+        """Graph ``g``'s session, opened on first use. A graph that updates a cache in place
+        (``alias:<input>`` outputs) needs a session that writes its outputs into that input's
+        memory (the cpu backend's ``BoundSession``)."""
+        sess = self.sessions.get(g.name)
+        if sess is None:
+            sess = self.backend.session(self.bundle, self.target, g)
+            if (any(o.bind.startswith("alias:") for o in g.outputs)
+                    and not getattr(sess, "writes_in_place", False)):
+                raise BundleError(f"graph {g.name} updates its cache in place (alias: outputs), "
+                                  f"which only the cpu backend runs; target {self.target.name} "
+                                  f"cannot run on backend {self.backend.name}")
+            self.sessions[g.name] = sess
+        return sess
 
     def load_verify_sessions(self) -> None:
         """Open the verify graphs' sessions and the verify head's (HTP targets without them
@@ -110,9 +121,7 @@ class Engine:
         benchmark may beforehand."""
         head = [self.plan.verify_head] if self.plan.verify_head else []
         for g in [*self.plan.graphs["verify"], *head]:
-            if g.name not in self.sessions:
-                self.sessions[g.name] = self.backend.session(self.bundle, self.target, g)
-                self._check_in_place(g)
+            self.session(g)
 
     @property
     def vocab_size(self) -> int:
@@ -132,7 +141,7 @@ class Engine:
         buffers when the step ends)."""
         feeds = {name: inputs[key] if buf is None else buf
                  for name, key, buf in self._feeds[graph.name]}
-        values = self.sessions[graph.name].run(None, feeds)
+        values = self.session(graph).run(None, feeds)
         for key, value in zip(self.plan.outputs[graph.name], values, strict=True):
             inputs[key] = value
         if self.observer:
@@ -169,12 +178,13 @@ class Engine:
         assert logits is not None  # head=True
         return logits
 
-    def prefill(self, ids: list[int], mode: str = "chunked", media: MediaRows | None = None,
+    def prefill(self, ids: list[int], mode: str | None = None, media: MediaRows | None = None,
                 copy: bool = True) -> np.ndarray:
-        """Prompt -> logits of its last token. mode "decode" feeds it through the AR-1 graph.
+        """Prompt -> logits of its last token. mode "decode" feeds it through the AR-1 graph,
+        "chunked" through the AR-N prefill graphs; None: the engine's ``prefill_mode``.
         media: the soft tokens (and M-RoPE positions) of this prompt's images / audio.
         copy=False: the logits may be the graph's own output buffer, valid until the next step."""
-        logits = self._prefill(ids, mode, media)
+        logits = self._prefill(ids, mode or self.prefill_mode, media)
         return logits.copy() if copy else logits
 
     def _prefill(self, ids: list[int], mode: str, media: MediaRows | None) -> np.ndarray:
@@ -255,7 +265,7 @@ class Engine:
                 raise RequestError(f"{spec.name} input {i.name}: shape {list(value.shape)} != the "
                                    f"graph's {i.shape}")
             feeds[i.name] = value.astype(NP_DTYPES[i.dtype], copy=False)
-        values = self.sessions[graph.name].run(None, feeds)
+        values = self.session(graph).run(None, feeds)
         # copies: an IO-bound session hands out its own buffers, which the next item's run (a
         # second image of the prompt) would overwrite
         return {o.bind: np.array(v) for o, v in zip(graph.outputs, values, strict=True)}
@@ -265,7 +275,7 @@ class Engine:
         check_request(prompt_ids, max_new_tokens, self.vocab_size, self.context, past)
 
     def generate_step(self, prompt_ids: list[int], sampler: Sampler, max_new_tokens: int,
-                      prefill_mode: str = "chunked", fresh: bool = True,
+                      prefill_mode: str | None = None, fresh: bool = True,
                       media: MediaRows | None = None, drafter: PromptLookup | None = None
                       ) -> Iterator[tuple[int, np.ndarray]]:
         """Yield (token, logits it was sampled from) up to max_new_tokens; stop by breaking out.

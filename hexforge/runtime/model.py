@@ -24,6 +24,7 @@ from .options import (
     GenerationOptions,
     GenerationResult,
     Piece,
+    check_prefill_mode,
     request_clock,
 )
 from .sampling import Sampler, make_sampler
@@ -70,8 +71,10 @@ def pick_target(manifest: Manifest, backend: Backend, target: str | None = None)
 class Model(GenerationMethods):
     def __init__(self, bundle: str | Path, backend: str | Backend = "cpu",
                  arch: str | int | None = None, target: str | None = None,
-                 allow_cpu_fallback: bool = False, check_digests: bool | None = None):
+                 allow_cpu_fallback: bool = False, check_digests: bool | None = None,
+                 prefill_mode: str = "chunked"):
         self.bundle = Path(bundle)
+        check_prefill_mode(prefill_mode)
         self.manifest = load_manifest(self.bundle)
         self.backend = (backend if isinstance(backend, Backend) else
                         Backend.resolve(backend, parse_arch(arch), allow_cpu_fallback))
@@ -85,7 +88,7 @@ class Model(GenerationMethods):
         tok_dir = confine(self.bundle, self.manifest.tokenizer.dir)
         self.tokenizer = TextTokenizer(tok_dir)
         self.chat_template = ChatTemplate.load(tok_dir)
-        self.engine = Engine(self.bundle, self.manifest, self.target, self.backend)
+        self.engine = Engine(self.bundle, self.manifest, self.target, self.backend, prefill_mode)
         self.generation = self.manifest.generation
         self._preprocessors: dict = {}  # media preprocessors by encoder name (made on first use)
 
@@ -176,7 +179,8 @@ class Model(GenerationMethods):
                       taken, ended)
         if steps is None:
             steps = lambda ids, sampler, n, drafter: self.engine.generate_step(  # noqa: E731
-                ids, sampler, n, o.prefill_mode, media=media, drafter=drafter)
+                ids, sampler, n, o.prefill_mode and check_prefill_mode(o.prefill_mode),
+                media=media, drafter=drafter)
         out = yield from emit(steps(ids, sampler, max_new, drafter), self.tokenizer.detokenizer(),
                               stops, max_new)
         tokens = out.tokens
@@ -212,7 +216,7 @@ def parse_arch(arch: str | int | None) -> int | None:
 
 def load(bundle: str | Path, backend: str | Backend = "cpu", arch: str | int | None = None,
          target: str | None = None, allow_cpu_fallback: bool = False,
-         check_digests: bool | None = None) -> Model | GenieModel:
+         check_digests: bool | None = None, prefill_mode: str = "chunked") -> Model | GenieModel:
     """Load a bundle: backend "cpu" (default), "qnn", "qnn-sim" or "auto" (or a resolved
     ``Backend``); ``arch`` = the device's Hexagon arch (e.g. "v81") when running HTP targets.
     The files the target reads are checked against the manifest's sizes every time, and against
@@ -221,10 +225,16 @@ def load(bundle: str | Path, backend: str | Backend = "cpu", arch: str | int | N
 
     backend "genie": the bundle's Genie folder (build --genie) run by Qualcomm's libGenie
     (runtime/genie/model.py; with its pipeline for images / audio where it has one): the same
-    generate / stream / chat / iterate, with the options Genie has a counterpart for."""
+    generate / stream / chat / iterate, with the options Genie has a counterpart for.
+
+    prefill_mode: how a request's prompt runs unless it says otherwise — "chunked" (the AR-N
+    prefill graphs) or "decode" (the AR-1 graph a token at a time; the prefill graphs are not
+    opened until a request asks for them, and a Genie dialog is given its AR-1 contexts alone:
+    how a model whose two graph sets pass the x86 simulator's room runs there)."""
     if backend == "genie":
         from .genie.pipelinemodel import open_genie
 
         genie_arch = target.removeprefix("genie-") if target else arch
-        return open_genie(bundle, None if genie_arch is None else str(genie_arch))
-    return Model(bundle, backend, arch, target, allow_cpu_fallback, check_digests)
+        return open_genie(bundle, None if genie_arch is None else str(genie_arch),
+                          prefill_mode=prefill_mode)
+    return Model(bundle, backend, arch, target, allow_cpu_fallback, check_digests, prefill_mode)

@@ -49,6 +49,16 @@ class GenerationResult:
         return asdict(self)
 
 
+PREFILL_MODES = ("chunked", "decode")
+
+
+def check_prefill_mode(mode: str) -> str:
+    """``mode`` if it is a prefill mode; a one-line error otherwise."""
+    if mode not in PREFILL_MODES:
+        raise RequestError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}, got {mode!r}")
+    return mode
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerationOptions:
     """How one request generates: each field is a keyword argument of ``Model.generate`` /
@@ -84,8 +94,9 @@ class GenerationOptions:
     audios: Annotated[list | None, "audio clips (paths, bytes, data: URLs), as images"] = None
     prompt_lookup: Annotated[int | None, "speculative decoding: draft up to k tokens a step from "
                              "the context and verify them in one call (the same tokens)"] = None
-    prefill_mode: Annotated[str, "'chunked': AR-N prefill graphs; 'decode': the AR-1 graph over "
-                            "the prompt"] = "chunked"
+    prefill_mode: Annotated[str | None, "'chunked': AR-N prefill graphs; 'decode': the AR-1 "
+                            "graph over the prompt; None: the model's (hexforge.load's "
+                            "prefill_mode, 'chunked' unless set)"] = None
     should_stop: Annotated[Callable[[], bool] | None, "polled every token; True cancels "
                            "(finish_reason 'cancelled')"] = None
 

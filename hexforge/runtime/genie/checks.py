@@ -160,11 +160,34 @@ def check_folder(folder: Path, digests: bool | None = None) -> dict:
     return config
 
 
+def _ar_of(binary: str) -> int | None:
+    """N of a context binary named ``..._ar<N>_cl<C>_...`` (None: a weight-shared split's
+    ``decoder_<i>_of_<n>.bin``, which holds its AR-N and AR-1 graphs in one context)."""
+    m = re.search(r"_ar(\d+)_cl\d+", Path(binary).name)
+    return int(m.group(1)) if m else None
+
+
 def prefill_len(config: dict) -> int:
     """N of the folder's AR-N prompt graphs (``prompt_ar<N>_cl<C>_...`` in ctx-bins; 1 if none)."""
     bins = config["dialog"]["engine"]["model"]["binary"]["ctx-bins"]
-    found = [int(m.group(1)) for b in bins if (m := re.search(r"_ar(\d+)_cl\d+", Path(b).name))]
-    return max(found, default=1)
+    return max((n for b in bins if (n := _ar_of(b)) is not None), default=1)
+
+
+def keep_ar1(dialog: dict, folder: Path) -> None:
+    """``dialog`` (a genie_config's dialog or a pipeline's text-generator) given only its AR-1
+    context binaries, in place: Genie then feeds a prompt one token a step. A folder whose
+    AR-N and AR-1 contexts together pass what one HTP process domain holds (the x86
+    simulator's ~3.3 GB: docs/genie.md#what-genie-refuses-here) runs so; a weight-shared
+    split holds both graphs in one context and cannot."""
+    binary = dialog["engine"]["model"]["binary"]
+    bins = binary["ctx-bins"]
+    if any(_ar_of(b) is None for b in bins):
+        raise BundleError(f"{folder.name} holds each split's AR-N and AR-1 graphs in one context "
+                          "(--share-weights): it has no AR-1-only dialog")
+    binary["ctx-bins"] = [b for b in bins if _ar_of(b) == 1]
+    if not binary["ctx-bins"]:
+        raise BundleError(f"{folder.name} has no AR-1 context binary (token_ar1_*) in its "
+                          f"{CONFIG}")
 
 
 def check_prompt_fits(n_prompt: int, config: dict) -> None:

@@ -31,12 +31,13 @@ from ..options import (
     GenerationOptions,
     GenerationResult,
     Piece,
+    check_prefill_mode,
     check_request,
     request_clock,
 )
 from ..text import ChatTemplate, TextTokenizer, encode_prompt
 from . import libgenie as genie
-from .checks import check_folder, check_prompt_fits
+from .checks import check_folder, check_prompt_fits, keep_ar1
 
 CONFIG = "genie_config.json"
 
@@ -147,7 +148,10 @@ def genie_result(tokenizer, tokens: list[int], prompt_tokens: int, finish: str, 
 class GenieModel(GenerationMethods):
     """generate / stream over a Genie bundle folder; one dialog, reset before each request."""
 
-    def __init__(self, bundle: str | Path, arch: str | None = None, log_level: str = "warn"):
+    def __init__(self, bundle: str | Path, arch: str | None = None, log_level: str = "warn",
+                 prefill_mode: str = "chunked"):
+        """``prefill_mode`` "decode": the dialog is given the folder's AR-1 contexts alone
+        (``checks.keep_ar1``), so Genie feeds a prompt one token a step."""
         self.bundle = Path(bundle)
         self.folder = find_folder(self.bundle, arch if arch is None or arch.startswith("v")
                                   else f"v{arch}")
@@ -155,6 +159,9 @@ class GenieModel(GenerationMethods):
         # libGenie sees them
         self.config = check_folder(self.folder)
         _refuse_shared_weights_off_device(self.folder, self.config)
+        self.prefill_mode = check_prefill_mode(prefill_mode)
+        if prefill_mode == "decode":
+            keep_ar1(self.config["dialog"], self.folder)
         d = self.config["dialog"]
         self.context = int(d["context"]["size"])
         self.n_vocab = int(d["context"]["n-vocab"])
@@ -291,6 +298,10 @@ def refuse_unsupported(o: GenerationOptions, media: frozenset[str] = frozenset()
         if f.name in GENIE_OPTIONS or f.name in media:
             continue
         value = getattr(o, f.name)
+        if f.name == "prefill_mode" and value is not None:
+            raise RequestError("--backend genie: a Genie dialog's prefill mode is the model's, "
+                               "set when it is loaded (hexforge.load(..., prefill_mode=...), "
+                               "--prefill-mode)")
         if value is not None and value != f.default and value != []:
             what = ("images / audio need a Genie pipeline (build --genie with the model's towers)"
                     if f.name in ("images", "audios") else

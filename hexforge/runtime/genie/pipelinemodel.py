@@ -29,7 +29,7 @@ from ...bundle.errors import BundleError, RequestError
 from ...bundle.lut import LutEncoding
 from ..options import Done, GenerationOptions, Piece, check_request
 from . import libgenie as genie
-from .checks import check_prompt_fits, lut_files
+from .checks import check_prompt_fits, keep_ar1, lut_files
 from .libpipeline import Node, Pipeline
 from .model import GenieModel, absolute_paths, never_eos, sampler_config
 
@@ -75,10 +75,10 @@ class GeniePipelineModel(GenieModel):
     (text alone still goes through the Genie dialog)."""
 
     def __init__(self, bundle: str | Path, arch: str | None = None, log_level: str = "warn",
-                 dump_tensors: Path | None = None):
+                 dump_tensors: Path | None = None, prefill_mode: str = "chunked"):
         """``dump_tensors``: a folder for Genie's own dump of every tensor the text-generator's
         graphs take and give (its ``debug: dump-tensors``): what Genie feeds, measured."""
-        super().__init__(bundle, arch, log_level)
+        super().__init__(bundle, arch, log_level, prefill_mode)
         from ...bundle.manifest import load_manifest
 
         self.dump_tensors = dump_tensors
@@ -163,6 +163,8 @@ class GeniePipelineModel(GenieModel):
             d["context"]["eos-token"] = never_eos(tg["text-generator"], self.folder, self.n_vocab)
         d["sampler"] = sampler_config(temperature, top_k, top_p, seed)
         d["max-num-tokens"] = max_new
+        if self.prefill_mode == "decode":  # as the dialog's: the AR-1 contexts alone
+            keep_ar1(d, self.folder)
         if not on_phone:
             d["engine"]["backend"]["QnnHtp"]["poll"] = False  # the x86 simulator needs the core
             if self.dump_tensors is not None:
@@ -358,11 +360,12 @@ def _in_range(value: np.ndarray, bounds: list[float] | None, name: str) -> np.nd
     return x
 
 
-def open_genie(bundle: str | Path, arch: str | None = None, log_level: str = "warn"):
+def open_genie(bundle: str | Path, arch: str | None = None, log_level: str = "warn",
+               prefill_mode: str = "chunked"):
     """The Genie model of a bundle: with its pipeline when the Genie folder has one."""
     from .model import find_folder
 
     folder = find_folder(Path(bundle), arch if arch is None or arch.startswith("v")
                          else f"v{arch}")
     cls = GeniePipelineModel if (folder / PIPELINE).is_file() else GenieModel
-    return cls(bundle, arch, log_level)
+    return cls(bundle, arch, log_level, prefill_mode=prefill_mode)
