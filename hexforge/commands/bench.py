@@ -49,7 +49,8 @@ def bench_bundle(bundle: str | Path, prompt_tokens: int = 128, new_tokens: int =
     from ..runtime.model import load
 
     t = time.perf_counter()
-    model = load(bundle, backend=backend, arch=arch)
+    # the load opens only the graphs this mode runs (its load time is theirs)
+    model = load(bundle, backend=backend, arch=arch, prefill_mode=prefill_mode)
     load_s = time.perf_counter() - t
     eng = model.engine
     if prompt_tokens + new_tokens > eng.context:
