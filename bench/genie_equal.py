@@ -109,7 +109,7 @@ def main() -> None:
     if genie != sim and not media:  # how far below qnn-sim's top Genie's picks sit (a tie?)
         from hexforge.runtime.compare import pick_gaps
 
-        steps = [[round(g, 5), r] for g, r in pick_gaps(model, prompt, genie)]
+        steps = [[round(g, 5), r] for g, r, _ in pick_gaps(model, prompt, genie)]
     print(json.dumps({"bundle": str(a.bundle), "prefill_mode": a.prefill_mode, "genie": genie,
                       "qnn_sim": sim, "equal": genie == sim,
                       "genie_picks_in_qnn_sim_gap_rank": steps, "genie_s": side["genie_s"],

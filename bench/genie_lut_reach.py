@@ -88,7 +88,7 @@ def main() -> None:
                               "past_2^31": last * row >= 2**31, "genie": got, "qnn_sim": want,
                               "equal": got == want,
                               "genie_picks_in_qnn_sim_gap_rank": [
-                                  [round(g, 5), r] for g, r in gaps]}), flush=True)
+                                  [round(g, 5), r] for g, r, _ in gaps]}), flush=True)
     finally:
         genie.close()
 

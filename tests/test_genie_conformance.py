@@ -2,9 +2,10 @@
 fixed matrix of bench/genie_conformance.py (several tiny configurations per family: head dims and
 KV heads, windows shorter and longer than the prompt, rotary fractions and M-RoPE sections, tied
 and untied heads, KV-sharing counts, per-layer inputs or none, splits, square and non-square
-images, a recording), each
+images, a recording; prompts through the AR-1 graphs alone), each
 built with --genie and asked prompts around the prefill length and the longest one Genie's
-prefill takes: libGenie's greedy tokens equal qnn-sim's on the same bundle. Plumbing on random
+prefill takes: libGenie's greedy tokens equal qnn-sim's on the same bundle (a media prompt's
+picks are checked on Genie's own prefix, a near-tie flip being rounding). Plumbing on random
 weights (both run the same weights); bench/genie_conformance.py draws new configurations at
 random for longer runs."""
 
@@ -42,3 +43,18 @@ def test_the_matrix_covers_each_genie_family_several_times():
     per = Counter(v.family if v.family != "qwen3" else "llama" for v in BENCH.MATRIX)
     assert all(per[f] >= 2 for f in ("llama", "gemma3", "gemma4", "qwen3_5")), per
     assert per["qwen3_vl"] >= 1 and per["gemma4_mm"] >= 1
+
+
+def test_a_media_pick_a_step_or_two_below_is_rounding_one_far_below_is_a_fault():
+    """The media prompts' rule (``runtime.compare.departs_on_own_prefix``): each Genie pick
+    seen by qnn-sim on Genie's own prefix. A tiny Gemma-4 pipeline (seed 3, a 60 x 150 image)
+    picked 0.0039 below qnn-sim's top at 3.36 (two fp16 steps: its image rows in the 16-bit
+    LUT's encoding) and qnn-sim's top at every other step; a row read wrong puts a pick far
+    below."""
+    from hexforge.runtime.compare import departs_on_own_prefix
+
+    step = 2.0 ** -9  # one fp16 step for logits in [2, 4)
+    measured = [(0.0, 1, step)] * 3 + [(0.00391, 2, step)] + [(0.0, 1, step)] * 6
+    assert departs_on_own_prefix(measured) is None
+    assert departs_on_own_prefix([*measured, (0.07, 2, step)]) == 10
+    assert departs_on_own_prefix([(0.0, 1, step), (1.3, 118_266, step)]) == 1
