@@ -340,9 +340,9 @@ def test_w4a16_rtn_rounds_every_weight_where_w4a16_keeps_gptq(tmp_path):
     from onnx import TensorProto, helper, numpy_helper
 
     from hexforge.forge.quantize.calibstats import GraphStats, HessianStore
-    from hexforge.forge.quantize.qdq import quantize_graph
+    from hexforge.forge.quantize.qdq import LPBQ_MIN_BLOCKS, _block, quantize_graph
     from hexforge.forge.quantize.recipes import RECIPES
-    from hexforge.forge.quantize.weightquant import int4_blocks
+    from hexforge.forge.quantize.weightquant import int4_blocks, lpbq_snap
 
     rng = np.random.default_rng(5)
     K, N = 128, 32
@@ -361,7 +361,8 @@ def test_w4a16_rtn_rounds_every_weight_where_w4a16_keeps_gptq(tmp_path):
     store = HessianStore(tmp_path / "hessians")
     store.add(stats.hessian_groups())
     stats.close()
-    _, rq = int4_blocks(w, 64)
+    B = _block(K, 64, LPBQ_MIN_BLOCKS)
+    _, rq = int4_blocks(w, B, lpbq_snap(w, B))  # LPBQ's grid of block scales
     got = {}
     for quant in ("w4-u16", "w4-u16-rtn"):
         out = tmp_path / f"{quant}.qdq.onnx"
@@ -459,3 +460,84 @@ def test_a_weight_over_protobufs_2gb_is_quantized_in_column_slices_bit_for_bit(t
             {t.name: numpy_helper.to_array(t).tobytes() for t in m.graph.initializer})
     assert got[True][0] == got[False][0]
     assert got[True][1] == got[False][1]
+
+
+def test_int4_weights_are_lpbq_one_integer_matmul_regression_block_codes_above_16_ran_wrong(
+        tmp_path):
+    """w4-u16's int4 weights in LPBQ form: the block scales a DequantizeLinear of codes 1..16
+    (uint8) x a float scale per output channel, feeding the int4 weight's DequantizeLinear, which
+    onnxruntime-qnn fuses into one integer MatMul on the HTP's matrix unit (float block scales:
+    a dequantization on the vector units every step). Regressions: block codes up to 255
+    compiled and ran wrong -- the x86 simulator's output uncorrelated with the graph's at 64,
+    -1/255 of it at 255 (the HTP multiplies int4 x code as int8) -- and K 576 in blocks of 64
+    crashed the simulator (blocks of 32 here). The compiled linear equals the CPU's, every op
+    costed, about half a byte a weight; LPBQ's coarser scale grid costs little against float
+    block scales."""
+    import onnxruntime as ort
+
+    from hexforge.bundle.targets import get_target
+    from hexforge.forge.compile.contexts import compile_graph
+    from hexforge.forge.compile.hextimate import estimate_graph
+    from hexforge.forge.quantize.calibstats import GraphStats
+    from hexforge.forge.quantize.qdq import quantize_graph
+    from hexforge.forge.quantize.recipes import RECIPES
+    from hexforge.forge.quantize.weightquant import dequantize, int4_blocks
+    from hexforge.runtime import qnn
+
+    rng = np.random.default_rng(0)
+    K, N = 576, 256  # SmolLM2's width
+    w = (rng.standard_normal((K, N)) * 0.03
+         * np.repeat(rng.uniform(0.3, 2.0, K // 32), 32)[:, None]).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, K])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, N])],
+                          [numpy_helper.from_array(w, "w")])
+    float_path = tmp_path / "f.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10),
+              str(float_path))
+    xs = rng.standard_normal((8, 1, 1, K)).astype(np.float32)
+    stats = GraphStats(float_path, tmp_path / "calib", hessians=False)
+    for x in xs:
+        stats.add({"x": x})
+    ranges = stats.save_ranges(tmp_path / "ranges.json")
+    stats.close()
+    out = tmp_path / "w4.qdq.onnx"
+    quantize_graph(float_path, out, ranges, {}, {}, RECIPES["w4-u16-rtn"], "prefill")
+
+    m = onnx.load(str(out))
+    inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    made = {o: n for n in m.graph.node for o in n.output}
+    wdq = next(n for n in m.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+               and inits[n.input[0]].shape == (K, N))
+    sdq = made[wdq.input[1]]  # the scales are computed: codes x the channel's scale
+    attrs = {a.name: a.i for a in wdq.attribute}
+    assert attrs == {"axis": 0, "block_size": 32}
+    assert sdq.op_type == "DequantizeLinear" and [a.i for a in sdq.attribute] == [1]
+    codes, ch = inits[sdq.input[0]], inits[sdq.input[1]]
+    assert codes.dtype == np.uint8 and codes.shape == (K // 32, N) and ch.shape == (N,)
+    assert codes.min() >= 1 and codes.max() == 16
+    got = dequantize(codes * ch, inits[wdq.input[0]].astype(np.float32))
+    x2 = xs[:, 0, 0]
+
+    def err(wq):
+        return np.linalg.norm(x2 @ (wq - w)) / np.linalg.norm(x2 @ w)
+
+    assert err(got) < 1.15 * err(dequantize(*int4_blocks(w, 32)))  # float block scales
+
+    v81 = get_target("v81")
+    soc = v81.default_soc.soc_model
+    ctx = compile_graph(out, tmp_path / "w4.ctx.onnx", 81, soc, fp16=False)
+    w8 = tmp_path / "w8.qdq.onnx"
+    quantize_graph(float_path, w8, ranges, {}, {}, RECIPES["w8-u16"], "prefill")
+    w8_bytes = compile_graph(w8, tmp_path / "w8.ctx.onnx", 81, soc, fp16=False)["bin_bytes"]
+    # int4 packed two to a byte: half of int8's K x N bytes saved (a binary's fixed bytes aside)
+    assert w8_bytes - ctx["bin_bytes"] > 0.45 * K * N
+    so = qnn.session_options(qnn.provider_options(81, soc, False), {})
+    with qnn.native_stdout_to_stderr():
+        sim = ort.InferenceSession(str(ctx["ctx"]), so)
+    cpu = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    for x in xs[:3]:
+        a, b = sim.run(None, {"x": x})[0], cpu.run(None, {"x": x})[0]
+        assert np.linalg.norm(a - b) < 1e-3 * np.linalg.norm(b)
+    del sim
+    assert estimate_graph(out, 81, v81.estimator, False).missing_ops == 0

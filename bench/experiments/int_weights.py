@@ -20,21 +20,30 @@ The forms (activations x weights):
                         in an fp16 graph: does the EP keep it one QNN graph, on the HMX?
   mixed-mul-s8          the same with a float Mul after it in place of the residual Add
   u16-lpbq-s4b64        uint16 Q/DQ activations, LPBQ: uint8 block scales x a float per-channel
-                        scale feed the int4 weight's DequantizeLinear (AI Hub's w4a16)
+                        scale feed the int4 weight's DequantizeLinear (AI Hub's w4a16), the
+                        float weight's Q -> DQ (refused: onnxruntime duplicates the scale DQ)
+  u16-lpbqw-s4bB        the same with the weight stored int4 (blocks of B: 32, 64, 128): the
+                        form the QDQ pass writes (forge/quantize/qdq.py); u8-lpbqw-s4bB with
+                        uint8 activations
 
-Prints one line a form; --json writes them. Plumbing of speed, not accuracy: weights random.
+Prints one line a form; --json writes them. Plumbing of speed, not accuracy: weights random;
+``--check`` also runs each binary on the x86 simulator against the CPU (its relative error).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
 OPSET = 21  # blocked DequantizeLinear and int4
+# LPBQ's block codes: the HTP multiplies int4 x code as int8, so codes above 16 compile and run
+# wrong (the simulator's output uncorrelated at 64, -1/255 of the graph's at 255): ``--codes``
+LPBQ_CODES = 16
 
 
 def _graph(nodes, inits, elem_in, k: int, n: int, name: str):
@@ -100,12 +109,30 @@ def form(name: str, k: int, n: int):
         q.process()
         return q.model.model
     bits = 8 if "s8" in name else 4
-    block = 64 if "b64" in name else None
+    m = re.search(r"b(\d+)$", name)
+    block = int(m.group(1)) if m else None
     q, scale = _int_weight(w, bits, block)
     qtype = TensorProto.INT8 if bits == 8 else TensorProto.INT4
     nodes, inits = [], []
     dq = dict(axis=0, block_size=block) if block else dict(axis=1)
-    if name.startswith("u16-lpbq"):
+    if name.startswith(("u16-lpbqw", "u8-lpbqw")):
+        # LPBQ with the weight already int4 (the fusion's second form): the int4 initializer's
+        # DequantizeLinear takes as its scale a DequantizeLinear of uint8 block codes x a float
+        # per-channel scale -- one consumer of the scale, so onnxruntime's EnsureUniqueDQ
+        # duplicates nothing (the Q -> DQ form below leaves a /duplicated scale DQ behind)
+        ch = scale.max(0, keepdims=True) / LPBQ_CODES  # [1, N]
+        codes = np.clip(np.round(scale / ch), 1, LPBQ_CODES).astype(np.uint8)  # [K / block, N]
+        rep = np.repeat(codes * ch, block, 0)
+        top = 2 ** (bits - 1) - 1
+        q = np.clip(np.round(w / rep), -top - 1, top).astype(np.int8)
+        inits += [helper.make_tensor("wq", qtype, list(q.shape), q.flatten().tolist()),
+                  numpy_helper.from_array(codes, "bs_q"),
+                  numpy_helper.from_array(ch.reshape(n), "bs_s"),
+                  numpy_helper.from_array(np.zeros(n, np.uint8), "bs_z"),
+                  helper.make_tensor("wz", qtype, list(codes.shape), [0] * codes.size)]
+        nodes += [helper.make_node("DequantizeLinear", ["bs_q", "bs_s", "bs_z"], ["ws"], axis=1),
+                  helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], **dq)]
+    elif name.startswith("u16-lpbq"):
         # LPBQ as onnxruntime-qnn's fusion reads it (lpbqmatmul_fusion): the float weight's
         # int4 QuantizeLinear -> DequantizeLinear, both scaled by per-block scales that are
         # themselves a DequantizeLinear of uint8 codes x a float per-channel scale
@@ -154,11 +181,11 @@ def form(name: str, k: int, n: int):
 
 
 FORMS = ("fp16", "nbits8", "nbits4", "f16-dq-s8", "f16-dq-s4b64", "u16-dq-s8", "u16-dq-s4",
-         "u16-dq-s4b64", "u16-lpbq-s4b64", "u8-dq-s8", "u8-dq-s4", "u8-dq-s4b64",
+         "u16-dq-s4b64", "u16-lpbq-s4b64", "u16-lpbqw-s4b64", "u8-dq-s8", "u8-dq-s4", "u8-dq-s4b64",
          "mixed-s8", "mixed-mul-s8")
 
 
-def measure(name: str, k: int, n: int, work: Path) -> dict:
+def measure(name: str, k: int, n: int, work: Path, check: bool = False) -> dict:
     import onnx
 
     from hexforge.bundle.errors import HexforgeError
@@ -178,6 +205,20 @@ def measure(name: str, k: int, n: int, work: Path) -> dict:
     except HexforgeError as e:
         return row | {"refused": str(e).splitlines()[0][:160]}
     ops = op_breakdown(optrace(work / name / "profile_qnn.log"))
+    if check:  # the binary on the x86 simulator against the graph on the CPU
+        import onnxruntime as ort
+
+        from hexforge.runtime import qnn
+
+        x = np.random.default_rng(1).standard_normal((1, 1, k)).astype(np.float32)
+        feeds = {"x": x.astype(np.float16) if fp16 and not name.startswith("mixed") else x}
+        so = qnn.session_options(qnn.provider_options(v81.htp_arch, v81.socs[0].soc_model,
+                                                      fp16), {})
+        with qnn.native_stdout_to_stderr():
+            a = ort.InferenceSession(str(r["ctx"]), so).run(None, feeds)[0].astype(np.float32)
+        b = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(
+            None, feeds)[0].astype(np.float32)
+        row["sim_rel_err"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
     row |= {"us": round(est.us, 1), "missing_ops": est.missing_ops,
             "bytes_per_weight": round(r["bin_bytes"] / (k * n), 3),
             "hvx_cycles": sum(o["cycles"] for o in ops if o["unit"] == "HVX"),
@@ -193,12 +234,17 @@ def main() -> None:
     ap.add_argument("--forms", default=",".join(FORMS))
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--check", action="store_true",
+                    help="also run each binary on the x86 simulator against the CPU (a form "
+                    "the simulator cannot run may end the process)")
+    ap.add_argument("--codes", type=int, default=LPBQ_CODES, help="LPBQ's largest block code")
     a = ap.parse_args()
+    globals()["LPBQ_CODES"] = a.codes
     work = a.work or Path(tempfile.mkdtemp(prefix="intw-"))
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in a.forms.split(","):
-        row = measure(name, a.k, a.n, work)
+        row = measure(name, a.k, a.n, work, a.check)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if a.json:

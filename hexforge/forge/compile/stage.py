@@ -92,17 +92,20 @@ def build_htp_targets(ctx: StageContext, targets: list[Target], manifest: Manife
                     "file": f"{target.name}/{g.name}.ctx.onnx",
                     "bytes": res["bin_bytes"] + res["ctx"].stat().st_size}))
                 advance()
+        spec = TargetSpec(
+            name=target.name, htp_arch=target.htp_arch, soc_model=soc.soc_model, qnn_sdk=sdk,
+            quant=recipe.name, mask_value=recipe.mask_value, graphs=compiled, plan=plan,
+            weight_shared=opts.share_weights, hidden_scale=1.0 / (scale or 1.0))
+        # before the checks, so a recipe the HTP computes wrong still shows its speed in the
+        # log; while the compiles' sources exist (the binaries cannot be estimated)
+        if opts.estimate:
+            estimates[target.name] = _estimate(spec, srcs, recipe, manifest, log)
         if not opts.verify:  # no oracle (real sizes): each graph once on the HTP vs its float
             compiled = _check_compiled(ctx, manifest, prepared[key], compiled, target, sdk,
                                        checked[key])
         if opts.share_weights:
             compiled = _share(ctx, compiled, plan, srcs, target)
-        specs[target.name] = TargetSpec(
-            name=target.name, htp_arch=target.htp_arch, soc_model=soc.soc_model, qnn_sdk=sdk,
-            quant=recipe.name, mask_value=recipe.mask_value, graphs=compiled, plan=plan,
-            weight_shared=opts.share_weights, hidden_scale=1.0 / (scale or 1.0))
-        if opts.estimate:  # while the compiles' sources exist: the binaries cannot be estimated
-            estimates[target.name] = _estimate(specs[target.name], srcs, recipe, manifest, log)
+        specs[target.name] = spec.model_copy(update={"graphs": compiled})
     if not opts.keep_work:
         _drop_float_graphs(root / "_work")  # fp16's, the compiles' sources, are done with now
     return specs, qdq, estimates

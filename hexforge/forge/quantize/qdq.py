@@ -7,6 +7,8 @@
                  W8: int8 per-output-channel  DequantizeLinear(axis=1)
                      (w8-u16-b128: int8 blocks  DequantizeLinear(axis=0, block_size=128))
                  W4: int4 block-wise          DequantizeLinear(axis=0, block_size=B)   (opset 21)
+                     its scales LPBQ: DequantizeLinear(uint8 codes 1..16 [K/B, N], float [N], axis=1)
+                     feeding the weight's as its scale (one integer MatMul on the HMX)
                  (the formats, round to nearest or GPTQ: weightquant.py)
 
 Why our own weight pass: the ORT tool ignores per-channel for MatMul (per-tensor uint8 gave cos 0.996,
@@ -32,6 +34,9 @@ from .weightquant import (
     gptq_int8,
     gptq_int8_blocks,
     int4_blocks,
+    lpbq_channel_scale,
+    lpbq_codes,
+    lpbq_snap,
     rtn_int8,
     validated_gptq,
 )
@@ -96,13 +101,20 @@ def _quantize(float_path: Path, out_path: Path, ranges: Path, overrides: dict) -
         calibration_cache_path=str(ranges))
 
 
-def _block(k: int, want: int) -> int | None:
-    """The block size for input dim k, or None when no block of >= 16 divides it (such narrow
-    weights, e.g. Gemma-4's PLE projection with P = 8, stay int8 per-channel)."""
-    for b in (want, 128, 64, 32, 16):
-        if b <= k and k % b == 0:
-            return b
-    return None
+# Some LPBQ weights with few blocks along K crash the x86 HTP simulator at run time (a
+# segmentation fault): K 512 / 576 in blocks of 64 and 1,024 in blocks of 128 (8-9 blocks) did;
+# 10 or more blocks of 64, and blocks of 16 or 32 at any count (4-18), did not. So an int4
+# weight takes blocks small enough for 16 of them where it can (576: blocks of 32)
+LPBQ_MIN_BLOCKS = 16
+
+
+def _block(k: int, want: int, min_blocks: int = 1) -> int | None:
+    """The block size for input dim k: ``want`` or the next smaller of 128 ... 16 that divides k
+    into at least ``min_blocks`` blocks (else the smallest that divides it), or None when no
+    block of >= 16 divides it (such narrow weights, e.g. Gemma-4's PLE projection with P = 8,
+    stay int8 per-channel)."""
+    fits = [b for b in (want, 128, 64, 32, 16) if b <= min(k, want) and k % b == 0]
+    return next((b for b in fits if k // b >= min_blocks), fits[-1] if fits else None)
 
 
 def _weight_format(w: np.ndarray, key: str, bits: int, B: int | None,
@@ -111,17 +123,25 @@ def _weight_format(w: np.ndarray, key: str, bits: int, B: int | None,
     channel): GPTQ where the calibration gave the weight a Hessian (``validated_gptq`` when it
     is still its rows: fewer than 2K of them), else round to nearest. Solved once per weight:
     the prefill and decode graphs of a shard share it."""
-    if B:
+    if B and bits == 4:
+        snap = lpbq_snap(w, B)  # the block scales on LPBQ's grid (weightquant's docstring)
+
         def gptq(w, H, damp):
-            return (gptq_int4 if bits == 4 else gptq_int8_blocks)(w, H, B, damp)
+            return gptq_int4(w, H, B, damp, snap)
 
         def rtn(w):
-            return (int4_blocks if bits == 4 else rtn_int8)(w, B)
+            return int4_blocks(w, B, snap)
+    elif B:
+        def gptq(w, H, damp):
+            return gptq_int8_blocks(w, H, B, damp)
+
+        def rtn(w):
+            return rtn_int8(w, B)
     else:
         gptq, rtn = gptq_int8, rtn_int8
     if hessians is None or key not in hessians.file_of:
         return rtn(w)
-    kind = f"int{bits}b{B}" if B else "int8"
+    kind = f"int{bits}b{B}lpbq" if B and bits == 4 else f"int{bits}b{B}" if B else "int8"
     done = hessians.solved(key, kind)  # before the Gram: the decode twin need not read it again
     if done is not None:
         return done
@@ -152,6 +172,7 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
     inits = {t.name: t for t in qm.graph.initializer}
     matmul_b = {n.input[1] for n in qm.graph.node if n.op_type == "MatMul"}
     changed = 0
+    scale_nodes = {}  # weight DQ's output -> the LPBQ scale DQ to put before it
     for node in qm.graph.node:
         if node.op_type != "DequantizeLinear" or node.output[0] not in matmul_b:
             continue
@@ -173,7 +194,8 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
             inits[zp_name] = qm.graph.initializer.add(name=zp_name)
         # int4: blocks (of ``block_size``, else 64); int8: blocks only when ``block_size`` is
         # given; None (no block divides K): int8 per output channel
-        B = _block(K, block_size or 64) if bits == 4 else block_size and _block(K, block_size)
+        B = (_block(K, block_size or 64, LPBQ_MIN_BLOCKS) if bits == 4
+             else block_size and _block(K, block_size))
         scale, q = _weight_format(w, weight_key(w), 4 if B and bits == 4 else 8, B, hessians)
         if not B:
             qt = numpy_helper.from_array(q, qname)
@@ -184,6 +206,19 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
                 qt = helper.make_tensor(qname, TensorProto.INT4, [K, N], q.flatten().tolist())
                 zp = helper.make_tensor(node.input[2], TensorProto.INT4, [K // B, N],
                                         [0] * (K // B * N))
+                # LPBQ: the block scales become the output of a DequantizeLinear of their
+                # uint8 codes [K/B, N] x a float scale per output channel [N] (axis 1)
+                ch = lpbq_channel_scale(w, B)
+                sname = node.input[1]
+                for t in (numpy_helper.from_array(lpbq_codes(scale, ch), sname + "_codes"),
+                          numpy_helper.from_array(ch, sname + "_ch"),
+                          numpy_helper.from_array(np.zeros(N, np.uint8), sname + "_ch_zp")):
+                    if t.name not in inits:
+                        inits[t.name] = qm.graph.initializer.add(name=t.name)
+                    inits[t.name].CopyFrom(t)
+                scale_nodes[node.output[0]] = helper.make_node(
+                    "DequantizeLinear", [sname + "_codes", sname + "_ch", sname + "_ch_zp"],
+                    [sname + "_lpbq"], name=sname + "_lpbq", axis=1)
             else:
                 qt = numpy_helper.from_array(q, qname)
                 zp = numpy_helper.from_array(np.zeros((K // B, N), np.int8), node.input[2])
@@ -193,7 +228,12 @@ def requantize_weights(qdq_path: Path, float_path: Path, bits: int, block_size: 
             inits[t.name].CopyFrom(t)
         del node.attribute[:]
         node.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
+        if node.output[0] in scale_nodes:  # its scale initializer left unused (pruned below)
+            node.input[1] = scale_nodes[node.output[0]].output[0]
         changed += 1
+    at = [i for i, n in enumerate(qm.graph.node) if n.output[0] in scale_nodes]
+    for i in reversed(at):  # each LPBQ scale's DequantizeLinear just before the weight's
+        qm.graph.node.insert(i, scale_nodes[qm.graph.node[i].output[0]])
     widen_activation_ranges(qm, inits, range_margin, bounds)
     if rhs_int16:
         int16_matmul_rhs(qm)

@@ -3,10 +3,19 @@
     int8, a scale per output channel        rtn_int8(w)            gptq_int8(w, H)
     int8, a scale per block of B input rows rtn_int8(w, block=B)   gptq_int8_blocks(w, H, B)
     int4, a scale per block of B input rows int4_blocks(w, B)      gptq_int4(w, H, B)
+    int4 LPBQ: the block scales as codes     the same, snap=lpbq_snap(w, B)
+      1..16 x a float per output channel
 
 All take w [K, N] (x @ w, K = input features) and return (scales, q int8 [K, N]); the caller
-(qdq.requantize_weights) writes them as DequantizeLinear(axis=1) or (axis=0, block_size=B).
+(qdq.requantize_weights) writes them as DequantizeLinear(axis=1) or (axis=0, block_size=B) --
+the LPBQ scales as a DequantizeLinear of their codes feeding the weight's (lpbq_codes).
 H [K, K] is the calibration inputs' Hessian (calibstats), present only for GPTQ recipes.
+
+Why LPBQ for int4 (docs/notes/htp-speed.md, ``bench/experiments/int_weights.py``): with float
+block scales onnxruntime-qnn dequantizes an int4 weight on the vector units into an fp16
+convolution every step; with 4-bit block codes (1..16, stored uint8) under a per-channel float
+scale (Qualcomm's "low power block quantization") the EP fuses it into one integer MatMul on the
+matrix unit, the 4-bit weights packed two to a byte in the binary.
 """
 
 from __future__ import annotations
@@ -52,11 +61,11 @@ def gptq_int8_blocks(w: np.ndarray, H: np.ndarray, B: int, damp: float = 0.01):
                  -127, 127, damp)
 
 
-def gptq_int4(w: np.ndarray, H: np.ndarray, B: int, damp: float = 0.01):
+def gptq_int4(w: np.ndarray, H: np.ndarray, B: int, damp: float = 0.01, snap=None):
     """GPTQ with symmetric int4 groups of B input rows, each group's scale chosen (MSE clip
-    search, ``int4_blocks``) on its rows as already updated by the groups before it.
-    -> (scale [K/B, N] float32, q [K, N] int8 in [-8, 7])."""
-    return _gptq(w, H, B, lambda rows: int4_blocks(rows, len(rows))[0][0], -8, 7, damp)
+    search, ``int4_blocks``, on ``snap``'s grid if given) on its rows as already updated by the
+    groups before it. -> (scale [K/B, N] float32, q [K, N] int8 in [-8, 7])."""
+    return _gptq(w, H, B, lambda rows: int4_blocks(rows, len(rows), snap)[0][0], -8, 7, damp)
 
 
 def _gptq(w: np.ndarray, H: np.ndarray, block: int, block_scale, qlo: int, qhi: int,
@@ -128,17 +137,18 @@ def _hinv(H: np.ndarray, W: np.ndarray, damp: float) -> np.ndarray:
 CLIP_RATIOS = np.linspace(1.0, 0.6, 9)  # candidate clip ratios of the block absmax
 
 
-def int4_blocks(w: np.ndarray, B: int) -> tuple[np.ndarray, np.ndarray]:
+def int4_blocks(w: np.ndarray, B: int, snap=None) -> tuple[np.ndarray, np.ndarray]:
     """w [K, N] -> (scale [K/B, N], q int8 in [-8, 7] [K, N]): symmetric int4 per block of B input
     rows, each block's scale = ratio x absmax / 7 with the ratio that minimises the block's MSE
-    (clipping a few outliers buys resolution for the rest)."""
+    (clipping a few outliers buys resolution for the rest); ``snap(scale) -> scale`` puts each
+    candidate on the grid the format can hold (``lpbq_snap``)."""
     K, N = w.shape
     wb = w.reshape(K // B, B, N)
     absmax = np.maximum(np.abs(wb).max(axis=1), 1e-8)  # [K/B, N]
     best_err = np.full(absmax.shape, np.inf, dtype=np.float64)
-    best_scale = absmax / 7.0
+    best_scale = absmax / 7.0 if snap is None else snap(absmax / 7.0)
     for r in CLIP_RATIOS:
-        s = absmax * r / 7.0
+        s = absmax * r / 7.0 if snap is None else snap(absmax * r / 7.0)
         err = ((np.clip(np.round(wb / s[:, None]), -8, 7) * s[:, None] - wb) ** 2).sum(axis=1)
         better = err < best_err
         best_err = np.where(better, err, best_err)
@@ -188,3 +198,31 @@ def validated_gptq(w: np.ndarray, rows: np.ndarray, gptq, rtn) -> tuple[np.ndarr
     if np.linalg.norm(val @ dequantize(sg, qg) - ref) < np.linalg.norm(val @ dequantize(sr, qr) - ref):
         return sg, qg, True
     return sr, qr, False
+
+
+# LPBQ block codes 1..16, stored uint8: the HTP expands each int4 weight x its block's code into
+# the int8 weight its matrix unit multiplies (``expand_block_quant_to_pc_int8_weights``), so
+# the product must fit int8 (-8 x 16 = -128). Larger codes are accepted by the compiler and
+# wrong at run time: the simulator's output was uncorrelated with the graph's at code 64 and
+# -1/255 of it at 255 (bench/experiments/int_weights.py, docs/notes/htp-speed.md)
+LPBQ_CODES = 16
+
+
+def lpbq_channel_scale(w: np.ndarray, B: int) -> np.ndarray:
+    """w [K, N] -> the float scale [N] of each output channel's block codes: its largest block's
+    absmax / 7 is code 16 (smaller blocks take smaller codes, on a grid of 1/16 of it)."""
+    K, N = w.shape
+    absmax = np.abs(w.reshape(K // B, B, N)).max(axis=1).max(axis=0)  # [N]
+    return (np.maximum(absmax, 1e-8) / 7.0 / LPBQ_CODES).astype(np.float32)
+
+
+def lpbq_snap(w: np.ndarray, B: int):
+    """The ``snap`` that puts block scales [K/B, N] on w's LPBQ grid: a whole code 1..16 of its
+    channel's scale (``lpbq_channel_scale``)."""
+    ch = lpbq_channel_scale(w, B)
+    return lambda s: (np.clip(np.round(s / ch), 1, LPBQ_CODES) * ch).astype(np.float32)
+
+
+def lpbq_codes(scale: np.ndarray, ch: np.ndarray) -> np.ndarray:
+    """Block scales on the LPBQ grid [K/B, N] -> their uint8 codes (scale = codes x ch)."""
+    return np.clip(np.round(scale / ch), 1, LPBQ_CODES).astype(np.uint8)
