@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sink_u16 import gguf_of, logits, score
+from sink_u16 import logits, real_model, score
 
 
 def _rounded(w: torch.Tensor, form: str, block: int | None) -> torch.Tensor:
@@ -77,19 +76,7 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
 
-    from hexforge.families import load_family
-    from hexforge.forge.oracle.quality import EVAL_TEXT, eval_ids
-    from hexforge.forge.source.checkpoint import read_checkpoint
-    from hexforge.runtime.text import TextTokenizer
-
-    torch.set_grad_enabled(False)
-    with tempfile.TemporaryDirectory() as tmp:
-        ck = read_checkpoint(gguf_of(a.model, Path(tmp)))
-        fam = load_family(ck.model_type).FAMILY
-        hf = fam.load_hf(ck.dir)
-        tok = TextTokenizer(ck.dir)
-    layers = fam.reference_layers(hf)
-    ev = eval_ids(tok, EVAL_TEXT, a.tokens)
+    hf, layers, _, ev = real_model(a.model, a.tokens)
     ref = logits(hf, ev)
     print(f"{a.model}: {len(ev) - 1} held-out positions; HF fp32, weights rounded (not the HTP)")
     rows = []

@@ -229,6 +229,23 @@ def run(hf, layers, ref, eval_ids, calib_ids, kinds: set[str], resid: bool, sink
                 hook.remove()
 
 
+def real_model(name: str, tokens: int):
+    """The real model ``name`` as HF's fp32 forward (gradients off) -> (hf, its decoder layers,
+    its tokenizer, ``tokens`` ids of the held-out text)."""
+    from hexforge.families import load_family
+    from hexforge.forge.oracle.quality import EVAL_TEXT, eval_ids
+    from hexforge.forge.source.checkpoint import read_checkpoint
+    from hexforge.runtime.text import TextTokenizer
+
+    torch.set_grad_enabled(False)
+    with tempfile.TemporaryDirectory() as tmp:
+        ck = read_checkpoint(gguf_of(name, Path(tmp)))
+        fam = load_family(ck.model_type).FAMILY
+        hf = fam.load_hf(ck.dir)
+        tok = TextTokenizer(ck.dir)
+    return hf, fam.reference_layers(hf), tok, eval_ids(tok, EVAL_TEXT, tokens)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", choices=["smollm2", "gemma3"])
@@ -237,20 +254,10 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
 
-    from hexforge.families import load_family
-    from hexforge.forge.oracle.quality import EVAL_TEXT, eval_ids
+    from hexforge.forge.oracle.quality import eval_ids
     from hexforge.forge.quantize.calibtext import CALIB_TEXT
-    from hexforge.forge.source.checkpoint import read_checkpoint
-    from hexforge.runtime.text import TextTokenizer
 
-    torch.set_grad_enabled(False)
-    with tempfile.TemporaryDirectory() as tmp:
-        ck = read_checkpoint(gguf_of(a.model, Path(tmp)))
-        fam = load_family(ck.model_type).FAMILY
-        hf = fam.load_hf(ck.dir)
-        tok = TextTokenizer(ck.dir)
-    layers = fam.reference_layers(hf)
-    ev = eval_ids(tok, EVAL_TEXT, a.tokens)
+    hf, layers, tok, ev = real_model(a.model, a.tokens)
     cal = eval_ids(tok, CALIB_TEXT, 4096)
     ref = logits(hf, ev)
     every = set(KINDS)
