@@ -1,20 +1,24 @@
 """Genie's own lossless speculation: its lookahead dialog (``lade``, no draft model) against its
 ``basic`` dialog on one Genie bundle, per task of bench/speculative.py.
 
-    python bench/genie_lade.py BUNDLE [--tasks repeat,edit,bugfix,quotes,open]
-                               [--lade 4,3,4] [--json out.json]
+    python bench/genie_lade.py BUNDLE [--tasks repeat,edit,bugfix,open] [--tokens 64]
+                               [--lade W,N,G] [--hextimate] [--json out.json]
 
 Each task's chat-formatted prompt goes through libGenie twice, as text (``GenieDialog_query``: a
-``lade`` dialog ends the process on a token query, docs/genie.md), greedy, EOS off. libGenie 1.21's
-``lade`` dialog generates until the context is full whatever ``max-num-tokens`` says (and goes on
-after ``GenieDialog_signal(ABORT)``, which returns success): so ``lade`` runs first, to the end of
-the bundle's context — size it with ``--context`` at build time — and ``basic`` then makes as
-many tokens as lade's answer holds (the bundle's tokenizer counts them). The answers must agree
-(lookahead decoding is lossless): the shorter one a prefix of the other. The graph calls after the
-prompt are counted from Genie's log — a ``basic`` dialog makes one AR-1 call a token, ``lade`` one
-AR-N call a step — so tokens per call is what one step of the AR-N graph accepts. --lade W,N,G:
-the lookahead window, n-gram size and guess-cache capacity. On the x86 simulator; its wall time
-says nothing about a device.
+``lade`` dialog ends the process on a token query, docs/genie.md), greedy, EOS off, each query in
+a child process. libGenie 1.21's ``lade`` dialog generates until the context is full whatever
+``max-num-tokens`` says (and goes on after ``GenieDialog_signal(ABORT)``, which returns
+success; each step takes as many slots as it feeds rows, accepted or not: size ``--context`` at
+build time for it), so its child is ended once ``--tokens`` + 8 pieces came, its graph calls
+counted up to there; ``basic`` makes ``--tokens`` tokens. The answers must agree (lookahead
+decoding is lossless on a bundle built with ``--genie-kv lade``): basic's text a prefix of
+lade's. The graph calls after the prompt are counted from Genie's log -- ``lade`` one AR-N call
+a step -- so tokens per call is lade's answer's tokens (the bundle's tokenizer counts them) over
+its calls. --lade W,N,G: the lookahead window, n-gram size and guess-cache capacity (default:
+the folder's lade.json). --hextimate: the Genie graphs' step times by Hextimate, SA8797 (v81) (a
+bundle built with --keep-work: the graphs' ONNX in _work/), and what they make of each dialog's
+decode: the AR-N step (every split) / tokens per call, against the AR-1 step. On the x86
+simulator; its wall time says nothing about a device.
 """
 
 from __future__ import annotations
@@ -27,32 +31,98 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def run(folder: Path, config: dict, text: str, dialog: dict
-        ) -> tuple[str, list[str], int, int]:
-    """-> (the answer, every graph call of the query, the index of its first AR-1 call, Genie's
-    status)."""
-    from hexforge.runtime.genie import libgenie as genie
+def run(folder: Path, config: dict, text: str, dialog: dict, stop_after: int | None = None
+        ) -> tuple[str, list[str], int, int | str]:
+    """One text query in a child process (``child``) -> (the answer, every graph call of the
+    query up to its end, the index of its first AR-1 call, Genie's status). ``stop_after``:
+    the child is ended once that many pieces came (a lade dialog would run on to the context's
+    end; what came by then is what it made by then, its calls counted up to there), status
+    "stopped"."""
+    import subprocess
+
     from hexforge.runtime.genie.model import absolute_paths
 
     cfg = absolute_paths(config, folder)
     cfg["dialog"].update(dialog)
-    lines: list[str] = []
+    p = subprocess.Popen([sys.executable, __file__, "--child"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    p.stdin.write(json.dumps({"config": cfg, "text": text}) + "\n")
+    p.stdin.close()
     out: list[str] = []
-    with genie.Dialog(cfg, log_level="verbose", echo=lines.append) as d:
-        status = d.query(text, out.append)
-    calls = [ln for ln in lines if "Executing graph 0 - " in ln]
-    first_token = next(i for i, ln in enumerate(calls) if "token_ar1" in ln) if any(
-        "token_ar1" in ln for ln in calls) else len(calls)
+    calls: list[str] = []
+    status: int | str = "stopped"
+    try:
+        for line in p.stdout:
+            if not line.startswith("{"):  # the native libraries print to stdout too
+                continue
+            msg = json.loads(line)
+            if "call" in msg:
+                calls.append(msg["call"])
+            elif "piece" in msg:
+                out.append(msg["piece"])
+                if stop_after is not None and len(out) >= stop_after:
+                    break
+            elif "status" in msg:
+                status = msg["status"]
+    finally:  # stopped early, or this process failing: the child goes too
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    # the graphs' names carry Genie's letters (token<letters>_ar1_cl..): the AR-1 ones by _ar1_
+    first_token = next((i for i, ln in enumerate(calls) if "_ar1_cl" in ln), len(calls))
     # the prompt: AR-N chunks up to the first AR-1 call (basic) / its own chunks (lade: counted
     # as the basic dialog's, the same prompt in the same chunks)
     return "".join(out), calls, first_token, status
 
 
+def child() -> int:
+    """The query of ``run``, its pieces and graph calls as JSON lines on stdout as they come."""
+    from hexforge.runtime.genie import libgenie as genie
+
+    job = json.loads(sys.stdin.readline())
+
+    def say(**kw) -> None:
+        print(json.dumps(kw), flush=True)
+
+    def log(line: str) -> None:
+        if "Executing graph 0 - " in line:
+            say(call=line)
+    with genie.Dialog(job["config"], log_level="verbose", echo=log) as d:
+        status = d.query(job["text"], lambda s: say(piece=s))
+    say(status=status)
+    return 0
+
+
+def genie_step_us(bundle: Path, arch: int = 81) -> dict[int, dict]:
+    """AR -> {"us": every split's Hextimate us summed, "missing_ops"} of the bundle's Genie graphs
+    (``_work/genie/onnx*/``: a build with --keep-work), on the arch's estimator SoC."""
+    import re
+
+    from hexforge.bundle.targets import get_target
+    from hexforge.forge.compile.hextimate import estimate_graph
+
+    target = get_target(f"v{arch}")
+    soc = target.estimator
+    out: dict[int, dict] = {}
+    graphs = sorted((bundle / "_work" / "genie").glob("onnx*/*_ar*_cl*_of_*.onnx"))
+    if not graphs:
+        raise SystemExit(f"{bundle}: no Genie ONNX graphs in _work/ (build it with --keep-work)")
+    for g in graphs:
+        ar = int(re.search(r"_ar(\d+)_", g.name).group(1))
+        est = estimate_graph(g, arch, soc, fp16=True)
+        cell = out.setdefault(ar, {"us": 0, "missing_ops": 0})
+        cell["us"] += est.us
+        cell["missing_ops"] += est.missing_ops
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundle")
-    ap.add_argument("--tasks", default="repeat,edit,bugfix,quotes,open")
-    ap.add_argument("--lade", default="4,3,4")
+    ap.add_argument("--tasks", default="repeat,edit,bugfix,open")
+    ap.add_argument("--tokens", type=int, default=64, help="basic's tokens, compared")
+    ap.add_argument("--lade", default=None, help="W,N,G (default: the folder's lade.json)")
+    ap.add_argument("--hextimate", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
@@ -60,7 +130,7 @@ def main() -> int:
     from tokenizers import Tokenizer
 
     from hexforge.runtime.genie import libgenie as genie
-    from hexforge.runtime.genie.model import find_folder
+    from hexforge.runtime.genie.model import LADE, find_folder
     from hexforge.runtime.text import ChatTemplate
 
     bundle = Path(a.bundle)
@@ -71,34 +141,44 @@ def main() -> int:
     config["dialog"]["context"].setdefault("pad-token", 0)
     template = ChatTemplate.load(bundle / "tokenizer")
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    W, N, G = (int(x) for x in a.lade.split(","))
-    lade = {"type": "lade", "lade": {"version": 1, "window": W, "ngram": N, "gcap": G}}
+    if a.lade:
+        W, N, G = (int(x) for x in a.lade.split(","))
+        block = {"version": 1, "window": W, "ngram": N, "gcap": G}
+    else:
+        block = json.loads((folder / LADE).read_text())
+    lade = {"type": "lade", "lade": block}
+    steps = genie_step_us(bundle) if a.hextimate else None
     results = {}
     for task in a.tasks.split(","):
         text = template.render([{"role": "user", "content": TASKS[task]}],
                                add_generation_prompt=True)
-        fast, l_calls, _, l_status = run(folder, config, text, lade)
+        fast, l_calls, _, l_status = run(folder, config, text, lade, a.tokens + 8)
         n = len(tokenizer.encode(fast, add_special_tokens=False).ids)
-        basic, b_calls, b_prompt, _ = run(folder, config, text, {"max-num-tokens": n})
-        decode_basic = len(b_calls) - b_prompt  # = n, one AR-1 call a token
+        basic, _calls, b_prompt, _ = run(folder, config, text, {"max-num-tokens": a.tokens})
         decode_lade = len(l_calls) - b_prompt  # lade's prompt: the same AR-N chunks
-        short, long = sorted((fast, basic), key=len)
-        differ = next((i for i, (x, y) in enumerate(zip(short, long, strict=False))
+        differ = next((i for i, (x, y) in enumerate(zip(basic, fast, strict=False))
                        if x != y), None)
-        results[task] = {"equal": differ is None, "compared_chars": len(short),
-                         "first_difference_char": differ,
-                         "tokens": n, "lade_status": genie.STATUS_NAMES.get(l_status, l_status),
-                         "basic_calls": decode_basic, "lade_calls": decode_lade,
-                         "tokens_per_call": round(decode_basic / max(decode_lade, 1), 2),
-                         "basic": basic, "lade": fast}
-        print(task, json.dumps(results[task]), file=sys.stderr, flush=True)
-    out = {"bundle": str(bundle), "lade": {"window": W, "ngram": N, "gcap": G},
-           "context": config["dialog"]["context"]["size"], "tasks": results}
+        tpc = n / max(decode_lade, 1)
+        results[task] = {
+            "equal": differ is None and len(fast) >= len(basic),
+            "basic_tokens": len(tokenizer.encode(basic, add_special_tokens=False).ids),
+            "compared_chars": min(len(basic), len(fast)), "first_difference_char": differ,
+            "lade_tokens": n, "lade_calls": decode_lade,
+            "lade_status": genie.STATUS_NAMES.get(l_status, l_status),  # type: ignore[arg-type]
+            "tokens_per_call": round(tpc, 2), "basic": basic, "lade": fast}
+        if steps:
+            ar = max(steps)
+            results[task] |= {"basic_tok_s": round(1e6 / steps[1]["us"], 1),
+                              "lade_tok_s": round(tpc * 1e6 / steps[ar]["us"], 1)}
+        print(task, json.dumps({k: v for k, v in results[task].items()
+                                if k not in ("basic", "lade")}), file=sys.stderr, flush=True)
+    out = {"bundle": str(bundle), "lade": block, "tokens": a.tokens,
+           "context": config["dialog"]["context"]["size"], "step_us": steps, "tasks": results}
     print(json.dumps(out, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
-    return 0
+    return 0 if all(r["equal"] for r in results.values()) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(child() if sys.argv[1:] == ["--child"] else main())

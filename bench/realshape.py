@@ -69,6 +69,15 @@ SHAPES: dict[str, dict] = {
         rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_interleaved=True,
                              mrope_section=[24, 20, 20]),
     ),
+    # Qwen3-VL-2B's text decoder as a qwen3 text model: the same widths and, on text (t = h = w
+    # in its M-RoPE), the same graphs -- what Genie forms of the dense families alone take
+    # (--genie-kv lade) are built for at its size
+    "qwen3-vl-2b-as-qwen3": dict(
+        model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=262144, rms_norm_eps=1e-6, rope_theta=5000000.0,
+        tie_word_embeddings=True,
+    ),
     # Qwen/Qwen3.5-4B text_config: 32 layers = 8 x (3 Gated DeltaNet + 1 gated full attention)
     "qwen3.5-4b": dict(
         model_type="qwen3_5_text", hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,

@@ -15,6 +15,8 @@ the encoder resolution the bundles this project replaces were built with:
     gemma-4-e4b-text  v81      its 42-layer decoder alone: the towers' graphs do not depend on
                                the depth, and their check is an hour of the ~3 h here
     gemma-4-e2b       v81      Gemma-4-E2B's 35-layer decoder (KV sharing, PLE, two head dims)
+    qwen3-vl-2b-as-qwen3  v81  Qwen3-VL-2B's decoder as a qwen3 text model (its graphs on text;
+                               the Genie forms only the dense families take: --genie-kv lade)
 
 ``--genie`` adds the Genie bundle (genie-v81/: the decoder in Genie's contract, docs/genie.md).
 
@@ -48,6 +50,7 @@ MODELS: dict[str, dict] = {
     "gemma-4-e4b": dict(shape="gemma-4-e4b-mm", targets="v81"),
     "gemma-4-e4b-text": dict(shape="gemma-4-e4b", targets="v81"),
     "gemma-4-e2b": dict(shape="gemma-4-e2b", targets="v81"),
+    "qwen3-vl-2b-as-qwen3": dict(shape="qwen3-vl-2b-as-qwen3", targets="v81"),
 }
 
 
@@ -63,6 +66,11 @@ def main() -> None:
     ap.add_argument("--genie", action="store_true", help="also the Genie bundle (build --genie)")
     ap.add_argument("--genie-host-rows", action="store_true",
                     help="build --genie-host-rows: the host in Genie's 8-bit LUT rows (E2B, E4B)")
+    ap.add_argument("--genie-kv", default="concat", choices=("concat", "scatter", "lade"))
+    ap.add_argument("--keep-work", action="store_true",
+                    help="keep _work/ (the graphs' ONNX: bench/genie_lade.py --hextimate reads "
+                         "the Genie ones)")
+    ap.add_argument("--estimate", action="store_true", help="hexforge build --estimate")
     ap.add_argument("--json", default=None)
     ap.add_argument("--layers", type=int, default=None, help="build a cut of the first N layers")
     ap.add_argument("--targets", default=None, help="instead of the model's own (e.g. v81)")
@@ -85,6 +93,7 @@ def main() -> None:
                         quant=a.quant, context=a.context, prefill_len=a.prefill_len,
                         verify=False, share_weights=a.share_weights, device_only=a.device_only,
                         genie=a.genie, genie_host_rows=a.genie_host_rows,
+                        genie_kv=a.genie_kv, keep_work=a.keep_work, estimate=a.estimate,
                         image_size=spec.get("image_size"))
     out = profile_build(str(ckpt), str(work / f"{name}-{a.quant}"), opts)
     out["model"], out["checkpoint_made"] = name, made

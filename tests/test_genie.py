@@ -426,19 +426,93 @@ def test_lade_answer_equals_basics(lade_on_scatter):
         f"lade {r['lade']} != basic {r['basic']} from id {r['first_difference']}")
 
 
-def test_lade_with_a_graph_that_masks_genies_warm_up_gives_basics_tokens(tmp_path):
-    """The prototype of bench/experiments/genie_lade_guard.py: the scatter form plus a graph that
-    keeps each row's step in one more cache layer, masks the step lade's warm-up left whole in
-    the context and computes its own rope positions. Each lade call's context (Genie's mask less
-    that garbage, from the dump) is the prompt + qnn-sim's greedy tokens (= basic's), up to a
-    top-2 tie of qnn-sim's fp16 logits; without the guard the same prompt left basic's at
-    generated id 10."""
+# ---- the lade form (--genie-kv lade): Genie's lookahead dialog giving basic's tokens ---------------
+
+
+def _lade_guard():
+    """bench/genie_lade_guard.py: the lade-form build and the dump reader of its check."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench/experiments/genie_lade_guard.py"
+    path = Path(__file__).resolve().parents[1] / "bench/genie_lade_guard.py"
     spec = importlib.util.spec_from_file_location("genie_lade_guard", path)
     guard = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(guard)
-    equal, differ = guard.lade_against_qnn_sim(tmp_path, list(range(40, 49)), (3, 3, 3), 60)
+    return guard
+
+
+@pytest.fixture(scope="module")
+def lade_check(tmp_path_factory):
+    """A tiny llama in the lade form, two splits, its build's oracle passed (Genie graphs
+    included); one lade query (window / n-gram / guesses 3 / 3 / 3) on a repeating prompt, each
+    call's context read off Genie's dump against qnn-sim's greedy tokens."""
+    work = tmp_path_factory.mktemp("lade")
+    equal, differ = _lade_guard().lade_against_qnn_sim(work, list(range(40, 49)), (3, 3, 3), 60,
+                                                       splits=2)
+    return work / "lade", equal, differ
+
+
+def test_regression_lade_kept_its_warm_up_step_in_the_context(lade_check):
+    """libGenie 1.21's lade commits its first (warm-up) step whole -- window rows and placeholder
+    guesses stay in every later step's context, their rope positions counted -- so on the
+    scatter form alone its answer left basic's at generated id 10 on this prompt. The lade form's
+    graph keeps each row's step in a meta layer, masks that step and computes its own positions:
+    every lade call's context is the prompt + qnn-sim's greedy tokens (= basic's), up to a top-2
+    tie of qnn-sim's fp16 logits, with the model cut in two splits (each its own meta layer)."""
+    bundle, equal, differ = lade_check
     assert differ is None and equal >= 20, (equal, differ)
+    report = json.loads((bundle / "report.json").read_text())
+    assert report["genie-v81"]["passed"], report["genie-v81"]["failures"]
+    folder = bundle / "genie-v81"
+    assert json.loads((folder / "lade.json").read_text())["window"] == 3
+    groups = json.loads((folder / "genie_config.json").read_text())["dialog"]["engine"][
+        "cache-groups"]
+    assert groups[0]["cache-index-tensor-name"] == "cache_index"
+
+
+def test_lade_is_refused_where_its_tokens_would_not_be_basics(lade_check, genie_bundle, ckpt,
+                                                              tmp_path, capsys):
+    """--dialog lade: one line, before libGenie, on a folder not built for it, with media, with
+    the AR-1 graphs alone, off Genie, and for prompt ids that are not their text's encoding (a
+    lade dialog takes text); a token query never reaches a lade dialog (it ends the process)."""
+    import hexforge
+    from hexforge.bundle.errors import BackendError, HexforgeError
+    from hexforge.forge.pipeline import BuildOptions, build
+    from hexforge.runtime.genie import libgenie
+    from hexforge.runtime.genie.model import GenieModel
+
+    bundle = lade_check[0]
+    assert main(["run", str(genie_bundle), "x", "--backend", "genie", "--dialog", "lade"]) == 2
+    assert "was not built for Genie's lookahead dialog" in capsys.readouterr().err
+    assert main(["run", str(bundle), "x", "--dialog", "lade"]) == 2
+    assert "needs --backend genie" in capsys.readouterr().err
+    with pytest.raises(HexforgeError, match="not with --prefill-mode decode"):
+        hexforge.load(bundle, backend="genie", dialog="lade", prefill_mode="decode")
+    model = GenieModel(bundle, dialog="lade")
+    tok = model.tokenizer
+    # a merged token spelt out a character a token: its text encodes back to the merged one
+    merged = next(t for t in range(3, 384) if len(text := tok.decode([t])) > 1 and all(
+        len(tok.encode(c, add_special_tokens=False)) == 1 for c in text)
+        and len(tok.encode(text, add_special_tokens=False)) == 1)
+    spelt = [tok.encode(c, add_special_tokens=False)[0] for c in tok.decode([merged])]
+    try:
+        with pytest.raises(HexforgeError, match="give the prompt as text"):
+            model.generate([1, *spelt], max_new_tokens=2)
+    finally:
+        model.close()
+    config = json.loads((bundle / "genie-v81" / "genie_config.json").read_text())
+    config["dialog"]["type"] = "lade"
+    dialog = libgenie.Dialog.__new__(libgenie.Dialog)  # no libGenie call: the config alone
+    dialog.config = config
+    with pytest.raises(BackendError, match="a lade dialog takes text"):
+        next(dialog.generate([1, 2, 3], 2))
+    for opts, words in ((dict(prefill_len=8), "feeds 13 rows"),
+                        (dict(context=4096, prefill_len=16), "past 2048")):
+        with pytest.raises(BuildError, match=words):
+            build(ckpt("llama"), tmp_path / "b", BuildOptions(
+                targets="v81", quant="fp16", genie=True, genie_kv="lade",
+                **{"context": 128, **opts}), log=lambda m: None)
+    with pytest.raises(BuildError, match="--genie-kv lade: gemma3_text"):
+        build(ckpt("gemma3"), tmp_path / "b", BuildOptions(
+            targets="v81", quant="fp16", context=128, prefill_len=16, genie=True,
+            genie_kv="lade", verify=False), log=lambda m: None)

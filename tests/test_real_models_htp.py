@@ -78,6 +78,40 @@ def test_smollm2_genie_binaries_meet_the_fp16_bar(real_bundle):
     assert r["text"]["kl_mean"] <= 0.002 and r["text"]["top1"] >= 0.98, r["text"]
 
 
+# the lade form (--genie-kv lade): a bundle of its own (GenieX's loader takes the concat form
+# only); its context room for a lookahead dialog, which spends a slot on every row it feeds
+SMOLLM2_LADE = {**SMOLLM2_HTP, "context": 256, "genie_kv": "lade", "verify": False}
+
+
+def _genie_answer(bundle, prompt: str, dialog: str, n: int) -> dict:
+    """One `hexforge run --backend genie --chat` in a process of its own (a lade dialog made
+    after other dialogs and QNN sessions in one process aborted it) -> its --json result."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "hexforge", "run", str(bundle), prompt, "--chat", "--backend",
+           "genie", "--dialog", dialog, "-n", str(n), "--ignore-eos", "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_smollm2_lade_answers_as_basic(real_bundle):
+    """Genie's lookahead dialog through libGenie on the real SmolLM2's lade form (two splits)
+    gives basic's answer on a repeat task, in fewer AR-N steps than basic's AR-1 ones
+    (bench/genie_lade.py measures how many fewer). A lade dialog runs to its context's end
+    whatever max-num-tokens says: the answer is cut at -n."""
+    bundle, _ = real_bundle("smollm2", targets="v81", quant="fp16", **SMOLLM2_LADE)
+    prompt = ("Repeat exactly: The lighthouse at Port Aven was built in 1874 from granite "
+              "quarried two miles inland.")
+    basic = _genie_answer(bundle, prompt, "basic", 16)
+    lade = _genie_answer(bundle, prompt, "lade", 16)
+    assert "Port Aven" in basic["text"] and lade["timings"]["backend"] == "genie-lade"
+    assert lade["text"] == basic["text"], (lade["text"], basic["text"])
+
+
 # last: the SmolLM2 tests above share one bundle (conftest keeps one real bundle)
 def test_regression_gemma3_fp16_residual_overflowed_fp16(real_bundle):
     """Gemma-3-270M's BOS row reaches ~100,000 in the residual stream, past fp16's 65,504: the

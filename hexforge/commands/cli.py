@@ -38,7 +38,8 @@ def cmd_run(a) -> int:
     from .. import load
 
     model = load(a.bundle, backend=a.backend, arch=a.arch, target=a.target,
-                 allow_cpu_fallback=a.allow_cpu_fallback, prefill_mode=a.prefill_mode)
+                 allow_cpu_fallback=a.allow_cpu_fallback, prefill_mode=a.prefill_mode,
+                 dialog=a.dialog)
     if a.backend != "genie":
         _say_draft_cap(model, a.prompt_lookup)
     kw = _sampling(a)
@@ -335,6 +336,9 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
                         "64 unless the checkpoint's generation config says otherwise)")
     _backend_args(r, genie=True)
     _prefill_arg(r)
+    r.add_argument("--dialog", choices=("basic", "lade"), default="basic",
+                   help="--backend genie: Genie's dialog; lade (lookahead decoding, basic's "
+                        "tokens in fewer steps) on a folder built with --genie-kv lade")
     r.add_argument("--target", default=None, help="run this bundle target (default: by backend/arch)")
     r.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
     r.add_argument("--regex", metavar="RE", help="constrain the output to this regular expression")

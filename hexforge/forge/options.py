@@ -146,9 +146,11 @@ class BuildOptions:
         "(docs/genie.md)")] = False
     genie_kv: Annotated[str, Flag(
         "--genie: the decoder's KV update in Genie's contract: concat (the past CL - AR rows, "
-        "Genie appends the new ones) or scatter (a cache_index input, the past CL rows: Genie's "
-        "lookahead dialog then keeps a step's rejected rows out of the mask; llama, qwen2, "
-        "mistral, qwen3; docs/genie.md)", choices=lambda: ("concat", "scatter"))] = "concat"
+        "Genie appends the new ones), scatter (a cache_index input, the past CL rows) or lade "
+        "(scatter, with a graph that masks what Genie's lookahead dialog leaves behind: "
+        "`run --dialog lade` then gives basic's tokens; context <= 2048); scatter and lade: "
+        "llama, qwen2, mistral, qwen3; docs/genie.md",
+        choices=lambda: ("concat", "scatter", "lade"))] = "concat"
     genie_host_rows: Annotated[bool, Flag(
         "--genie, where Genie's embedding LUT is 8-bit a row (a 16-bit one would pass the 4 GiB "
         "libGenie reads: Gemma-4-E2B / E4B): the host's embedding tables in those same rows, so "

@@ -216,7 +216,8 @@ def parse_arch(arch: str | int | None) -> int | None:
 
 def load(bundle: str | Path, backend: str | Backend = "cpu", arch: str | int | None = None,
          target: str | None = None, allow_cpu_fallback: bool = False,
-         check_digests: bool | None = None, prefill_mode: str = "chunked") -> Model | GenieModel:
+         check_digests: bool | None = None, prefill_mode: str = "chunked",
+         dialog: str = "basic") -> Model | GenieModel:
     """Load a bundle: backend "cpu" (default), "qnn", "qnn-sim" or "auto" (or a resolved
     ``Backend``); ``arch`` = the device's Hexagon arch (e.g. "v81") when running HTP targets.
     The files the target reads are checked against the manifest's sizes every time, and against
@@ -230,11 +231,16 @@ def load(bundle: str | Path, backend: str | Backend = "cpu", arch: str | int | N
     prefill_mode: how a request's prompt runs unless it says otherwise — "chunked" (the AR-N
     prefill graphs) or "decode" (the AR-1 graph a token at a time; the prefill graphs are not
     opened until a request asks for them, and a Genie dialog is given its AR-1 contexts alone:
-    how a model whose two graph sets pass the x86 simulator's room runs there)."""
+    how a model whose two graph sets pass the x86 simulator's room runs there).
+
+    dialog (backend "genie"): "basic" (default), or "lade" -- Genie's lookahead decoding, on a
+    folder built with ``--genie-kv lade`` (whose graphs make its tokens basic's)."""
     if backend == "genie":
         from .genie.pipelinemodel import open_genie
 
         genie_arch = target.removeprefix("genie-") if target else arch
         return open_genie(bundle, None if genie_arch is None else str(genie_arch),
-                          prefill_mode=prefill_mode)
+                          prefill_mode=prefill_mode, dialog=dialog)
+    if dialog != "basic":
+        raise BackendError(f"--dialog {dialog} is a Genie dialog: it needs --backend genie")
     return Model(bundle, backend, arch, target, allow_cpu_fallback, check_digests, prefill_mode)

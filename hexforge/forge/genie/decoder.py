@@ -127,15 +127,42 @@ def scatter_step(fam):
     return step
 
 
+def lade_step(fam, spec):
+    """``fam.genie_step`` in the scatter form with the lookahead guard (``--genie-kv lade``:
+    ``families/genielade.LadeGuardStep``), its rope table from the frequencies Genie computes
+    for the family's one rope (``spec.ropes[0]``, proven HF's by ``check_ropes``)."""
+    from ...families.genielade import LadeGuardStep
+    from .folder import rope_block
+    from .verify import genie_inv_freq
+
+    inv_freq = genie_inv_freq(rope_block(spec.ropes[0]))
+
+    def step(hf, args, host, layers, seq_len, context, residual_scale):
+        return LadeGuardStep.make_guarded(fam, hf, args, host, layers, seq_len, context,
+                                          residual_scale, inv_freq)
+    return step
+
+
 def check_options(fam, args, opts) -> None:
     """Refuse a --genie build Genie bundles are not made for, before any work."""
     fam.check_genie(args)
-    if opts.genie_kv == "scatter":
+    if opts.genie_kv != "concat":
         from ...families.base import DecoderFamily
 
         if type(fam).genie_step is not DecoderFamily.genie_step:
-            raise BuildError(f"--genie-kv scatter: {args.model_type}'s Genie graphs take the "
-                             "concat form only (scatter: llama, qwen2, mistral, qwen3)")
+            raise BuildError(f"--genie-kv {opts.genie_kv}: {args.model_type}'s Genie graphs take "
+                             "the concat form only (scatter, lade: llama, qwen2, mistral, qwen3)")
+    if opts.genie_kv == "lade":
+        from ...families.genielade import MAX_CONTEXT
+        from ...runtime.genie.model import lade_rows
+        from .folder import LADE_DEFAULT
+
+        if opts.prefill_len < lade_rows(LADE_DEFAULT):
+            raise BuildError(f"--genie-kv lade: a lookahead step feeds {lade_rows(LADE_DEFAULT)} "
+                             f"rows to the AR-N graph; --prefill-len {opts.prefill_len} is fewer")
+        if opts.context > MAX_CONTEXT:
+            raise BuildError(f"--genie-kv lade: --context {opts.context} is past {MAX_CONTEXT}, "
+                             "the positions the guard computes in fp16 hold exactly")
     opts.recipe.check_genie()
     if opts.prefill_len >= opts.context or opts.prefill_len < 2:
         raise BuildError("--genie needs 2 <= --prefill-len < --context (Genie's AR-N graph)")
@@ -166,9 +193,10 @@ def build_genie_bundles(ctx: StageContext, targets, manifest, residual_scale: fl
     fam, hf, args, opts, root, log = ctx.fam, ctx.hf, ctx.args, ctx.opts, ctx.root, ctx.log
     recipe = opts.recipe
     work = root / "_work" / "genie"
-    step = scatter_step(fam) if opts.genie_kv == "scatter" else None
     host = manifest.host
     spec = fam.genie_spec(hf, args)
+    step = {"concat": None, "scatter": scatter_step(fam),
+            "lade": lade_step(fam, spec) if opts.genie_kv == "lade" else None}[opts.genie_kv]
     check_ropes(spec, root / "host.safetensors")
     lut = (lut_encoding(root / "host.safetensors", spec, media_bound)
            if spec.lut and media_bound is not None else None)

@@ -27,13 +27,16 @@ from ...bundle.errors import BuildError
 from ...bundle.lut import LutEncoding
 from ...bundle.manifest import Manifest
 from ...bundle.targets import Target
-from ...runtime.genie.model import sampler_config
+from ...runtime.genie.model import LADE, sampler_config
 from ..context import StageContext
 
 CONFIG = "genie_config.json"
 EXTENSIONS = "htp_backend_ext_config.json"
 TOKENIZER = "tokenizer.json"
 CACHE_INDEX = "cache_index"  # families/genieio.CACHE_INDEX (that module imports torch)
+# Genie's lookahead dialog on a --genie-kv lade folder, unless a run says otherwise: window,
+# n-gram and guess cache (bench/genie_lade.py measures them)
+LADE_DEFAULT = {"version": 1, "window": 3, "ngram": 3, "gcap": 3}
 
 
 def folder_name(target: str) -> str:
@@ -264,7 +267,7 @@ def write_bundle_files(ctx: StageContext, folder: Path, manifest: Manifest, bins
     are in ``folder`` already), for ``target``'s arch and SoC. -> the config's path."""
     tokenizer_json = ctx.root / manifest.tokenizer.dir / "tokenizer.json"
     host_file = ctx.root / "host.safetensors"
-    cache_index = ctx.opts.genie_kv == "scatter"  # the decoder's graphs take a cache_index
+    cache_index = ctx.opts.genie_kv != "concat"  # the decoder's graphs take a cache_index
     if any(b.parent != folder for b in bins):
         raise BuildError("a Genie bundle's binaries must sit beside its genie_config.json")
     shutil.copy2(tokenizer_json, folder / TOKENIZER)
@@ -278,4 +281,6 @@ def write_bundle_files(ctx: StageContext, folder: Path, manifest: Manifest, bins
         json.dumps(backend_extensions(target.default_soc.soc_model, target.htp_arch,
                                       ctx.opts.share_weights), indent=1) + "\n")
     (folder / CONFIG).write_text(json.dumps(cfg, indent=1) + "\n")
+    if ctx.opts.genie_kv == "lade":  # the graphs are guarded: the lookahead dialog's defaults
+        (folder / LADE).write_text(json.dumps(LADE_DEFAULT) + "\n")
     return folder / CONFIG

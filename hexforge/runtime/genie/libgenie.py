@@ -208,9 +208,9 @@ class Dialog:
     def __init__(self, config: dict | str | Path, log_level: str = "warn",
                  echo: Callable[[str], None] | None = None):
         lib = load()
-        if not isinstance(config, dict):
-            config = json.loads(Path(config).read_text())
-        self.config = config
+        self.config: dict = (config if isinstance(config, dict)
+                             else json.loads(Path(config).read_text()))
+        config = self.config
         self.log = GenieLog(log_level, echo)
         self._cfg, self.handle = _handle(), _handle()
         self.last_status = 0
@@ -228,44 +228,68 @@ class Dialog:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
         """Tokens after ``prompt_ids`` (the config's sampler), streamed as Genie's callback hands
-        them over: the query runs on a thread (ctypes lets go of the GIL for the call) and its
-        callback feeds a queue. ``last_status`` holds Genie's status once the tokens end
+        them over. ``last_status`` holds Genie's status once the tokens end
         (``CONTEXT_EXCEEDED`` when the context filled up)."""
+        if self.config["dialog"].get("type") == "lade":  # Genie would end the process
+            raise BackendError("a lade dialog takes text: a token query on one ends the process "
+                               "(libGenie 1.21)")
         lib = load()
-        tokens: queue.Queue = queue.Queue()
-        done = object()
-
-        def on_tokens(ptr, n, _code, _user):
-            for i in range(n):
-                tokens.put(int(ptr[i]))
-
-        cb = _TOKEN_CB(on_tokens)
         _check(lib.GenieDialog_setMaxNumTokens(self.handle, max_new_tokens),
                "GenieDialog_setMaxNumTokens", self.log)
         ids = (ctypes.c_uint32 * len(prompt_ids))(*prompt_ids)
+
+        def query(put):
+            def on_tokens(ptr, n, _code, _user):
+                for i in range(n):
+                    put(int(ptr[i]))
+            cb = _TOKEN_CB(on_tokens)
+            return lib.GenieDialog_tokenQuery(self.handle, ids, len(prompt_ids),
+                                              SENTENCE_COMPLETE, cb, None)
+        return self._stream(query, max_new_tokens, "GenieDialog_tokenQuery")
+
+    def stream(self, text: str, max_pieces: int) -> Iterator[str]:
+        """Genie's own text path (its tokenizer, its BOS), the pieces of text its callback hands
+        over (one a token), at most ``max_pieces``: where Genie goes on past them (``lade``
+        ignores max-num-tokens and ABORT), the rest is read and dropped before this returns."""
+        lib = load()
+        _check(lib.GenieDialog_setMaxNumTokens(self.handle, max_pieces),
+               "GenieDialog_setMaxNumTokens", self.log)
+        raw = text.encode()
+
+        def query(put):
+            cb = _TEXT_CB(lambda s, _c, _u: put(s.decode("utf-8", "replace") if s else ""))
+            return lib.GenieDialog_query(self.handle, raw, SENTENCE_COMPLETE, cb, None)
+        return self._stream(query, max_pieces, "GenieDialog_query")
+
+    def _stream(self, query: Callable, limit: int, what: str) -> Iterator:
+        """``query(put)`` -> Genie's status, on a thread (ctypes lets go of the GIL for the
+        call), each item its callback ``put``s yielded here, up to ``limit``. A consumer that
+        stops early: Genie is told to stop before the dialog may go."""
+        lib = load()
+        items: queue.Queue = queue.Queue()
+        done = object()
         result: list[int] = []
 
-        def query():
+        def run():
             try:
-                result.append(lib.GenieDialog_tokenQuery(self.handle, ids, len(prompt_ids),
-                                                         SENTENCE_COMPLETE, cb, None))
+                result.append(query(items.put))
             finally:
-                tokens.put(done)
+                items.put(done)
 
-        worker = threading.Thread(target=query, name="genie-query", daemon=True)
+        worker = threading.Thread(target=run, name="genie-query", daemon=True)
         worker.start()
         n = 0
         try:
-            while (t := tokens.get()) is not done:
-                if n < max_new_tokens:
+            while (x := items.get()) is not done:
+                if n < limit:
                     n += 1
-                    yield t
-        finally:  # a consumer that stops early: Genie is told to stop before the dialog may go
+                    yield x
+        finally:
             if worker.is_alive():
                 lib.GenieDialog_signal(self.handle, ACTION_ABORT)
             worker.join()
         self.last_status = result[0] if result else -1
-        _check(self.last_status, "GenieDialog_tokenQuery", self.log)
+        _check(self.last_status, what, self.log)
 
     def query(self, text: str, on_text: Callable[[str], None]) -> int:
         """Genie's own text path: its tokenizer (the bundle's tokenizer.json) and prompt

@@ -59,6 +59,20 @@ def find_folder(bundle: Path, target: str | None = None) -> Path:
                       f"({', '.join(p.name for p in found)}): pick one with --arch")
 
 
+# a Genie folder built with --genie-kv lade: its graphs mask what Genie's lookahead dialog leaves
+# behind (families/genielade.py), and this file holds the dialog's lade block ({"version",
+# "window", "ngram", "gcap"}), which genie_config.json cannot carry beside a basic dialog
+# (libGenie 1.21's schema refuses it)
+LADE = "lade.json"
+DIALOGS = ("basic", "lade")
+
+
+def lade_rows(block: dict) -> int:
+    """The rows one lookahead step feeds the AR-N graph: the token, the window's W x (N - 1)
+    and the guesses' G x (N - 1)."""
+    return 1 + (int(block["window"]) + int(block["gcap"])) * (int(block["ngram"]) - 1)
+
+
 def sampler_config(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                    seed: int | None = None) -> dict:
     """Genie's sampler block; temperature 0 is greedy."""
@@ -149,9 +163,10 @@ class GenieModel(GenerationMethods):
     """generate / stream over a Genie bundle folder; one dialog, reset before each request."""
 
     def __init__(self, bundle: str | Path, arch: str | None = None, log_level: str = "warn",
-                 prefill_mode: str = "chunked"):
+                 prefill_mode: str = "chunked", dialog: str = "basic"):
         """``prefill_mode`` "decode": the dialog is given the folder's AR-1 contexts alone
-        (``checks.keep_ar1``), so Genie feeds a prompt one token a step."""
+        (``checks.keep_ar1``), so Genie feeds a prompt one token a step. ``dialog`` "lade":
+        Genie's lookahead dialog, on a folder built with ``--genie-kv lade`` (``lade_block``)."""
         self.bundle = Path(bundle)
         self.folder = find_folder(self.bundle, arch if arch is None or arch.startswith("v")
                                   else f"v{arch}")
@@ -162,6 +177,7 @@ class GenieModel(GenerationMethods):
         self.prefill_mode = check_prefill_mode(prefill_mode)
         if prefill_mode == "decode":
             keep_ar1(self.config["dialog"], self.folder)
+        self.lade = lade_block(self.folder, dialog, prefill_mode)
         d = self.config["dialog"]
         self.context = int(d["context"]["size"])
         self.n_vocab = int(d["context"]["n-vocab"])
@@ -184,7 +200,10 @@ class GenieModel(GenerationMethods):
         made: a request that changes them makes a new one)."""
         cfg = absolute_paths(self.config, self.folder)
         d = cfg["dialog"]
-        d["context"]["bos-token"] = -1  # hexforge's ids carry the BOS already
+        if self.lade is not None:  # a text query: Genie's tokenizer, Genie's BOS
+            d.update(type="lade", lade=self.lade)
+        else:
+            d["context"]["bos-token"] = -1  # hexforge's ids carry the BOS already
         if ignore_eos:
             # Genie pads the last AR-N chunk with pad-token, which falls back to eos-token: a
             # -1 there reaches the graph's gather and the HTP fails the execute (error 10)
@@ -234,9 +253,43 @@ class GenieModel(GenerationMethods):
         r = self.request(prompt, o or GenerationOptions())
         check_request(r.ids, r.max_new, self.n_vocab, self.context)  # integrity: before libGenie
         check_prompt_fits(len(r.ids), self.config)
+        if self.lade is not None:
+            yield from self.iterate_lade(r, t0)
+            return
         dialog = self._dialog_for(r.temperature, r.top_k, r.top_p, r.seed, r.ignore_eos)
         yield from self.pieces(dialog.generate(r.ids, r.max_new), r, len(r.ids), t0, "genie",
                                lambda: dialog.last_status == 0)
+
+    def iterate_lade(self, r: GenieRequest, t0: float) -> Iterator[Piece | Done]:
+        """A request through Genie's lookahead dialog, which takes text (a token query on one
+        ends the process) and hands text back, a piece a token: the prompt's text must encode
+        back to its ids (else Genie would run another prompt), and the answer's ids are its
+        text's. libGenie 1.21's lade goes on to the context's end whatever max-num-tokens says:
+        the answer is cut here at ``r.max_new`` pieces, the rest read and dropped."""
+        text = self.prompt_text(r.ids)
+        dialog = self._dialog_for(r.temperature, r.top_k, r.top_p, r.seed, r.ignore_eos)
+        out: list[str] = []
+        t_first = None
+        for piece in dialog.stream(text, r.max_new):
+            t_first = t_first or time.perf_counter()
+            out.append(piece)
+            yield Piece(piece, None)
+        finish = "length" if len(out) >= r.max_new or dialog.last_status else "stop"
+        ids = self.tokenizer.encode("".join(out), add_special_tokens=False)
+        yield Done(genie_result(self.tokenizer, ids, len(r.ids), finish, t0, t_first,
+                                "genie-lade"))
+
+    def prompt_text(self, ids: list[int]) -> str:
+        """The text Genie's own tokenizer turns into ``ids`` (its BOS first, as its config says)
+        -- refused where it turns into other ids."""
+        bos = int(self.config["dialog"]["context"].get("bos-token", -1))
+        body = ids[1:] if bos >= 0 and ids[:1] == [bos] else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=False)
+        back = ([bos] if bos >= 0 else []) + self.tokenizer.encode(text, add_special_tokens=False)
+        if back != ids:
+            raise RequestError("--dialog lade: Genie's lookahead dialog takes text, and these "
+                               "prompt ids are not their text's encoding: give the prompt as text")
+        return text
 
     def pieces(self, tokens: Iterator[int], r: GenieRequest, prompt_tokens: int, t0: float,
                backend: str, ended_itself: Callable[[], bool]) -> Iterator[Piece | Done]:
@@ -271,6 +324,29 @@ class GenieModel(GenerationMethods):
         if self._dialog is not None:
             self._dialog.close()
             self._dialog = None
+
+
+def lade_block(folder: Path, dialog: str, prefill_mode: str) -> dict | None:
+    """The lade block a ``dialog`` "lade" runs with (the folder's ``LADE``), None for basic;
+    refused where lade's tokens would not be basic's or it cannot run."""
+    if dialog not in DIALOGS:
+        raise RequestError(f"--dialog {dialog!r}: one of {', '.join(DIALOGS)}")
+    if dialog == "basic":
+        return None
+    path = folder / LADE
+    if not path.is_file():
+        raise BundleError(f"--dialog lade: {folder.name} was not built for Genie's lookahead "
+                          "dialog, whose tokens on it would not be basic's (build with --genie "
+                          "--genie-kv lade)")
+    if prefill_mode == "decode":
+        raise RequestError("--dialog lade runs its steps through the AR-N graph: not with "
+                           "--prefill-mode decode")
+    try:
+        block = json.loads(path.read_text())
+        lade_rows(block)
+    except (ValueError, KeyError, TypeError) as e:
+        raise BundleError(f"{path}: not a lade block ({e})") from None
+    return block
 
 
 @dataclass(frozen=True)

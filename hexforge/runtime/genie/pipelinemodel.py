@@ -361,11 +361,15 @@ def _in_range(value: np.ndarray, bounds: list[float] | None, name: str) -> np.nd
 
 
 def open_genie(bundle: str | Path, arch: str | None = None, log_level: str = "warn",
-               prefill_mode: str = "chunked"):
+               prefill_mode: str = "chunked", dialog: str = "basic"):
     """The Genie model of a bundle: with its pipeline when the Genie folder has one."""
     from .model import find_folder
 
     folder = find_folder(Path(bundle), arch if arch is None or arch.startswith("v")
                          else f"v{arch}")
-    cls = GeniePipelineModel if (folder / PIPELINE).is_file() else GenieModel
-    return cls(bundle, arch, log_level, prefill_mode=prefill_mode)
+    if (folder / PIPELINE).is_file():
+        if dialog != "basic":
+            raise RequestError(f"--dialog {dialog}: a Genie pipeline (media) runs its "
+                               "text-generator's basic dialog only")
+        return GeniePipelineModel(bundle, arch, log_level, prefill_mode=prefill_mode)
+    return GenieModel(bundle, arch, log_level, prefill_mode=prefill_mode, dialog=dialog)
