@@ -93,6 +93,13 @@ def child() -> int:
     return 0
 
 
+def compiled(graphs: list[Path]) -> list[Path]:
+    """The graphs the build compiled: a weight-only recipe's ``X.wo.onnx`` in place of ``X.onnx``."""
+    names = {g.name for g in graphs}
+    return [g for g in graphs if g.name.endswith(".wo.onnx")
+            or g.name.replace(".onnx", ".wo.onnx") not in names]
+
+
 def genie_step_us(bundle: Path, arch: int = 81) -> dict[int, dict]:
     """AR -> {"us": every split's Hextimate us summed, "missing_ops"} of the bundle's Genie graphs
     (``_work/genie/onnx*/``: a build with --keep-work), on the arch's estimator SoC."""
@@ -104,7 +111,7 @@ def genie_step_us(bundle: Path, arch: int = 81) -> dict[int, dict]:
     target = get_target(f"v{arch}")
     soc = target.estimator
     out: dict[int, dict] = {}
-    graphs = sorted((bundle / "_work" / "genie").glob("onnx*/*_ar*_cl*_of_*.onnx"))
+    graphs = compiled(sorted((bundle / "_work" / "genie").glob("onnx*/*_ar*_cl*_of_*.onnx")))
     if not graphs:
         raise SystemExit(f"{bundle}: no Genie ONNX graphs in _work/ (build it with --keep-work)")
     for g in graphs:

@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def target_layers_us(bundle: Path, arch: int = 81) -> dict[int, int]:
     """AR -> Hextimate us of the target's decoder graph(s) of the cut (its layers alone)."""
+    from genie_lade import compiled
+
     from hexforge.bundle.targets import get_target
     from hexforge.forge.compile.hextimate import estimate_graph
 
@@ -37,7 +39,7 @@ def target_layers_us(bundle: Path, arch: int = 81) -> dict[int, int]:
     plan = manifest["targets"][f"v{arch}"]["plan"]
     out = {}
     for kind, ar in (("decode", 1), ("prefill", plan["prefill_len"])):
-        graphs = sorted((bundle / "_work").glob(f"*-0/s*.{kind}.onnx"))
+        graphs = compiled(sorted((bundle / "_work").glob(f"*-0/s*.{kind}*.onnx")))
         if not graphs:
             raise SystemExit(f"{bundle}: no target {kind} graphs in _work/ (--keep-work)")
         out[ar] = sum(estimate_graph(g, arch, soc, fp16=True).us for g in graphs)
