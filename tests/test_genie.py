@@ -429,26 +429,14 @@ def test_lade_answer_equals_basics(lade_on_scatter):
 # ---- the lade form (--genie-kv lade): Genie's lookahead dialog giving basic's tokens ---------------
 
 
-def _lade_guard():
-    """bench/genie_lade_guard.py: the lade-form build and the dump reader of its check."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench/genie_lade_guard.py"
-    spec = importlib.util.spec_from_file_location("genie_lade_guard", path)
-    guard = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(guard)
-    return guard
-
-
 @pytest.fixture(scope="module")
-def lade_check(tmp_path_factory):
+def lade_check(tmp_path_factory, bench_script):
     """A tiny llama in the lade form, two splits, its build's oracle passed (Genie graphs
     included); one lade query (window / n-gram / guesses 3 / 3 / 3) on a repeating prompt, each
     call's context read off Genie's dump against qnn-sim's greedy tokens."""
     work = tmp_path_factory.mktemp("lade")
-    equal, differ = _lade_guard().lade_against_qnn_sim(work, list(range(40, 49)), (3, 3, 3), 60,
-                                                       splits=2)
+    guard = bench_script("genie_lade_guard")  # the lade-form build and its dump reader
+    equal, differ = guard.lade_against_qnn_sim(work, list(range(40, 49)), (3, 3, 3), 60, splits=2)
     return work / "lade", equal, differ
 
 
