@@ -195,8 +195,8 @@ def build_genie_bundles(ctx: StageContext, targets, manifest, residual_scale: fl
     work = root / "_work" / "genie"
     host = manifest.host
     spec = fam.genie_spec(hf, args)
-    step = {"concat": None, "scatter": scatter_step(fam),
-            "lade": lade_step(fam, spec) if opts.genie_kv == "lade" else None}[opts.genie_kv]
+    step = (lade_step(fam, spec) if opts.genie_kv == "lade"
+            else scatter_step(fam) if opts.genie_kv == "scatter" else None)
     check_ropes(spec, root / "host.safetensors")
     lut = (lut_encoding(root / "host.safetensors", spec, media_bound)
            if spec.lut and media_bound is not None else None)
