@@ -4,22 +4,21 @@
     python bench/genie_lade.py BUNDLE [--tasks repeat,edit,bugfix,open] [--tokens 64]
                                [--lade W,N,G] [--hextimate] [--json out.json]
 
-Each task's chat-formatted prompt goes through libGenie twice, as text (``GenieDialog_query``: a
-``lade`` dialog ends the process on a token query, docs/genie.md), greedy, EOS off, each query in
-a child process. libGenie 1.21's ``lade`` dialog generates until the context is full whatever
-``max-num-tokens`` says (and goes on after ``GenieDialog_signal(ABORT)``, which returns
-success; each step takes as many slots as it feeds rows, accepted or not: size ``--context`` at
-build time for it), so its child is ended once ``--tokens`` + 8 pieces came, its graph calls
-counted up to there; ``basic`` makes ``--tokens`` tokens. The answers must agree (lookahead
-decoding is lossless on a bundle built with ``--genie-kv lade``): basic's text a prefix of
-lade's. The graph calls after the prompt are counted from Genie's log -- ``lade`` one AR-N call
+Each task's prompt (chat-formatted where the bundle has a template) goes through libGenie twice, as
+text (``GenieDialog_query``: a ``lade`` dialog ends the process on a token query, docs/genie.md),
+greedy, EOS off, each query in a child process. libGenie 1.21's ``lade`` dialog generates until the
+context is full whatever ``max-num-tokens`` says (and goes on after ``GenieDialog_signal(ABORT)``,
+which returns success; each step takes as many slots as it feeds rows, accepted or not: size
+``--context`` at build time for it), so its child is ended once ``--tokens`` + 8 pieces came, its
+graph calls counted up to there; ``basic`` makes ``--tokens`` tokens. The answers must agree
+(lookahead decoding is lossless on a bundle built with ``--genie-kv lade``): basic's text a prefix
+of lade's. The graph calls after the prompt are counted from Genie's log -- ``lade`` one AR-N call
 a step -- so tokens per call is lade's answer's tokens (the bundle's tokenizer counts them) over
-its calls. --lade W,N,G: the lookahead window, n-gram size and guess-cache capacity (default:
-the folder's lade.json). --hextimate: the Genie graphs' step times by Hextimate, SA8797 (v81) (a
-bundle built with --keep-work: the graphs' ONNX in _work/), and what they make of each dialog's
-decode: the AR-N step (every split) / tokens per call, against the AR-1 step. On the x86
-simulator; its wall time says nothing about a device.
-"""
+its calls. --lade W,N,G: the lookahead window, n-gram size and guess-cache capacity (default: the
+folder's lade.json). --hextimate: the Genie graphs' step times by Hextimate, SA8797 (v81) (a bundle
+built with --keep-work: the graphs' ONNX in _work/), and what they make of each dialog's decode:
+the AR-N step (every split) / tokens per call, against the AR-1 step. On the x86 simulator; its
+wall time says nothing about a device."""
 
 from __future__ import annotations
 
@@ -157,8 +156,9 @@ def main() -> int:
     steps = genie_step_us(bundle) if a.hextimate else None
     results = {}
     for task in a.tasks.split(","):
-        text = template.render([{"role": "user", "content": TASKS[task]}],
-                               add_generation_prompt=True)
+        # a base model (Gemma-3-270M) has no chat template: the task's text as it is
+        text = (template.render([{"role": "user", "content": TASKS[task]}],
+                                add_generation_prompt=True) if template else TASKS[task])
         fast, l_calls, _, l_status = run(folder, config, text, lade, a.tokens + 8)
         n = len(tokenizer.encode(fast, add_special_tokens=False).ids)
         basic, _calls, b_prompt, _ = run(folder, config, text, {"max-num-tokens": a.tokens})

@@ -3,8 +3,9 @@ libGenie's own tensor dump: the context each lade call ran on is the prompt + qn
 tokens (= basic's).
 
     python bench/genie_lade_guard.py WORK [--lade 3,3,3] [--ids 5,6,7,8,9,332,12] [--splits 2]
+                                         [--family llama|gemma3]
 
-The bundle is a tiny llama's (seed 0) in the lade form (families/genielade.py): the scatter form
+The bundle is a tiny model's (seed 0) in the lade form (families/genielade.py): the scatter form
 plus a meta layer in which the graph keeps each row's step, so that it masks the step lade's
 warm-up leaves whole in the context and computes its own rope positions. The context a call ran
 on is read off the dump (``graph_contexts``): Genie's mask less the slots the graph's metadata
@@ -28,16 +29,16 @@ import numpy as np
 SPLIT_BYTES = {1: None, 2: 300_000, 3: 200_000}
 
 
-def build(work: Path, splits: int = 2) -> Path:
-    """The tiny llama (seed 0) built with --genie-kv lade in ``splits`` Genie splits, judged by
-    the oracle (its Genie graphs too) -> bundle."""
+def build(work: Path, splits: int = 2, family: str = "llama") -> Path:
+    """The tiny ``family`` model (seed 0; forge/source/tiny.py) built with --genie-kv lade in
+    ``splits`` Genie splits, judged by the oracle (its Genie graphs too) -> bundle."""
     from hexforge.forge.pipeline import BuildOptions
     from hexforge.forge.pipeline import build as build_bundle
     from hexforge.forge.source.tiny import make_tiny_checkpoint
 
-    ckpt = work / "ckpt"
+    ckpt = work / f"ckpt-{family}"
     if not (ckpt / "config.json").exists():
-        make_tiny_checkpoint("llama", ckpt)
+        make_tiny_checkpoint(family, ckpt)
     out = work / "lade"
     shutil.rmtree(out, ignore_errors=True)
     build_bundle(ckpt, out, BuildOptions(targets="v81", quant="fp16", context=128,
@@ -83,7 +84,7 @@ def graph_contexts(dump: Path, layer: int) -> list[list[int]]:
 
 
 def lade_against_qnn_sim(work: Path, ids: list[int], lade=(3, 3, 3), tokens: int = 40,
-                         splits: int = 2) -> tuple[int, str | None]:
+                         splits: int = 2, family: str = "llama") -> tuple[int, str | None]:
     """Build the lade-form bundle in ``work``, run one lade query on ``ids`` twice over, and
     compare each call's context with qnn-sim's greedy tokens -> (the generated ids compared
     equal, None or the first difference past a tie in words)."""
@@ -95,7 +96,7 @@ def lade_against_qnn_sim(work: Path, ids: list[int], lade=(3, 3, 3), tokens: int
     from hexforge.runtime.compare import greedy_margins
 
     work.mkdir(parents=True, exist_ok=True)
-    bundle = build(work, splits)
+    bundle = build(work, splits, family)
     folder = bundle / "genie-v81"
     layers = json.loads((bundle / "manifest.json").read_text())["num_layers"]
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -103,8 +104,9 @@ def lade_against_qnn_sim(work: Path, ids: list[int], lade=(3, 3, 3), tokens: int
     dump = work / "dump"
     run_lade(folder, text, lade, tokens, dump)
     ctx = graph_contexts(dump, layers)
-    fed = [1, *tok.encode(text, add_special_tokens=False).ids]
-    context = json.loads((folder / "genie_config.json").read_text())["dialog"]["context"]["size"]
+    dialog = json.loads((folder / "genie_config.json").read_text())["dialog"]["context"]
+    fed = [dialog["bos-token"], *tok.encode(text, add_special_tokens=False).ids]
+    context = dialog["size"]
     want, margins = greedy_margins(hexforge.load(bundle, backend="qnn-sim"), fed,
                                    min(2 * tokens, context - len(fed)))
     ref = fed + want
@@ -132,10 +134,11 @@ def main() -> None:
     ap.add_argument("--ids", default="5,6,7,8,9,332,12", help="the prompt, repeated twice")
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--splits", type=int, default=2, choices=sorted(SPLIT_BYTES))
+    ap.add_argument("--family", default="llama", choices=("llama", "gemma3"))
     a = ap.parse_args()
     equal, differ = lade_against_qnn_sim(Path(a.work), [int(x) for x in a.ids.split(",")],
                                          tuple(int(x) for x in a.lade.split(",")), a.tokens,
-                                         a.splits)
+                                         a.splits, a.family)
     print(f"lade = qnn-sim's greedy tokens for {equal} generated ids"
           + (f"; then {differ}" if differ else " (up to the end or a tie)"))
 

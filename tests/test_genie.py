@@ -458,6 +458,26 @@ def test_regression_lade_kept_its_warm_up_step_in_the_context(lade_check):
     assert groups[0]["cache-index-tensor-name"] == "cache_index"
 
 
+def test_regression_gemma3_lade_fed_libgenie_a_lut_its_lade_refuses(tmp_path_factory,
+                                                                     bench_script):
+    """Gemma's Genie graphs take Genie's embedding LUT, and libGenie 1.21's lade dialog refuses
+    one ("embedding input type is not supported by dialog", the query fails). Gemma-3's lade
+    form gathers from input_ids, keeps every layer in one cache group beside the guard's meta
+    layer, computes both ropes (1e4 sliding, 1e6 full) at the guard's positions and cuts the
+    sliding window (8 here, the prompt 15) by position: each lade call's context is the prompt +
+    qnn-sim's greedy tokens, in two splits, with window / n-gram / guesses 2 / 3 / 2."""
+    work = tmp_path_factory.mktemp("gemma3-lade")
+    guard = bench_script("genie_lade_guard")
+    equal, differ = guard.lade_against_qnn_sim(work, [100, 7, 200, 31, 9], (2, 3, 2), 60,
+                                               splits=2, family="gemma3")
+    assert differ is None and equal >= 15, (equal, differ)
+    bundle = work / "lade"
+    report = json.loads((bundle / "report.json").read_text())
+    assert report["genie-v81"]["passed"], report["genie-v81"]["failures"]
+    dialog = json.loads((bundle / "genie-v81" / "genie_config.json").read_text())["dialog"]
+    assert "embedding" not in dialog and len(dialog["engine"]["cache-groups"]) == 1
+
+
 def test_lade_is_refused_where_its_tokens_would_not_be_basics(lade_check, genie_bundle, ckpt,
                                                               tmp_path, capsys):
     """--dialog lade: one line, before libGenie, on a folder not built for it, with media, with
@@ -500,7 +520,9 @@ def test_lade_is_refused_where_its_tokens_would_not_be_basics(lade_check, genie_
             build(ckpt("llama"), tmp_path / "b", BuildOptions(
                 targets="v81", quant="fp16", genie=True, genie_kv="lade",
                 **{"context": 128, **opts}), log=lambda m: None)
-    with pytest.raises(BuildError, match="--genie-kv lade: gemma3_text"):
-        build(ckpt("gemma3"), tmp_path / "b", BuildOptions(
-            targets="v81", quant="fp16", context=128, prefill_len=16, genie=True,
-            genie_kv="lade", verify=False), log=lambda m: None)
+    for family, words in (("gemma4", "gemma4_text's per-layer inputs"),
+                          ("qwen3_5", "qwen3_5_text's Genie graphs take the concat form only")):
+        with pytest.raises(HexforgeError, match=f"--genie-kv lade: {words}"):
+            build(ckpt(family), tmp_path / "b", BuildOptions(
+                targets="v81", quant="fp16", context=128, prefill_len=16, genie=True,
+                genie_kv="lade", verify=False), log=lambda m: None)

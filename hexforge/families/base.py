@@ -354,6 +354,34 @@ class DecoderFamily:
         return DenseGenieStep.make(self, hf, args, host, layers, seq_len, context, GenieContract(),
                                    residual_scale)
 
+    def genie_lade_spec(self, hf, args) -> GenieSpec:
+        """The Genie config's model part for the lade form (``genie_lade_step``'s graphs)."""
+        return self.genie_spec(hf, args)
+
+    def genie_lade_step(self, inv_freq: dict):
+        """``genie_step`` (the same signature) in the scatter form with the lookahead guard
+        (``--genie-kv lade``: ``genielade.LadeGuardStep``); ``inv_freq``: the frequencies Genie
+        computes for each of ``genie_spec``'s ropes, by its host rope name (one here)."""
+        from .genielade import LadeGuardStep
+
+        (inv,) = inv_freq.values()
+
+        def step(hf, args, host, layers: tuple[int, int], seq_len: int, context: int,
+                 residual_scale: float):
+            return LadeGuardStep.make_guarded(self, hf, args, host, layers, seq_len, context,
+                                              residual_scale, inv)
+        return step
+
+    def check_genie_lade(self, args) -> None:
+        """Refuse, before any work, a config whose Genie graphs have no lade form."""
+        from ..bundle.errors import UnsupportedModelError
+
+        if type(self).genie_step is not DecoderFamily.genie_step \
+                and type(self).genie_lade_step is DecoderFamily.genie_lade_step:
+            raise UnsupportedModelError(
+                f"--genie-kv lade: {args.model_type}'s Genie graphs take the concat form only "
+                "(lade: llama, qwen2, mistral, qwen3, gemma3_text)")
+
     def check_genie(self, args) -> None:
         """Refuse, before any work, a config these Genie graphs do not express."""
         from ..bundle.errors import UnsupportedModelError

@@ -237,15 +237,46 @@ class Gemma4Family(DecoderFamily):
             lut += (("embed_tokens_per_layer", math.sqrt(P)),)
         return GenieSpec(caches=tuple(caches), ropes=tuple(ropes), lut=lut)
 
+    def _rope_dims(self, hf, args: Args) -> dict[str, tuple[int, int]]:
+        """Layer type -> (Genie's rope-dim, the frequencies the graph reads) of its rope."""
+        return {FULL if r.prefix == "" else SLIDING: (r.dim, r.used or r.dim)
+                for r in self.genie_spec(hf, args).ropes}
+
     def genie_step(self, hf, args: Args, host, layers: tuple[int, int], seq_len: int,
                    context: int, residual_scale: float):
-        spec = self.genie_spec(hf, args)
-        dims = {FULL if r.prefix == "" else SLIDING: (r.dim, r.used or r.dim) for r in spec.ropes}
         return GemmaGenieStep(self, hf, args, host, layers, seq_len, context, residual_scale,
-                              dims)
+                              self._rope_dims(hf, args))
 
     def check_genie(self, args: Args) -> None:
         """Every Gemma-3 / Gemma-4 text config the graphs take: nothing more to refuse."""
+
+    def genie_lade_spec(self, hf, args: Args):
+        """One cache group for every layer (``GemmaLadeStep``: kv-dim the narrowest head),
+        Genie's default rope only (the graph reads it to keep it an input), and no embedding
+        LUT: the first split takes token ids (libGenie 1.21's lade dialog refuses a LUT)."""
+        import dataclasses
+
+        from .base import GenieCache
+
+        spec = self.genie_spec(hf, args)
+        return dataclasses.replace(spec, caches=(GenieCache(GENIE_GROUP[FULL], lade_kv_dim(args)),),
+                                   ropes=tuple(r for r in spec.ropes if not r.prefix), lut=())
+
+    def genie_lade_step(self, inv_freq: dict[str, np.ndarray]):
+        def step(hf, args: Args, host, layers: tuple[int, int], seq_len: int, context: int,
+                 residual_scale: float):
+            return GemmaLadeStep(self, hf, args, host, layers, seq_len, context, residual_scale,
+                                 self._rope_dims(hf, args), inv_freq)
+        return step
+
+    def check_genie_lade(self, args: Args) -> None:
+        """The lade form is proven on Gemma-3's configs (one head width, every layer its own
+        cache): per-layer inputs and shared caches are refused until a check covers them."""
+        if args.hidden_size_per_layer_input or any(d is not None for d in args.donors) \
+                or FULL not in args.layer_types:
+            raise UnsupportedModelError(
+                f"--genie-kv lade: {args.model_type}'s per-layer inputs or shared caches have no "
+                "lade form yet (it takes Gemma-3's configs; --genie-kv concat for this one)")
 
 
 # ---- export modules (torch) ----------------------------------------------------------------------
@@ -547,30 +578,28 @@ class GemmaGenieStep(nn.Module):
     mask: Genie 1.21's sliding-window eviction masks ring slots by position while writing the
     cache index as if the new rows came last, and a graph cannot line its keys up with both
     (measured, docs/genie.md). The per-layer inputs ride in the embedding LUT: Genie's own
-    perlayer-embedding ("lut") left per_layer_inputs zero, and given one it refuses token ids."""
+    perlayer-embedding ("lut") left per_layer_inputs zero, and given one it refuses token ids.
+
+    The hooks ``_group`` / ``_kv_dim`` / ``_position_io`` / ``_position_examples`` /
+    ``_positions`` are what the lade form (``GemmaLadeStep``) changes."""
 
     def __init__(self, fam: Gemma4Family, hf, args: Args, host, layers: tuple[int, int],
                  seq_len: int, context: int, residual_scale: float,
                  rope_dims: dict[str, tuple[int, int]]):
         super().__init__()
-        from .genieio import (
-            INPUTS_EMBEDS,
-            LOGITS,
-            MASK,
-            kv_names,
-            residual_name,
-            rope_names,
-        )
+        from .genieio import INPUTS_EMBEDS, LOGITS, MASK, kv_names, residual_name
 
         a, b = layers
         L = args.num_hidden_layers
-        self.args, self.T, self.S = args, seq_len, context - seq_len
+        self.args, self.T, self.CL = args, seq_len, context
+        self.S = self.past_rows(context, seq_len)
         self.rope_dims = rope_dims
         self.first, self.last = a == 0, b == L
         form = fp16(residual_scale)
         self.shard = Gemma4Shard(fam, hf, args, layers, seq_len, self.S, form, rings=False)
         self.head = fam.head_module(hf, args, form) if self.last else None
         self.ple = bool(args.hidden_size_per_layer_input)
+        self.entry = None  # the LUT's rows come in (the lade form gathers from input_ids)
         self.types = self.shard.types
         sh = self.shard
         # donors here whose sharers come in later splits: their [cache | new] rows go out
@@ -582,20 +611,63 @@ class GemmaGenieStep(nn.Module):
         elif self.first:
             ins.append((INPUTS_EMBEDS, "tokens"))
         ins.append((MASK, "mask"))
-        for t in self.types:
-            ins += [(n, "rope") for n in rope_names("" if t == FULL else GENIE_GROUP[t])]
+        ins += self._position_io()
         for i in sh.own:
-            group = GENIE_GROUP[args.layer_types[i]]
-            ins += [(n, f"state:L{i}") for n in kv_names(i, "in", group)]
+            ins += [(n, f"state:L{i}") for n in kv_names(i, "in", self._group(i))]
         for d in sh.external:
             ins += [(n, f"shared:L{d}") for n in shared_names(d)]
         outs = [(LOGITS if self.last else residual_name(b), "out")]
         for i in sh.own:
-            outs += [(n, f"state:L{i}")
-                     for n in kv_names(i, "out", GENIE_GROUP[args.layer_types[i]])]
+            outs += [(n, f"state:L{i}") for n in kv_names(i, "out", self._group(i))]
         for d in self.exported:
             outs += [(n, f"shared:L{d}") for n in shared_names(d)]
         self.io = GraphIO(inputs=ins, outputs=outs)
+
+    # ---- the concat form (Genie's default): what the lade form changes -------------------------
+    @staticmethod
+    def past_rows(context: int, seq_len: int) -> int:
+        """The past rows each layer's cache input holds: CL - AR (Genie appends the new ones)."""
+        return context - seq_len
+
+    def _group(self, i: int) -> str:
+        """Layer i's Genie cache group (its prefix)."""
+        return GENIE_GROUP[self.args.layer_types[i]]
+
+    def _kv_dim(self, i: int) -> int:
+        """Layer i's Genie head width (its group's kv-dim: a head of D is D / kv-dim of them)."""
+        return self.args.head_dims[i]
+
+    def _position_io(self) -> list[tuple[str, str]]:
+        """The inputs between the mask and the caches: each layer type's rope."""
+        from .genieio import rope_names
+
+        return [(n, "rope") for t in self.types
+                for n in rope_names("" if t == FULL else GENIE_GROUP[t])]
+
+    def _position_examples(self) -> list[torch.Tensor]:
+        out = []
+        for t in self.types:
+            R, _, _ = self._rope_width(t)
+            out += [torch.ones(1, 1, self.T, R), torch.zeros(1, 1, self.T, R)]
+        return out
+
+    def _positions(self, mask: torch.Tensor, rest: list) -> tuple[dict, dict, torch.Tensor, list]:
+        """Genie's mask [1, 1, AR, CL] and the inputs after it (``_position_io``'s popped from
+        the front of ``rest``) -> (each type's cos / sin [1, AR, D], each type's mask over
+        [past | new rows], which past rows to keep [1, 1, S, 1], outputs to add)."""
+        from .genieio import full_rope, pad_rope, window_mask
+
+        ropes = {}
+        for t in self.types:
+            c, s_ = rest.pop(0), rest.pop(0)
+            _, used, half = self._rope_width(t)  # [1, 1, AR, R] -> the first `used`, padded
+            ropes[t] = (full_rope(pad_rope(c[..., :used], half, 1.0)),
+                        full_rope(pad_rope(s_[..., :used], half, 0.0)))
+        masks = {t: mask if t == FULL else window_mask(mask, self.S, self.args.sliding_window)
+                 for t in self.types}
+        # the slots row 0 does not attend, zeroed (Genie leaves them dirty: genieio.clean_past)
+        keep = (mask[:, :, :1, :self.S] > -1.0).transpose(2, 3)
+        return ropes, masks, keep, []
 
     def _rope_width(self, t: str) -> tuple[int, int, int]:
         """(Genie's rope-dim, the frequencies the layers rotate, the head's half width) of layer
@@ -613,20 +685,19 @@ class GemmaGenieStep(nn.Module):
             out.append(torch.randn(1, T, a.hidden_size
                                    + a.num_hidden_layers * a.hidden_size_per_layer_input))
         elif self.first:
-            out.append(torch.randn(1, T, a.hidden_size))
-        out.append(torch.zeros(1, 1, T, S + T))
-        for t in self.types:
-            R, _, _ = self._rope_width(t)
-            out += [torch.ones(1, 1, T, R), torch.zeros(1, 1, T, R)]
+            out.append(torch.zeros(1, T, dtype=torch.int32) if self.entry is not None
+                       else torch.randn(1, T, a.hidden_size))
+        out.append(torch.zeros(1, 1, T, self.CL))
+        out += self._position_examples()
         for i in self.shard.own:
-            ks, vs = genie_kv_shapes(a.kv_heads[i], a.head_dims[i], a.head_dims[i], S)
+            ks, vs = genie_kv_shapes(a.kv_heads[i], a.head_dims[i], self._kv_dim(i), S)
             out += [torch.zeros(ks), torch.zeros(vs)]
         for d in self.shard.external:
             out += [torch.zeros(1, a.kv_heads[d], S + T, a.head_dims[d]) for _ in "kv"]
         return tuple(out)
 
     def forward(self, *inputs):
-        from .genieio import clean_past, full_rope, kv_from_genie, kv_to_genie, pad_rope, window_mask
+        from .genieio import kv_from_genie, kv_to_genie
 
         a, sh, S = self.args, self.shard, self.S
         rest = list(inputs)
@@ -636,23 +707,19 @@ class GemmaGenieStep(nn.Module):
             embed, ple = rows[..., :a.hidden_size], rows[..., a.hidden_size:]
             # (the shard scales its hidden to 1/s itself; the PLE projection reads HF's)
             shard_in = [embed if self.first else hidden, embed, ple]
+        elif self.entry is not None:  # split 1 of the lade form: token ids
+            shard_in = [self.entry(rest.pop(0))]
         else:
             shard_in = [rest.pop(0) if self.first else hidden]  # the LUT's rows, split 1
         mask = rest.pop(0)
-        ropes = {}
-        for t in self.types:
-            c, s_ = rest.pop(0), rest.pop(0)
-            _, used, half = self._rope_width(t)  # [1, 1, AR, R] -> the first `used`, padded
-            ropes[t] = (full_rope(pad_rope(c[..., :used], half, 1.0)),
-                        full_rope(pad_rope(s_[..., :used], half, 0.0)))
+        ropes, masks, keep, added = self._positions(mask, rest)
         for t in self.types:
             shard_in += list(ropes[t])
-        for t in self.types:
-            shard_in.append(mask if t == FULL else window_mask(mask, S, a.sliding_window))
+        shard_in += [masks[t] for t in self.types]
         own = []
-        for _ in sh.own:
-            own += kv_from_genie(rest.pop(0), rest.pop(0), 1)
-        own = clean_past(mask, own, S)
+        for i in sh.own:
+            own += kv_from_genie(rest.pop(0), rest.pop(0), a.head_dims[i] // self._kv_dim(i))
+        own = [torch.where(keep, p, torch.zeros_like(p)) for p in own]
         shared = {d: (rest.pop(0), rest.pop(0)) for d in sh.external}
         shard_in += own
         for d in sh.external:
@@ -662,15 +729,98 @@ class GemmaGenieStep(nn.Module):
                 shard_in += [shared[d][0][:, :, S:], shared[d][1][:, :, S:]]
         out, *new = sh(*shard_in)
         result = [self.head(out) if self.last else out]
-        genie_new = []
-        for j in range(len(sh.own)):
-            genie_new += kv_to_genie(new[2 * j], new[2 * j + 1], 1)
-        result += genie_new
+        for j, i in enumerate(sh.own):
+            result += kv_to_genie(new[2 * j], new[2 * j + 1], a.head_dims[i] // self._kv_dim(i))
         for d in self.exported:  # [cache | new] of the donor, as its sharers read it
             j = sh.own.index(d)
             result += [torch.cat((own[2 * j], new[2 * j]), dim=2),
                        torch.cat((own[2 * j + 1], new[2 * j + 1]), dim=2)]
-        return tuple(result)
+        return tuple(result + added)
+
+
+class GemmaLadeStep(GemmaGenieStep):
+    """``GemmaGenieStep`` in the scatter form with the lookahead guard (``--genie-kv lade``,
+    families/genielade.py)::
+
+        attention_mask   [1, 1, AR, CL]    over the CL slots (Genie's scatter form)
+        input_ids        [1, AR] int32 into the first split (the gather in the graph)
+        position_ids_*   Genie's default rope: read only (the positions are the guard's)
+        cache_index      [1, AR]
+        past_key/value_<L>_in/out  every layer in the default group, kv-dim d: a head of D is
+                                   D / d Genie heads; the past CL rows whole
+        past_key/value_<M>_in/out  the guard's meta layer (M = layers + the split's first)
+
+    Each layer type's rope is its own table [CL, D/2] (``inv_freq``: Genie's frequencies of the
+    concat form's ropes, by the host's rope name) at the guard's positions, and a sliding
+    layer's window is cut by position, not slot: lade's rejected rows leave slots unattended,
+    so a slot's distance is no longer its position's."""
+
+    def __init__(self, fam: Gemma4Family, hf, args: Args, host, layers: tuple[int, int],
+                 seq_len: int, context: int, residual_scale: float,
+                 rope_dims: dict[str, tuple[int, int]], inv_freq: dict[str, np.ndarray]):
+        from .genieio import INPUT_IDS, TokenGather, kv_names
+        from .genielade import LadeGuard, meta_layer, rope_tables
+
+        super().__init__(fam, hf, args, host, layers, seq_len, context, residual_scale, rope_dims)
+        if self.first:  # libGenie 1.21's lade takes no LUT ("embedding input type is not
+            # supported by dialog"): the first split gathers the token rows itself
+            self.entry = TokenGather(fam.text_model(hf).embed_tokens.weight, host.embed.scale)
+            self.io.inputs[0] = (INPUT_IDS, "tokens")
+        self.kv_dim = lade_kv_dim(args)
+        self.lade = LadeGuard(seq_len, context, self.kv_dim)
+        for t in self.types:
+            cos, sin = rope_tables(inv_freq[GROUP[t]][:self._rope_width(t)[2]], context)
+            self.register_buffer(f"cos_{GROUP[t]}", cos, persistent=False)  # [CL, D/2]
+            self.register_buffer(f"sin_{GROUP[t]}", sin, persistent=False)
+        M = meta_layer(args.num_hidden_layers, layers[0])
+        self.io.inputs += [(n, f"meta.{kv}") for n, kv in zip(kv_names(M, "in"), "kv", strict=True)]
+        self.io.outputs += [(n, f"meta.{kv}") for n, kv in zip(kv_names(M, "out"), "kv", strict=True)]
+
+    @staticmethod
+    def past_rows(context: int, seq_len: int) -> int:
+        return context  # the scatter form: the whole cache, Genie writes the new rows to slots
+
+    def _group(self, i: int) -> str:
+        return GENIE_GROUP[FULL]
+
+    def _kv_dim(self, i: int) -> int:
+        return self.kv_dim
+
+    def _position_io(self) -> list[tuple[str, str]]:
+        from .genieio import CACHE_INDEX, rope_names
+
+        return [(n, "rope") for n in rope_names()] + [(CACHE_INDEX, "cache_index")]
+
+    def _position_examples(self) -> list[torch.Tensor]:
+        R = self.rope_dims[FULL][0]  # Genie's default rope: the full layers'
+        return [torch.ones(1, 1, self.T, R), torch.zeros(1, 1, self.T, R),
+                torch.arange(self.CL - self.T, self.CL, dtype=torch.int32)[None]]
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        return (*super().example_inputs(), *self.lade.example_meta())
+
+    def _positions(self, mask: torch.Tensor, rest: list) -> tuple[dict, dict, torch.Tensor, list]:
+        from .genieio import MASKED, full_rope, scatter_mask
+
+        cos, sin, index = rest.pop(0), rest.pop(0), rest.pop(0)
+        meta_v = rest.pop()
+        meta_k = rest.pop()
+        g = self.lade(mask, index, meta_k, meta_v, cos, sin)
+        ropes = {t: (full_rope(torch.matmul(g.at, getattr(self, f"cos_{GROUP[t]}"))[None, None]),
+                     full_rope(torch.matmul(g.at, getattr(self, f"sin_{GROUP[t]}"))[None, None]))
+                 for t in self.types}
+        joined, keep = scatter_mask(g.mask, index, self.lade.slots)  # [1, 1, AR, CL + AR]
+        masks = {FULL: joined}
+        if SLIDING in self.types:  # in the window iff the query's position - the key's < W
+            keys = torch.cat([g.slot_position, g.position])  # [CL + AR]
+            near = (g.position[:, None] - keys[None, :]) < float(self.args.sliding_window)
+            masks[SLIDING] = torch.where(near[None, None], joined, torch.full_like(joined, MASKED))
+        return ropes, {t: masks[t] for t in self.types}, keep.transpose(2, 3), list(g.meta)
+
+
+def lade_kv_dim(args: Args) -> int:
+    """The lade form's one cache group's kv-dim: the narrowest head (a wider one is split)."""
+    return min(args.head_dims)
 
 
 FAMILY = Gemma4Family()

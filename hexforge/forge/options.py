@@ -148,8 +148,8 @@ class BuildOptions:
         "--genie: the decoder's KV update in Genie's contract: concat (the past CL - AR rows, "
         "Genie appends the new ones), scatter (a cache_index input, the past CL rows) or lade "
         "(scatter, with a graph that masks what Genie's lookahead dialog leaves behind: "
-        "`run --dialog lade` then gives basic's tokens; context <= 2048); scatter and lade: "
-        "llama, qwen2, mistral, qwen3; docs/genie.md",
+        "`run --dialog lade` then gives basic's tokens; context <= 2048); scatter: llama, "
+        "qwen2, mistral, qwen3; lade: those and gemma3_text; docs/genie.md",
         choices=lambda: ("concat", "scatter", "lade"))] = "concat"
     genie_host_rows: Annotated[bool, Flag(
         "--genie, where Genie's embedding LUT is 8-bit a row (a 16-bit one would pass the 4 GiB "

@@ -129,30 +129,31 @@ def scatter_step(fam):
 
 def lade_step(fam, spec):
     """``fam.genie_step`` in the scatter form with the lookahead guard (``--genie-kv lade``:
-    ``families/genielade.LadeGuardStep``), its rope table from the frequencies Genie computes
-    for the family's one rope (``spec.ropes[0]``, proven HF's by ``check_ropes``)."""
-    from ...families.genielade import LadeGuardStep
+    ``fam.genie_lade_step``, families/genielade.py), its rope tables from the frequencies Genie
+    computes for each of the family's ropes (``spec.ropes``, proven HF's by ``check_ropes``;
+    zero past the ones a partial rope reads)."""
     from .folder import rope_block
     from .verify import genie_inv_freq
 
-    inv_freq = genie_inv_freq(rope_block(spec.ropes[0]))
-
-    def step(hf, args, host, layers, seq_len, context, residual_scale):
-        return LadeGuardStep.make_guarded(fam, hf, args, host, layers, seq_len, context,
-                                          residual_scale, inv_freq)
-    return step
+    inv_freq = {}
+    for rope in spec.ropes:
+        inv = genie_inv_freq(rope_block(rope))
+        inv[rope.used or len(inv):] = 0.0
+        inv_freq[rope.rope] = inv
+    return fam.genie_lade_step(inv_freq)
 
 
 def check_options(fam, args, opts) -> None:
     """Refuse a --genie build Genie bundles are not made for, before any work."""
     fam.check_genie(args)
-    if opts.genie_kv != "concat":
+    if opts.genie_kv == "scatter":
         from ...families.base import DecoderFamily
 
         if type(fam).genie_step is not DecoderFamily.genie_step:
-            raise BuildError(f"--genie-kv {opts.genie_kv}: {args.model_type}'s Genie graphs take "
-                             "the concat form only (scatter, lade: llama, qwen2, mistral, qwen3)")
+            raise BuildError(f"--genie-kv scatter: {args.model_type}'s Genie graphs take the "
+                             "concat form only (scatter: llama, qwen2, mistral, qwen3)")
     if opts.genie_kv == "lade":
+        fam.check_genie_lade(args)
         from ...families.genielade import MAX_CONTEXT
         from ...runtime.genie.model import lade_rows
         from .folder import LADE_DEFAULT
@@ -198,6 +199,8 @@ def build_genie_bundles(ctx: StageContext, targets, manifest, residual_scale: fl
     step = (lade_step(fam, spec) if opts.genie_kv == "lade"
             else scatter_step(fam) if opts.genie_kv == "scatter" else None)
     check_ropes(spec, root / "host.safetensors")
+    if opts.genie_kv == "lade":  # the folder's config: the lade graphs' groups and rope
+        spec = fam.genie_lade_spec(hf, args)
     lut = (lut_encoding(root / "host.safetensors", spec, media_bound)
            if spec.lut and media_bound is not None else None)
     if lut is not None and lut.per_row:  # for the oracle's emulator: Genie reads it from the binary
