@@ -3,6 +3,7 @@
 
     python bench/genie_lade.py BUNDLE [--tasks repeat,edit,bugfix,open] [--tokens 64]
                                [--lade W,N,G] [--hextimate] [--json out.json]
+                               [--basic-from earlier.json] [--basic-ar-n]
 
 Each task's prompt (chat-formatted where the bundle has a template) goes through libGenie twice, as
 text (``GenieDialog_query``: a ``lade`` dialog ends the process on a token query, docs/genie.md),
@@ -18,12 +19,17 @@ its calls. --lade W,N,G: the lookahead window, n-gram size and guess-cache capac
 folder's lade.json). --hextimate: the Genie graphs' step times by Hextimate, SA8797 (v81) (a bundle
 built with --keep-work: the graphs' ONNX in _work/), and what they make of each dialog's decode:
 the AR-N step (every split) / tokens per call, against the AR-1 step. On the x86 simulator; its
-wall time says nothing about a device."""
+wall time says nothing about a device. --basic-from: basic's answers from an earlier --json of
+the same bundle and --tokens (basic's tokens do not depend on the lade block: a sweep of lade
+blocks runs basic once). --basic-ar-n: basic runs its tokens through the AR-N graphs too (the
+folder's AR-1 binaries left out of its config), each step one real row of N: the same graphs as
+lade's verify, so where the two differ it is not the AR-1 graph's rounding."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -102,8 +108,6 @@ def compiled(graphs: list[Path]) -> list[Path]:
 def genie_step_us(bundle: Path, arch: int = 81) -> dict[int, dict]:
     """AR -> {"us": every split's Hextimate us summed, "missing_ops"} of the bundle's Genie graphs
     (``_work/genie/onnx*/``: a build with --keep-work), on the arch's estimator SoC."""
-    import re
-
     from hexforge.bundle.targets import get_target
     from hexforge.forge.compile.hextimate import estimate_graph
 
@@ -130,13 +134,16 @@ def main() -> int:
     ap.add_argument("--lade", default=None, help="W,N,G (default: the folder's lade.json)")
     ap.add_argument("--hextimate", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--basic-from", default=None, metavar="JSON")
+    ap.add_argument("--basic-ar-n", action="store_true")
     a = ap.parse_args()
 
     from speculative import TASKS
     from tokenizers import Tokenizer
 
+    from hexforge.bundle.lade import LADE
     from hexforge.runtime.genie import libgenie as genie
-    from hexforge.runtime.genie.model import LADE, find_folder
+    from hexforge.runtime.genie.model import find_folder
     from hexforge.runtime.text import ChatTemplate
 
     bundle = Path(a.bundle)
@@ -153,7 +160,15 @@ def main() -> int:
     else:
         block = json.loads((folder / LADE).read_text())
     lade = {"type": "lade", "lade": block}
+    basic_config = config
+    if a.basic_ar_n:
+        basic_config = json.loads(json.dumps(config))
+        binary = basic_config["dialog"]["engine"]["model"]["binary"]
+        binary["ctx-bins"] = [b for b in binary["ctx-bins"] if "_ar1_" not in b]
     steps = genie_step_us(bundle) if a.hextimate else None
+    earlier = json.loads(Path(a.basic_from).read_text()) if a.basic_from else None
+    if earlier and (earlier["bundle"], earlier["tokens"]) != (str(bundle), a.tokens):
+        raise SystemExit(f"{a.basic_from}: another bundle or --tokens")
     results = {}
     for task in a.tasks.split(","):
         # a base model (Gemma-3-270M) has no chat template: the task's text as it is
@@ -161,7 +176,15 @@ def main() -> int:
                                 add_generation_prompt=True) if template else TASKS[task])
         fast, l_calls, _, l_status = run(folder, config, text, lade, a.tokens + 8)
         n = len(tokenizer.encode(fast, add_special_tokens=False).ids)
-        basic, _calls, b_prompt, _ = run(folder, config, text, {"max-num-tokens": a.tokens})
+        if earlier:
+            basic, b_prompt = earlier["tasks"][task]["basic"], earlier["tasks"][task]["prompt_calls"]
+        else:
+            basic, _calls, b_prompt, _ = run(folder, basic_config, text,
+                                             {"max-num-tokens": a.tokens})
+            if a.basic_ar_n:  # no AR-1 call marks the prompt's end: its AR-N chunks
+                ar = int(re.search(r"_ar(\d+)_", config["dialog"]["engine"]["model"]["binary"]
+                                   ["ctx-bins"][0]).group(1))
+                b_prompt = -(-len(tokenizer.encode(text, add_special_tokens=False).ids) // ar)
         decode_lade = len(l_calls) - b_prompt  # lade's prompt: the same AR-N chunks
         differ = next((i for i, (x, y) in enumerate(zip(basic, fast, strict=False))
                        if x != y), None)
@@ -172,13 +195,17 @@ def main() -> int:
             "compared_chars": min(len(basic), len(fast)), "first_difference_char": differ,
             "lade_tokens": n, "lade_calls": decode_lade,
             "lade_status": genie.STATUS_NAMES.get(l_status, l_status),  # type: ignore[arg-type]
-            "tokens_per_call": round(tpc, 2), "basic": basic, "lade": fast}
+            "tokens_per_call": round(tpc, 2), "prompt_calls": b_prompt,
+            "basic": basic, "lade": fast}
         if steps:
             ar = max(steps)
             results[task] |= {"basic_tok_s": round(1e6 / steps[1]["us"], 1),
                               "lade_tok_s": round(tpc * 1e6 / steps[ar]["us"], 1)}
         print(task, json.dumps({k: v for k, v in results[task].items()
                                 if k not in ("basic", "lade")}), file=sys.stderr, flush=True)
+        if a.json:  # each task as it ends: a sweep's partial results survive a stop
+            Path(a.json).write_text(json.dumps({"bundle": str(bundle), "lade": block,
+                                                "tokens": a.tokens, "tasks": results}, indent=1))
     out = {"bundle": str(bundle), "lade": block, "tokens": a.tokens,
            "context": config["dialog"]["context"]["size"], "step_us": steps, "tasks": results}
     print(json.dumps(out, indent=1))

@@ -65,7 +65,7 @@ def graph_contexts(dump: Path, layer: int) -> list[list[int]]:
     for k, c in enumerate(calls):
         CL = c["mask"].shape[1]
         meta = np.fromfile(files[k] / f"{k:03d}_in_past_value_{layer}_in", np.float32)
-        start, count, chain, written, warm = meta.reshape(CL, -1)[:, :5].T
+        start, count, chain, written, warm_lo, warm_hi = meta.reshape(CL, -1)[:, :6].T
         # the graph's rule (families/genielade.py), in numpy
         A = (c["mask"][0] > -1) & (written > 0.5)
         A[c["index"][0]] = False
@@ -73,8 +73,10 @@ def graph_contexts(dump: Path, layer: int) -> list[list[int]]:
         of_last = A & (np.abs(start - last) < 0.5)
         found = (last > 0.5 and abs(of_last.sum() - count[of_last].max(initial=0)) < 0.5
                  and chain[of_last].max(initial=0) < 0.5 and count[of_last].max(initial=0) > 1.5)
-        w = last if found else warm[A].max(initial=0.0)
-        garbage = A & (w > 0.5) & (np.abs(start - w) < 0.5)
+        carried_lo = warm_lo[A].max(initial=0.0)
+        hi = last if found else warm_hi[A].max(initial=0.0)
+        lo = last if found and carried_lo < 0.5 else carried_lo
+        garbage = A & (hi > 0.5) & (start > lo - 0.5) & (start < hi + 0.5)
         A, garbage = A.astype(np.float64), garbage.astype(np.float64)
         out.append([slot[s] for s in np.where(A - garbage > 0.5)[0]] + [c["ids"][0]])
         for r in range(c["AR"]):
@@ -121,6 +123,8 @@ def lade_against_qnn_sim(work: Path, ids: list[int], lade=(3, 3, 3), tokens: int
             continue
         m = margins[i - len(fed)]
         if m <= 1e-3:  # a tie of qnn-sim's top-2 fp16 logits: not compared further
+            print(f"call {k}: a top-2 tie of qnn-sim's at generated id {i - len(fed)} "
+                  f"(margin {m:.4f})", file=sys.stderr)
             return i - len(fed), None
         return equal, (f"call {k}: lade {got[i]} != qnn-sim {ref[i]} at generated id "
                        f"{i - len(fed)} (qnn-sim's top-2 margin {m:.4f})")

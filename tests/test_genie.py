@@ -402,6 +402,8 @@ def test_genie_kv_scatter_is_refused_where_it_is_not_built(ckpt, tmp_path):
 
     with pytest.raises(BuildError, match="--genie-kv is the Genie graphs' KV form"):
         BuildOptions(targets="v81", quant="fp16", genie_kv="scatter").validate()
+    with pytest.raises(BuildError, match="--genie-lade is the lookahead dialog's block"):
+        BuildOptions(targets="v81", quant="fp16", genie=True, genie_lade="2,4,3").validate()
     with pytest.raises(BuildError, match="--genie-kv scatter: gemma3_text"):
         build(ckpt("gemma3"), tmp_path / "b", BuildOptions(
             targets="v81", quant="fp16", context=128, prefill_len=16, genie=True,
@@ -478,6 +480,21 @@ def test_regression_gemma3_lade_fed_libgenie_a_lut_its_lade_refuses(tmp_path_fac
     assert "embedding" not in dialog and len(dialog["engine"]["cache-groups"]) == 1
 
 
+@pytest.mark.parametrize("block, at_least", [((2, 4, 3), 20), ((5, 2, 5), 12)])
+def test_regression_lade_ngram_4_kept_two_warm_up_steps(tmp_path_factory, bench_script, block,
+                                                        at_least):
+    """libGenie 1.21's lade takes N - 2 warm-up steps for n-gram N, each committed whole: the
+    guard knew of one (N 3), so with window / n-gram / guesses 2 / 4 / 3 the second warm-up step
+    stayed in the context and the real SmolLM2 answered "Thel()()()..." from its second token
+    (tiny llama: generated id 1). The meta layer now keeps the first and the last warm-up step
+    found, masking every step between; n-gram 2 has none."""
+    work = tmp_path_factory.mktemp("lade-block")
+    guard = bench_script("genie_lade_guard")
+    equal, differ = guard.lade_against_qnn_sim(work, [5, 6, 7, 8, 9, 332, 12], block, 40,
+                                               splits=1)
+    assert differ is None and equal >= at_least, (equal, differ)
+
+
 def test_lade_is_refused_where_its_tokens_would_not_be_basics(lade_check, genie_bundle, ckpt,
                                                               tmp_path, capsys):
     """--dialog lade: one line, before libGenie, on a folder not built for it, with media, with
@@ -487,7 +504,7 @@ def test_lade_is_refused_where_its_tokens_would_not_be_basics(lade_check, genie_
     from hexforge.bundle.errors import BackendError, HexforgeError
     from hexforge.forge.pipeline import BuildOptions, build
     from hexforge.runtime.genie import libgenie
-    from hexforge.runtime.genie.model import GenieModel
+    from hexforge.runtime.genie.model import GenieModel, lade_block
 
     bundle = lade_check[0]
     assert main(["run", str(genie_bundle), "x", "--backend", "genie", "--dialog", "lade"]) == 2
@@ -496,6 +513,13 @@ def test_lade_is_refused_where_its_tokens_would_not_be_basics(lade_check, genie_
     assert "needs --backend genie" in capsys.readouterr().err
     with pytest.raises(HexforgeError, match="not with --prefill-mode decode"):
         hexforge.load(bundle, backend="genie", dialog="lade", prefill_mode="decode")
+    # a lade.json the build would not write (the bundle's digests guard the file): a block the
+    # form cannot keep lossless, one past the folder's AR-16 graph
+    for block, words in (({"window": 1, "ngram": 4, "gcap": 2}, "a window of 1"),
+                         ({"window": 4, "ngram": 4, "gcap": 2}, "feeds 19 rows, past")):
+        (tmp_path / "lade.json").write_text(json.dumps({"version": 1, **block}))
+        with pytest.raises(HexforgeError, match=words):
+            lade_block(tmp_path, "lade", "chunked", 16)
     model = GenieModel(bundle, dialog="lade")
     tok = model.tokenizer
     # a merged token spelt out a character a token: its text encodes back to the merged one
@@ -515,6 +539,10 @@ def test_lade_is_refused_where_its_tokens_would_not_be_basics(lade_check, genie_
     with pytest.raises(BackendError, match="a lade dialog takes text"):
         next(dialog.generate([1, 2, 3], 2))
     for opts, words in ((dict(prefill_len=8), "feeds 13 rows"),
+                        (dict(prefill_len=16, genie_lade="3,4,3"), "3,4,3 feeds 19 rows"),
+                        (dict(prefill_len=16, genie_lade="3,1,3"), "ngram >= 2"),
+                        (dict(prefill_len=16, genie_lade="3,3"), "window,ngram,guesses"),
+                        (dict(prefill_len=16, genie_lade="1,4,2"), "a window of 1"),
                         (dict(context=4096, prefill_len=16), "past 2048")):
         with pytest.raises(BuildError, match=words):
             build(ckpt("llama"), tmp_path / "b", BuildOptions(

@@ -4,7 +4,8 @@ which Genie's lookahead dialog (``lade``) gives ``basic``'s tokens, and the dens
 docs/notes/genie-record.md, "lade").
 
 libGenie 1.21's ``lade``, on the scatter form (``genieio.GenieContract.cache_index``), keeps a
-step's rejected rows out of the next step's mask but commits its first (warm-up) step whole: its
+step's rejected rows out of the next step's mask but commits its warm-up steps whole (N - 2 of
+them for n-gram N: the steps that fill the window's levels, each feeding the same token): their
 window rows and placeholder guesses stay in every later step's context, and their rope
 positions are counted. Genie's mask, cache index and positions alone do not tell that step from
 an accepted chain, so the graph keeps what does in one more cache layer of the group, which
@@ -12,25 +13,29 @@ Genie copies to its slots like any layer's (the meta layer, ``meta_layer``)::
 
     past_key_<M>_in [1, 1, D, CL], past_value_<M>_in [1, 1, CL, D]
       M = layers + the split's first layer (one a split)
-    value row of slot s: [start, count, chain, written, warm, position, 0 ...]
+    value row of slot s: [start, count, chain, written, warm_lo, warm_hi, position, 0 ...]
       start    1 + the slot its step's row 0 was written to (identifies the step)
       count    the step's real rows (a pad row attends nothing)
       chain    1 if row r of the step attended exactly rows 0..r of it (a prompt chunk, an
                AR-1 step, an accepted n-gram: every step but lade's warm-up and guesses)
       written  1 (Genie does not clear its buffers: a slot this dialog never wrote is dirty)
-      warm     the start of the step found to be lade's warm-up (0: none yet), carried on
+      warm_lo  the start of the first step found to be a warm-up (0: none yet), carried on
+      warm_hi  the start of the last one found, carried on (the warm-up steps are consecutive:
+               every step whose start lies in [warm_lo, warm_hi] is one)
       position the row's position (its rope's; a sliding-window layer's mask reads it)
 
-Genie writes a step's rows to consecutive slots, and the warm-up is found by the step right
+Genie writes a step's rows to consecutive slots, and a warm-up step is found by the step right
 after it: the last step before the current one (the largest start among the kept slots)
-attended whole while not a chain can only be the warm-up -- a lade step's accepted rows are a
+attended whole while not a chain can only be a warm-up -- a lade step's accepted rows are a
 chain drawn from a step with branches, never all of it. Per step, all O(CL) (A: the past slots
 row 0 attends, less those written this step)::
 
     last     = max start over A;  seen = |A & start == last|
-    warm     = last if seen == count(last) & !chain(last) & count(last) > 1, else max warm over A
-    mask     = Genie's, the slots of the warm-up step masked
-    position = (A less the warm-up).sum() + (rows of this step the row attends) - 1   [AR]
+    found    = seen == count(last) & !chain(last) & count(last) > 1
+    warm_hi  = last if found, else max warm_hi over A
+    warm_lo  = last if found and no warm-up was found before, else max warm_lo over A
+    mask     = Genie's, the slots of the warm-up steps (start in [warm_lo, warm_hi]) masked
+    position = (A less the warm-ups).sum() + (rows of this step the row attends) - 1   [AR]
     cos/sin  = one-hot(position) x the rope table [CL, R] (Genie's inv_freq, computed in fp64;
                Genie's position_ids_cos / _sin are read only to stay inputs)
     window   a sliding layer's key at slot s is in row t's window iff
@@ -52,7 +57,7 @@ from torch import nn
 from .genieio import MASKED, DenseGenieStep, GenieContract, kv_names
 
 MAX_CONTEXT = 2048  # fp16 holds every integer up to 2048: positions and slots in the graph
-META = 6  # the meta layer's fields: start, count, chain, written, warm, position
+META = 7  # the meta layer's fields: start, count, chain, written, warm_lo, warm_hi, position
 
 
 def meta_layer(num_layers: int, first_layer: int) -> int:
@@ -105,7 +110,8 @@ class LadeGuard(nn.Module):
         stay inputs (an input no node reads is dropped at export)."""
         T, D = self.T, self.D
         meta = meta_v[0, 0]  # [CL, D]
-        start, count, chain, written, warm, position = (meta[:, j] for j in range(META))
+        start, count, chain, written, warm_lo, warm_hi, position = (meta[:, j]
+                                                                     for j in range(META))
         onehot = (index.transpose(0, 1) == self.slots).to(torch.float32)  # [T, CL]
         taken = onehot.sum(0)  # [CL]: the slots this step writes
         # the past slots row 0 attends that this dialog wrote (a dirty slot's bytes may be NaN:
@@ -120,9 +126,11 @@ class LadeGuard(nn.Module):
         chain_last = torch.where(of_last, chain, zero).max()
         found = (last > 0.5) & ((seen - count_last).abs() < 0.5) & (chain_last < 0.5) \
             & (count_last > 1.5)
-        carried = torch.where(A, warm, zero).max()
-        warm_now = torch.where(found, last, carried)  # the warm-up's start, 0: none
-        garbage = A & (warm_now > 0.5) & ((start - warm_now).abs() < 0.5)  # [CL]
+        # the warm-up steps' starts, [lo, hi] (0: none yet); N - 2 of them, consecutive
+        carried_lo = torch.where(A, warm_lo, zero).max()
+        hi = torch.where(found, last, torch.where(A, warm_hi, zero).max())
+        lo = torch.where(found & (carried_lo < 0.5), last, carried_lo)
+        garbage = A & (hi > 0.5) & (start > lo - 0.5) & (start < hi + 0.5)  # [CL]
         held = (A & ~garbage).to(torch.float32).sum()
         real = ((mask[0, 0] > -1.0).to(torch.float32).sum(-1) > 0.5).to(torch.float32)  # [T]
         # this step's rows each row attends (itself included): the mask over their slots
@@ -135,7 +143,7 @@ class LadeGuard(nn.Module):
         is_chain = ((mine - chain_rows).abs().sum() < 0.5).to(torch.float32)
         first = index[0, 0].to(torch.float32) + 1.0
         row = torch.stack([first.expand(T), real.sum().expand(T), is_chain.expand(T),
-                           torch.ones(T), warm_now.expand(T), pos], -1)  # [T, META]
+                           torch.ones(T), lo.expand(T), hi.expand(T), pos], -1)  # [T, META]
         z = (sum(x.sum() for x in unread) + (meta_k > 1e30).to(torch.float32).sum()) * 0.0
         row = torch.cat([row, torch.zeros(T, D - META)], -1)[None, None] + z  # [1, 1, T, D]
         slot_position = torch.where(written > 0.5, position, zero)

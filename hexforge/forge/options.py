@@ -17,6 +17,7 @@ from dataclasses import MISSING, dataclass, fields
 from functools import cached_property
 from typing import Annotated, Any, get_args, get_type_hints
 
+from ..bundle import lade
 from ..bundle.errors import BuildError
 from .quantize import recipes
 from .quantize.recipes import QuantRecipe
@@ -151,6 +152,11 @@ class BuildOptions:
         "`run --dialog lade` then gives basic's tokens; context <= 2048); scatter: llama, "
         "qwen2, mistral, qwen3; lade: those and gemma3_text; docs/genie.md",
         choices=lambda: ("concat", "scatter", "lade"))] = "concat"
+    genie_lade: Annotated[str, Flag(
+        "--genie-kv lade: Genie's lookahead block the folder's `run --dialog lade` takes, "
+        "window,ngram,guesses; a step feeds 1 + (window + guesses) x (ngram - 1) rows to the "
+        "AR-N graph, at most --prefill-len (measured per task class: docs/genie.md)",
+        metavar="W,N,G")] = lade.DEFAULT
     genie_host_rows: Annotated[bool, Flag(
         "--genie, where Genie's embedding LUT is 8-bit a row (a 16-bit one would pass the 4 GiB "
         "libGenie reads: Gemma-4-E2B / E4B): the host's embedding tables in those same rows, so "
@@ -230,6 +236,17 @@ class BuildOptions:
                              "--genie")
         if self.genie_kv != "concat" and not self.genie:
             raise BuildError("--genie-kv is the Genie graphs' KV form: it needs --genie")
+        if self.genie_lade != lade.DEFAULT and self.genie_kv != "lade":
+            raise BuildError("--genie-lade is the lookahead dialog's block: it needs "
+                             "--genie-kv lade")
+        try:
+            rows = lade.lade_rows(lade.lade_from(self.genie_lade))
+        except ValueError as e:
+            raise BuildError(f"--genie-lade {e}") from None
+        if self.genie_kv == "lade" and self.prefill_len < rows:
+            raise BuildError(f"--genie-kv lade: a lookahead step of --genie-lade "
+                             f"{self.genie_lade} feeds {rows} rows to the AR-N graph; "
+                             f"--prefill-len {self.prefill_len} is fewer")
         if self.estimate and not htp:
             raise BuildError("--estimate needs an HTP --target (e.g. v81)")
         if self.device_only:

@@ -155,12 +155,7 @@ def check_options(fam, args, opts) -> None:
     if opts.genie_kv == "lade":
         fam.check_genie_lade(args)
         from ...families.genielade import MAX_CONTEXT
-        from ...runtime.genie.model import lade_rows
-        from .folder import LADE_DEFAULT
 
-        if opts.prefill_len < lade_rows(LADE_DEFAULT):
-            raise BuildError(f"--genie-kv lade: a lookahead step feeds {lade_rows(LADE_DEFAULT)} "
-                             f"rows to the AR-N graph; --prefill-len {opts.prefill_len} is fewer")
         if opts.context > MAX_CONTEXT:
             raise BuildError(f"--genie-kv lade: --context {opts.context} is past {MAX_CONTEXT}, "
                              "the positions the guard computes in fp16 hold exactly")

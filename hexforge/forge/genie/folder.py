@@ -24,19 +24,17 @@ import shutil
 from pathlib import Path
 
 from ...bundle.errors import BuildError
+from ...bundle.lade import LADE, lade_from
 from ...bundle.lut import LutEncoding
 from ...bundle.manifest import Manifest
 from ...bundle.targets import Target
-from ...runtime.genie.model import LADE, sampler_config
+from ...runtime.genie.model import sampler_config
 from ..context import StageContext
 
 CONFIG = "genie_config.json"
 EXTENSIONS = "htp_backend_ext_config.json"
 TOKENIZER = "tokenizer.json"
 CACHE_INDEX = "cache_index"  # families/genieio.CACHE_INDEX (that module imports torch)
-# Genie's lookahead dialog on a --genie-kv lade folder, unless a run says otherwise: window,
-# n-gram and guess cache (bench/genie_lade.py measures them)
-LADE_DEFAULT = {"version": 1, "window": 3, "ngram": 3, "gcap": 3}
 
 
 def folder_name(target: str) -> str:
@@ -282,5 +280,5 @@ def write_bundle_files(ctx: StageContext, folder: Path, manifest: Manifest, bins
                                       ctx.opts.share_weights), indent=1) + "\n")
     (folder / CONFIG).write_text(json.dumps(cfg, indent=1) + "\n")
     if ctx.opts.genie_kv == "lade":  # the graphs are guarded: the lookahead dialog's defaults
-        (folder / LADE).write_text(json.dumps(LADE_DEFAULT) + "\n")
+        (folder / LADE).write_text(json.dumps(lade_from(ctx.opts.genie_lade)) + "\n")
     return folder / CONFIG

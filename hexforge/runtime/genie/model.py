@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ...bundle.errors import BundleError, RequestError
+from ...bundle.lade import DIALOGS, LADE, lade_from, lade_rows
 from ...bundle.lut import LUT_DTYPES
 from ...bundle.manifest import GenerationDefaults, load_manifest
 from ..loop import Stops, StopStrings, emit
@@ -37,7 +38,7 @@ from ..options import (
 )
 from ..text import ChatTemplate, TextTokenizer, encode_prompt
 from . import libgenie as genie
-from .checks import check_folder, check_prompt_fits, keep_ar1
+from .checks import check_folder, check_prompt_fits, keep_ar1, prefill_len
 
 CONFIG = "genie_config.json"
 
@@ -57,20 +58,6 @@ def find_folder(bundle: Path, target: str | None = None) -> Path:
                           + ": build it with --genie")
     raise BundleError(f"{bundle} has Genie bundles for several targets "
                       f"({', '.join(p.name for p in found)}): pick one with --arch")
-
-
-# a Genie folder built with --genie-kv lade: its graphs mask what Genie's lookahead dialog leaves
-# behind (families/genielade.py), and this file holds the dialog's lade block ({"version",
-# "window", "ngram", "gcap"}), which genie_config.json cannot carry beside a basic dialog
-# (libGenie 1.21's schema refuses it)
-LADE = "lade.json"
-DIALOGS = ("basic", "lade")
-
-
-def lade_rows(block: dict) -> int:
-    """The rows one lookahead step feeds the AR-N graph: the token, the window's W x (N - 1)
-    and the guesses' G x (N - 1)."""
-    return 1 + (int(block["window"]) + int(block["gcap"])) * (int(block["ngram"]) - 1)
 
 
 def sampler_config(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -177,7 +164,7 @@ class GenieModel(GenerationMethods):
         self.prefill_mode = check_prefill_mode(prefill_mode)
         if prefill_mode == "decode":
             keep_ar1(self.config["dialog"], self.folder)
-        self.lade = lade_block(self.folder, dialog, prefill_mode)
+        self.lade = lade_block(self.folder, dialog, prefill_mode, prefill_len(self.config))
         d = self.config["dialog"]
         self.context = int(d["context"]["size"])
         self.n_vocab = int(d["context"]["n-vocab"])
@@ -326,9 +313,10 @@ class GenieModel(GenerationMethods):
             self._dialog = None
 
 
-def lade_block(folder: Path, dialog: str, prefill_mode: str) -> dict | None:
-    """The lade block a ``dialog`` "lade" runs with (the folder's ``LADE``), None for basic;
-    refused where lade's tokens would not be basic's or it cannot run."""
+def lade_block(folder: Path, dialog: str, prefill_mode: str, ar: int) -> dict | None:
+    """The lade block a ``dialog`` "lade" runs with (the folder's ``LADE``, its steps' rows at
+    most ``ar``, the AR-N graph's), None for basic; refused where lade's tokens would not be
+    basic's or it cannot run."""
     if dialog not in DIALOGS:
         raise RequestError(f"--dialog {dialog!r}: one of {', '.join(DIALOGS)}")
     if dialog == "basic":
@@ -343,9 +331,12 @@ def lade_block(folder: Path, dialog: str, prefill_mode: str) -> dict | None:
                            "--prefill-mode decode")
     try:
         block = json.loads(path.read_text())
-        lade_rows(block)
+        lade_from(f"{block['window']},{block['ngram']},{block['gcap']}")
     except (ValueError, KeyError, TypeError) as e:
         raise BundleError(f"{path}: not a lade block ({e})") from None
+    if lade_rows(block) > ar:
+        raise BundleError(f"{path}: a lookahead step of this block feeds {lade_rows(block)} rows, "
+                          f"past the folder's AR-{ar} graph")
     return block
 
 
