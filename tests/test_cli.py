@@ -156,7 +156,7 @@ def test_cli_passes_every_build_option(monkeypatch, tmp_path):
             "--eval-text", str(tmp_path / "t.txt"), "--eval-tokens", "99",
             "--audio-seconds", "4", "--image-size", "64x96", "--keep-work", "--verify-len", "4",
             "--genie", "--device-only", "--estimate", "--htp-verify", "--kv-values", "u8",
-            "--genie-kv", "scatter", "--genie-host-rows"]
+            "--genie-kv", "lade", "--genie-lade", "2,4,3", "--genie-host-rows"]
     assert cli.main(argv) == 0
     default = BuildOptions()
     unset = [f.name for f in dataclasses.fields(default)
