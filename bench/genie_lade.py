@@ -143,6 +143,7 @@ def main() -> int:
 
     from hexforge.bundle.lade import LADE
     from hexforge.runtime.genie import libgenie as genie
+    from hexforge.runtime.genie.checks import prefill_len
     from hexforge.runtime.genie.model import find_folder
     from hexforge.runtime.text import ChatTemplate
 
@@ -182,9 +183,8 @@ def main() -> int:
             basic, _calls, b_prompt, _ = run(folder, basic_config, text,
                                              {"max-num-tokens": a.tokens})
             if a.basic_ar_n:  # no AR-1 call marks the prompt's end: its AR-N chunks
-                ar = int(re.search(r"_ar(\d+)_", config["dialog"]["engine"]["model"]["binary"]
-                                   ["ctx-bins"][0]).group(1))
-                b_prompt = -(-len(tokenizer.encode(text, add_special_tokens=False).ids) // ar)
+                b_prompt = -(-len(tokenizer.encode(text, add_special_tokens=False).ids)
+                             // prefill_len(config))
         decode_lade = len(l_calls) - b_prompt  # lade's prompt: the same AR-N chunks
         differ = next((i for i, (x, y) in enumerate(zip(basic, fast, strict=False))
                        if x != y), None)
