@@ -12,6 +12,10 @@ The forms (activations x weights):
   f16-dq-s8             fp16 activations, DequantizeLinear(int8 per output channel) -> MatMul:
                         the HTP's FP16 x INT8 MatMul, if the EP lowers it so
   f16-dq-s4b64          fp16 activations, DequantizeLinear(int4, blocks of 64) -> MatMul
+  f16-dqpt-s8 / -s4     fp16 activations, DequantizeLinear(int8 / int4, one fp16 scale of 1) ->
+                        MatMul -> a per-channel fp16 Mul: the EP takes a standalone DQ only per
+                        tensor ("does not support a standalone DQ op with per-channel
+                        quantization"); does the HTP keep the weight integer then?
   u16-dq-s8             uint16 Q/DQ activations, int8 per-channel weights (fixed point, w8-u16)
   u16-dq-s4             uint16 Q/DQ activations, int4 per-channel weights
   u16-dq-s4b64          uint16 Q/DQ activations, int4 blocks of 64
@@ -115,6 +119,14 @@ def form(name: str, k: int, n: int):
     qtype = TensorProto.INT8 if bits == 8 else TensorProto.INT4
     nodes, inits = [], []
     dq = dict(axis=0, block_size=block) if block else dict(axis=1)
+    if name.startswith("f16-dqpt"):  # the channel scale after the product: y = (x @ q) * s
+        inits += [helper.make_tensor("wq", qtype, list(q.shape), q.flatten().tolist()),
+                  numpy_helper.from_array(np.array(1.0, np.float16), "one"),
+                  numpy_helper.from_array(scale.reshape(n).astype(np.float16), "ws")]
+        nodes += [helper.make_node("DequantizeLinear", ["wq", "one"], ["w"]),
+                  helper.make_node("MatMul", ["x", "w"], ["y0"]),
+                  helper.make_node("Mul", ["y0", "ws"], ["y"])]
+        return _graph(nodes, inits, f16, k, n, name)
     if name.startswith(("u16-lpbqw", "u8-lpbqw")):
         # LPBQ with the weight already int4 (the fusion's second form): the int4 initializer's
         # DequantizeLinear takes as its scale a DequantizeLinear of uint8 block codes x a float
@@ -180,7 +192,8 @@ def form(name: str, k: int, n: int):
     return _graph(nodes, inits + ix + iy, f32, k, n, name)
 
 
-FORMS = ("fp16", "nbits8", "nbits4", "f16-dq-s8", "f16-dq-s4b64", "u16-dq-s8", "u16-dq-s4",
+FORMS = ("fp16", "nbits8", "nbits4", "f16-dq-s8", "f16-dq-s4b64", "f16-dqpt-s8", "f16-dqpt-s4",
+         "u16-dq-s8", "u16-dq-s4",
          "u16-dq-s4b64", "u16-lpbq-s4b64", "u16-lpbqw-s4b64", "u8-dq-s8", "u8-dq-s4", "u8-dq-s4b64",
          "mixed-s8", "mixed-mul-s8")
 
