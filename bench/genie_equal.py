@@ -84,6 +84,8 @@ def main() -> None:
         t = time.perf_counter()
         tokens = genie_tokens(a, prompt, media)
         print(json.dumps({"genie": tokens, "genie_s": round(time.perf_counter() - t)}))
+        # said at once too: a run cut short (hours at 4 B) keeps the side that ended
+        print(f"libGenie: {tokens} in {time.perf_counter() - t:.0f}s", file=sys.stderr, flush=True)
         return
 
     import hexforge
@@ -97,6 +99,7 @@ def main() -> None:
         sim = model.generate(prompt, max_new_tokens=a.tokens, ignore_eos=True,
                              **media).token_ids
         sim_s = time.perf_counter() - t
+        print(f"qnn-sim: {sim} in {sim_s:.0f}s", file=sys.stderr, flush=True)
     except BaseException:
         child.kill()
         raise
