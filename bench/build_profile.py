@@ -10,6 +10,8 @@ the anonymous peak is the one that says whether a machine has enough memory; whi
 children (a shard's graphs exported side by side in forked processes) it is the whole tree's
 proportional anonymous memory (Pss_Anon: a page the fork shares counted once). Its CPU seconds
 (this process and the children it waited for) over its wall time say how many cores it kept busy.
+The disk the build has taken (the output's filesystem's used bytes over those at the start,
+sampled every 0.5 s) is recorded the same way, its peak per stage: what `disk_need` estimates.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -74,23 +77,30 @@ def tree_anon_kb() -> int:
 
 
 class AnonPeak:
-    """Peak anonymous memory (``tree_anon_kb``) since the last ``take()``, sampled by a daemon
-    thread."""
+    """Peak of ``read()`` (default: anonymous memory, ``tree_anon_kb``) since the last
+    ``take()``, sampled by a daemon thread."""
 
-    def __init__(self, every_s: float = 0.1):
+    def __init__(self, every_s: float = 0.1, read=tree_anon_kb):
         self.peak = 0
         self.every_s = every_s
+        self.read = read
         threading.Thread(target=self._sample, daemon=True).start()
 
     def _sample(self) -> None:
         while True:
-            now = tree_anon_kb()  # read first: a Pss walk is slow, and take() may reset meanwhile
+            now = self.read()  # read first: a Pss walk is slow, and take() may reset meanwhile
             self.peak = max(self.peak, now)
             time.sleep(self.every_s)
 
     def take(self) -> int:
-        peak, self.peak = max(self.peak, tree_anon_kb()), 0
+        peak, self.peak = max(self.peak, self.read()), 0
         return peak
+
+
+def disk_taken(folder: Path):
+    """-> a reader of the bytes ``folder``'s filesystem has used since this call."""
+    start = shutil.disk_usage(folder).used
+    return lambda: max(0, shutil.disk_usage(folder).used - start)
 
 
 def profile_build(checkpoint: str, output: str, opts) -> dict:
@@ -101,21 +111,25 @@ def profile_build(checkpoint: str, output: str, opts) -> dict:
     stages: list[dict] = []
     t0 = last = time.perf_counter()
     cpu_last = _cpu_s()
-    overall_peak = overall_anon = 0
+    overall_peak = overall_anon = overall_disk = 0
     anon = AnonPeak()
+    disk = AnonPeak(0.5, disk_taken(Path(output).resolve().parent))
 
     def log(msg: str) -> None:
-        nonlocal last, cpu_last, overall_peak, overall_anon
+        nonlocal last, cpu_last, overall_peak, overall_anon, overall_disk
         now, cpu = time.perf_counter(), _cpu_s()
-        peak, anon_peak = status_kb("VmHWM"), anon.take()
+        peak, anon_peak, disk_peak = status_kb("VmHWM"), anon.take(), disk.take()
         overall_peak, overall_anon = max(overall_peak, peak), max(overall_anon, anon_peak)
+        overall_disk = max(overall_disk, disk_peak)
         stages.append({"stage": msg, "wall_s": round(now - last, 1),
                        "peak_rss_gb": round(peak / 2**20, 2),
                        "peak_anon_gb": round(anon_peak / 2**20, 2),
                        "rss_gb": round(status_kb("VmRSS") / 2**20, 2),
+                       "peak_disk_gb": round(disk_peak / 1e9, 2),
                        "cpu_s": round(cpu - cpu_last, 1)})
         print(f"[{now - t0:7.1f}s +{now - last:6.1f}s cpu {cpu - cpu_last:6.1f}s peak "
-              f"{peak / 2**20:5.2f} GB, anon {anon_peak / 2**20:5.2f} GB] {msg}", file=sys.stderr,
+              f"{peak / 2**20:5.2f} GB, anon {anon_peak / 2**20:5.2f} GB, disk "
+              f"{disk_peak / 1e9:5.1f} GB] {msg}", file=sys.stderr,
               flush=True)
         last, cpu_last = now, cpu
         _reset_peak()
@@ -128,6 +142,7 @@ def profile_build(checkpoint: str, output: str, opts) -> dict:
             "total_s": round(time.perf_counter() - t0, 1),
             "peak_rss_gb": round(overall_peak / 2**20, 2),
             "peak_anon_gb": round(overall_anon / 2**20, 2),
+            "peak_disk_gb": round(overall_disk / 1e9, 2),
             "timings": {k: round(v, 1) for k, v in timings.items()}, "stages": stages}
 
 

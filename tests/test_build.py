@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,6 +140,34 @@ def test_the_disk_estimate_covers_the_peak_measured_on_gemma_4_e4b(monkeypatch):
     slim = disk_need(FAMILY, None, parse_targets("v81"), BuildOptions(share_weights=True,
                                                                       device_only=True), towers)
     assert abs(full - slim - 1.1 * (sum(layers) + 671_088_640) * 4) < 1e3
+
+
+def test_regression_genie_builds_filled_the_disk_their_estimate_had_no_genie_stage(monkeypatch):
+    """Two --genie builds at real size stopped with a full disk in the Genie export, where the
+    build had said its graphs fit: Gemma-4-E2B at w8-fp16 with 25.0 GB free (said 14.3 GB; it
+    built with 51.1), Qwen3.5-4B at w4-fp16 with about 31.6 GB (said 26.4). The estimate now
+    counts the Genie stage (its graphs, binaries and LUT, after the target's compiles); the
+    layers' parameter counts are the real-shape checkpoints'."""
+    from hexforge.bundle.targets import parse_targets
+    from hexforge.families.llama import FAMILY
+    from hexforge.forge.export.graphs import disk_need
+
+    linear, full = 112_923_840, 107_484_672  # Qwen3.5-4B: 3 GatedDeltaNet layers, 1 attention
+    e2b = ([36_577_280] * 4 + [43_655_680]) * 3 + ([64_102_144] * 4 + [70_393_856]) * 4
+    for layers, head, quant, host, filled, said in (
+            (([linear] * 3 + [full]) * 8, 635_699_200, "w4-fp16", 1.27e9, 31.6e9, 26.4e9),
+            (e2b, 402_653_184, "w8-fp16", 5.50e9, 25.0e9, 14.3e9)):
+        monkeypatch.setattr(type(FAMILY), "layer_weight_bytes",
+                            lambda self, hf, bpw, n=layers: [int(x * bpw) for x in n])
+        monkeypatch.setattr(type(FAMILY), "head_weight_bytes",
+                            lambda self, hf, bpw, h=head: int(h * bpw))
+        opts = dict(quant=quant, device_only=True, context=256, prefill_len=32, verify=False)
+        plain = disk_need(FAMILY, None, parse_targets("v81"), BuildOptions(**opts))
+        genie = disk_need(FAMILY, None, parse_targets("v81"), BuildOptions(genie=True, **opts),
+                          lut_bytes=int(host))
+        assert abs(plain - said) < 0.1e9, quant  # what the build said, the target alone
+        assert genie > filled, quant
+    assert genie < 51.1e9  # E2B built with that much free: no wolf cried
 
 
 def test_the_towers_are_counted_as_stored_in_a_bf16_checkpoint(ckpt):
@@ -310,6 +339,51 @@ def test_share_weights_streams_the_exporters_external_weights_into_one_deduplica
         x = rng.standard_normal((rows, 64)).astype(np.float32)
         y = ort.InferenceSession(str(g), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
         np.testing.assert_allclose(y, x @ w + b, rtol=1e-5, atol=1e-5)
+
+
+def test_regression_a_genie_splits_weights_were_on_disk_three_times(tmp_path):
+    """A Genie split's AR-N and AR-1 graphs hold the same weights (a Qwen3.5-4B split, ~10 GB in
+    fp32): both graphs' exported weights and the file gathering them were on disk at once, three
+    times the split, and the build stopped with a full disk. ``extend`` adds each graph to the
+    split's file as it comes: the weights it holds already are pointed at, not written again,
+    and the graph's own export goes."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    from hexforge.forge.export.onnxexport import share_weights
+
+    rng = np.random.default_rng(2)
+    w, v = (rng.standard_normal((64, 64)).astype(np.float32) for _ in range(2))
+
+    def export(name: str, rows: int, weights: dict) -> Path:
+        path = tmp_path / name
+        nodes, x = [], "x"
+        for i, k in enumerate(weights):
+            nodes.append(helper.make_node("MatMul", [x, k], [f"h{i}"]))
+            x = f"h{i}"
+        graph = helper.make_graph(
+            nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [rows, 64])],
+            [helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, [rows, 64])],
+            [numpy_helper.from_array(a, k) for k, a in weights.items()])
+        onnx.save(helper.make_model(graph), str(path), save_as_external_data=True,
+                  location=path.name + ".data", size_threshold=0)
+        return path
+
+    graphs = [export("prompt.onnx", 4, {"w": w})]
+    assert share_weights(graphs, "split.weights", extend=True) == w.nbytes
+    graphs.append(export("token.onnx", 1, {"w": w}))
+    assert share_weights(graphs, "split.weights", extend=True) == 0  # held already
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompt.onnx", "split.weights",
+                                                          "token.onnx"]
+    graphs.append(export("other.onnx", 2, {"w": w, "v": v}))  # one weight new: it alone added
+    assert share_weights(graphs, "split.weights", extend=True) >= v.nbytes
+    assert (tmp_path / "split.weights").stat().st_size < 2 * w.nbytes + 4096
+    for g, rows, want in zip(graphs, (4, 1, 2), (lambda x: x @ w, lambda x: x @ w,
+                                                  lambda x: x @ w @ v), strict=True):
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        y = ort.InferenceSession(str(g), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        np.testing.assert_allclose(y, want(x), rtol=1e-4, atol=1e-4)
 
 
 def test_regression_gathered_weights_were_inlined_past_protobufs_2_gb(tmp_path):

@@ -554,3 +554,33 @@ def test_lade_is_refused_where_its_tokens_would_not_be_basics(lade_check, genie_
             build(ckpt(family), tmp_path / "b", BuildOptions(
                 targets="v81", quant="fp16", context=128, prefill_len=16, genie=True,
                 genie_kv="lade", verify=False), log=lambda m: None)
+
+
+def test_regression_a_quantized_genie_build_kept_each_splits_fp32_export(ckpt, tmp_path,
+                                                                           monkeypatch):
+    """Qwen3.5-4B's --genie build at w4-fp16 stopped with a full disk in the Genie export: each
+    split's fp32 export stayed beside its quantized graphs until the build ended (16.5 GB at
+    that size). A split's float export now goes once its quantized graphs exist, before the
+    next split is exported; the oracle still judges the quantized Genie graphs (three splits,
+    each compiled from its .wo graphs alone), and their binaries are Genie's."""
+    from hexforge.forge.genie import decoder
+    from hexforge.forge.pipeline import BuildOptions, build
+
+    at_compile = []
+    compile_genie_graphs = decoder.compile_genie_graphs
+
+    def spy(paths, *args, **kwargs):
+        at_compile.append(sorted(p.name for p in paths[0].parent.iterdir()))
+        return compile_genie_graphs(paths, *args, **kwargs)
+
+    monkeypatch.setattr(decoder, "compile_genie_graphs", spy)
+    build(ckpt("llama"), tmp_path / "b", BuildOptions(
+        targets="v81", quant="w8-fp16", genie=True, context=128, prefill_len=16,
+        device_only=True, max_shard_bytes={"v81": 80_000}), log=lambda m: None)
+    assert len(at_compile) == 3
+    names = [f"{kind}_{i}_of_3" for i in (1, 2, 3) for kind in ("prompt_ar16_cl128", "token_ar1_cl128")]
+    assert at_compile[-1] == sorted([f"{n}.wo.onnx" for n in names]
+                                    + [f"genie_{i}_of_3.wo.weights" for i in (1, 2, 3)])
+    bins = json.loads((tmp_path / "b" / "genie-v81" / "genie_config.json").read_text())[
+        "dialog"]["engine"]["model"]["binary"]["ctx-bins"]
+    assert sorted(bins) == sorted(f"{n}.bin" for n in names)

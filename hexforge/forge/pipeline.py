@@ -328,7 +328,8 @@ def _host_tensors(b: _Build) -> HostRecipe:
                        for name, (bits, block) in formats.items())
     b.log(f"wrote host tensors ({(tmp / 'host.safetensors').stat().st_size / 1e9:.2f} GB"
           + (f"; {tables}" if tables else "") + ")")
-    _say_disk(disk_need(src.fam, hf, src.targets, opts, src.fam.tower_parameters(hf)),
+    lut = (tmp / "host.safetensors").stat().st_size if opts.genie else 0  # the LUT's bound
+    _say_disk(disk_need(src.fam, hf, src.targets, opts, src.fam.tower_parameters(hf), lut),
               b.out.parent, b.log)
     return host
 

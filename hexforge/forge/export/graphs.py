@@ -175,7 +175,8 @@ def plan_target(fam, hf, target: Target, opts, log) -> list[tuple[int, int]]:
     return shards
 
 
-def disk_need(fam, hf, targets: list[Target], opts, tower_params: int = 0) -> int:
+def disk_need(fam, hf, targets: list[Target], opts, tower_params: int = 0,
+              lut_bytes: int = 0) -> int:
     """About how many bytes of free disk a build's graphs take at its peak, beside the host
     tensors (measured on Gemma-4-E4B: docs/notes/realsize.md):
 
@@ -190,8 +191,17 @@ def disk_need(fam, hf, targets: list[Target], opts, tower_params: int = 0) -> in
                         binaries and with --share-weights the shared ones, each ~ the quantized
                         bytes; then the towers' fp16 binaries, up to 4 bytes a parameter (their
                         baked tables: E4B's 2.9 and 3.5)
+            + --genie   which comes after the compiles, their sources and binaries still there:
+                        the Genie graphs (quantized: all splits' quantized graphs and one
+                        split's fp32 export twice, its AR-1 graph's beside its AR-N graph's,
+                        forge/genie/decoder.py; fp16: the fp32 exports of all), per HTP
+                        target their binaries (unshared: an AR-N and an AR-1 one a split),
+                        the towers' nodes again, and the LUT (``lut_bytes``: at most the
+                        host tensors' bytes, 16 bits a value as theirs)
 
-    and 10 % over that: the stages' own temporary files and the free space move by a GB or so."""
+    and 10 % over that: the stages' own temporary files and the free space move by a GB or so.
+    Qwen3.5-4B's --genie build at w4-fp16 stopped with a full disk where this said 26.4 GB
+    before the Genie term was in it."""
     fp32 = fam.layer_weight_bytes(hf, 4.0)
     full = sum(fp32) + fam.head_weight_bytes(hf, 4.0) + 4 * tower_params  # every graph in fp32
     cpu = 4 * tower_params if opts.device_only else full
@@ -206,4 +216,16 @@ def disk_need(fam, hf, targets: list[Target], opts, tower_params: int = 0) -> in
     floats = full + max(side_files, quant if recipe.quantized else 0)
     binaries = len(htp) * ((3 if opts.share_weights else 2) * quant + 4 * tower_params)
     sources = quant if recipe.quantized else full  # what the compiles are given
-    return int(1.1 * (cpu + max(floats, sources + binaries)))
+    genie = 0
+    if opts.genie:
+        # its splits: the target's with the head on the last one (plan_genie), at most
+        # one split more; the fp32 export of the largest split with the head
+        decoder = full - 4 * tower_params
+        split = side_files + fam.head_weight_bytes(hf, 4.0)  # the largest split's fp32 export
+        # its AR-1 graph exported while the AR-N one's weights are there: twice, that once
+        exports = quant + 2 * split if recipe.quantized else decoder + split
+        compiled = quant if recipe.quantized else decoder // 2
+        # unshared: an AR-N and an AR-1 binary a split; shared: one, and the oracle's twins
+        per = (3 if opts.verify else 1) if opts.share_weights else 2
+        genie = exports + len(htp) * (per * compiled + 4 * tower_params) + lut_bytes
+    return int(1.1 * (cpu + max(floats, sources + binaries + genie)))

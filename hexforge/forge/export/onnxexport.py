@@ -16,6 +16,7 @@ import shutil
 import signal
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -258,19 +259,29 @@ def gather_side_files(path: Path, model=None) -> int:
     def outside(t) -> bool:  # stored in a file other than <graph>.data
         return t.data_location == onnx.TensorProto.EXTERNAL and ExternalDataInfo(t).location != data
 
+    # each side file goes once its last tensor is read: the graph's weights on disk once, not
+    # twice (a Genie split of Qwen3.5-4B is ~10 GB in fp32; its build stopped with a full disk)
+    left = Counter(ExternalDataInfo(t).location for t in _tensors(m.graph) if outside(t))
+
+    def read_once(t) -> bytes:
+        loc = ExternalDataInfo(t).location
+        raw = read_external(t, path.parent)
+        left[loc] -= 1
+        if not left[loc]:
+            (path.parent / loc).unlink(missing_ok=True)
+        return raw
+
     with open(path.parent / data, "ab") as f:
         for t in m.graph.initializer:  # the weights stay outside the graph, now in <graph>.data
             if outside(t):
-                append_external(f, t, data, read_external(t, path.parent))
+                append_external(f, t, data, read_once(t))
     for t in _attribute_tensors(m.graph):  # attribute values inline (onnx's convert_attribute=False)
         if outside(t):
-            raw = read_external(t, path.parent)
+            raw = read_once(t)
             del t.external_data[:]
             t.data_location = onnx.TensorProto.DEFAULT
             t.raw_data = raw
     onnx.save(m, str(path))
-    for loc in side:
-        (path.parent / loc).unlink(missing_ok=True)
     return len(side)
 
 
@@ -363,11 +374,18 @@ def _check_io(m, path: Path, in_names: list[str], out_names: list[str]) -> None:
 
 
 def share_weights(graph_files: list[Path], weights_name: str,
-                  transform: Callable[[object], object] | None = None) -> int:
+                  transform: Callable[[object], object] | None = None,
+                  extend: bool = False) -> int:
     """Move initializers of ``graph_files`` into one de-duplicated external file next to them;
     ``transform`` (e.g. ``fuse.fuse_cpu_graph``) edits each loaded model first, weights in hand.
     Without one, the weights are streamed a tensor at a time (a real-size HTP shard's fp32 graph
     is GBs: loaded whole, it was the build's peak memory).
+
+    ``extend``: the file exists and the graphs that read from it already are left as they are
+    (their bytes indexed, not copied); the others' weights are added to it, those it holds
+    already not twice. A graph exported after another of the same weights (Genie's AR-1 after
+    its AR-N) then takes no more disk than its own export, where a new file beside both took
+    three times the weights.
 
     Returns the bytes written. All graph files must be in the same directory.
     """
@@ -375,10 +393,24 @@ def share_weights(graph_files: list[Path], weights_name: str,
 
     folder = graph_files[0].parent
     wpath = folder / weights_name
+    offsets: dict[str, tuple[int, int]] = {}
+    if extend and wpath.exists():
+        written = 0
+        with open(wpath, "r+b") as f:
+            f.seek(0, os.SEEK_END)
+            start = f.tell()
+            for gf in graph_files:
+                model = onnx.load(str(gf), load_external_data=False)
+                if _index_weights(model, wpath, offsets):
+                    del model
+                    continue  # already reads from it
+                _move_graph_out(model, gf, f, weights_name, offsets)
+                del model
+            written = f.tell() - start
+        return written
     # written beside, then renamed: the graphs may still read weights from a file of that name
     # (weight-only graphs keep their float norms where the float graphs had them)
     tmp = wpath.with_name(weights_name + ".partial")
-    offsets: dict[str, tuple[int, int]] = {}
     with open(tmp, "wb") as f:
         for gf in graph_files:
             if transform is not None:
@@ -386,13 +418,7 @@ def share_weights(graph_files: list[Path], weights_name: str,
                 transform(model)
             else:
                 model = onnx.load(str(gf), load_external_data=False)
-            for t in model.graph.initializer:
-                external = t.data_location == onnx.TensorProto.EXTERNAL
-                _move_out(t, f, weights_name, offsets,
-                          read_external(t, folder) if external else None)
-            for stale in folder.glob(gf.name + ".data"):  # exporter side files, now merged
-                stale.unlink()
-            onnx.save(model, str(gf))
+            _move_graph_out(model, gf, f, weights_name, offsets)
             # protobuf frees a message's bytes with the message, not as fields are cleared: the
             # next graph loads only once this one is gone (E2B cpu, last shard + head: both
             # graphs' weights were alive at once)
@@ -400,6 +426,41 @@ def share_weights(graph_files: list[Path], weights_name: str,
         written = f.tell()
     os.replace(tmp, wpath)
     return written
+
+
+def _move_graph_out(model, gf: Path, f, weights_name: str,
+                    offsets: dict[str, tuple[int, int]]) -> None:
+    """Graph ``gf``'s (loaded as ``model``) initializers into ``f``, its exporter's side file
+    removed, the graph saved reading them from there."""
+    import onnx
+
+    folder = gf.parent
+    for t in model.graph.initializer:
+        external = t.data_location == onnx.TensorProto.EXTERNAL
+        _move_out(t, f, weights_name, offsets, read_external(t, folder) if external else None)
+    for stale in folder.glob(gf.name + ".data"):  # exporter side files, now merged
+        stale.unlink()
+    onnx.save(model, str(gf))
+
+
+def _index_weights(model, wpath: Path, offsets: dict[str, tuple[int, int]]) -> bool:
+    """The bytes ``model``'s initializers read from ``wpath`` into ``offsets`` (as ``_move_out``
+    keys them); -> whether it reads any from there."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo
+
+    found = False
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = ExternalDataInfo(t)
+        if info.location != wpath.name:
+            continue
+        raw = read_external(t, wpath.parent)
+        offsets.setdefault(hashlib.sha1(raw).hexdigest() + f":{t.data_type}",
+                           (info.offset or 0, len(raw)))
+        found = True
+    return found
 
 
 def _move_out(t, f, location: str, offsets: dict[str, tuple[int, int]],

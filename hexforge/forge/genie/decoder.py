@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ...bundle.errors import BuildError
@@ -36,11 +37,14 @@ def graph_name(seq_len: int, context: int, split: int = 0, splits: int = 1) -> s
 
 
 def export_genie_graphs(ctx: StageContext, host, folder: Path, residual_scale: float,
-                        shards: list[tuple[int, int]] | None = None, step=None
+                        shards: list[tuple[int, int]] | None = None, step=None,
+                        finish: Callable[[list[Path], int, int], list[Path]] | None = None
                         ) -> list[list[Path]]:
     """Per split (the planner's ``shards``; default one), one ONNX graph per AR (the options'
     prefill, then decode) in ``folder``, the split's weights in one file; ``step`` (default
-    ``fam.genie_step``) makes each module. -> per split, its graph paths."""
+    ``fam.genie_step``) makes each module; ``finish(paths, split, splits)``, given each split as
+    it is exported, returns the graphs to keep for it (its quantized ones: the float export of
+    one split at a time on disk, not the whole model's in fp32). -> per split, its graph paths."""
     from ..export.onnxexport import export_module, share_weights
 
     fam, hf, args, log = ctx.fam, ctx.hf, ctx.args, ctx.log
@@ -62,8 +66,10 @@ def export_genie_graphs(ctx: StageContext, host, folder: Path, residual_scale: f
                 log(f"  exported {path.name} ({time.perf_counter() - t:.1f}s)")
                 paths.append(path)
                 module = None
-        share_weights(paths, f"genie_{s + 1}_of_{len(shards)}.weights")
-        out.append(paths)
+                # the AR-1 graph's weights are the AR-N one's: into the split's file as each
+                # comes, the split's weights on disk at most twice (three times, gathered after)
+                share_weights(paths, f"genie_{s + 1}_of_{len(shards)}.weights", extend=True)
+        out.append(finish(paths, s, len(shards)) if finish else paths)
     return out
 
 
@@ -207,6 +213,17 @@ def build_genie_bundles(ctx: StageContext, targets, manifest, residual_scale: fl
         (work / LUT_INPUT).write_text(json.dumps([lut.scale, lut.zero_point]))
     # graphs that gather input_ids hold the token table, fp16 (genieio.TokenGather)
     gather = 0 if spec.lut else 2 * args.vocab_size * args.hidden_size
+    def finish(split: list[Path], s: int, n: int) -> list[Path]:
+        if lut is not None:  # Genie copies the LUT's 16-bit rows as they are
+            for p in split:
+                quantize_input(p, "inputs_embeds", lut.scale, lut.zero_point)
+        graphs = recipe.genie_graphs(split, args.vocab_size, s, n)
+        if graphs != split and not opts.keep_work:
+            # the split's fp32 export goes once its quantized graphs exist: Qwen3.5-4B's two
+            # splits were 16.5 GB of fp32 on disk at once, and its build stopped with a full disk
+            drop_graphs(split, split[0].parent / f"genie_{s + 1}_of_{n}.weights")
+        return graphs
+
     splits: dict[tuple, list[list[Path]]] = {}  # the graphs are arch-independent: per plan
     out = {}
     for target in targets:
@@ -215,12 +232,7 @@ def build_genie_bundles(ctx: StageContext, targets, manifest, residual_scale: fl
         if key not in splits:
             t = time.perf_counter()
             paths = export_genie_graphs(ctx, host, work / f"onnx{len(splits)}", residual_scale,
-                                        shards, step)
-            if lut is not None:  # Genie copies the LUT's 16-bit rows as they are
-                for p in (p for split in paths for p in split):
-                    quantize_input(p, "inputs_embeds", lut.scale, lut.zero_point)
-            paths = [recipe.genie_graphs(p, args.vocab_size, s, len(paths))
-                     for s, p in enumerate(paths)]
+                                        shards, step, finish)
             splits[key] = paths
             log(f"[genie] exported {len(shards)} split(s) x {len(paths[0])} graphs "
                 f"({time.perf_counter() - t:.1f}s)")
@@ -260,6 +272,12 @@ def build_genie_bundles(ctx: StageContext, targets, manifest, residual_scale: fl
             log(f"[{target.name}] note: {note}")
         out[target.name] = folder
     return out
+
+
+def drop_graphs(graphs: list[Path], weights: Path) -> None:
+    """Remove ``graphs`` and the one weights file they share."""
+    for p in [*graphs, weights]:
+        p.unlink(missing_ok=True)
 
 
 def quantize_input(path: Path, name: str, scale: float, zero_point: int) -> None:
