@@ -2,7 +2,7 @@
 contract's check at any size (the two run the same weights; plumbing, not accuracy).
 
     python bench/genie_equal.py BUNDLE [--tokens 4] [--prompt-ids 8 | --image PNG | --audio WAV]
-                                [--prefill-mode decode]
+                                [--prefill-mode decode] [--gaps-of ID,ID,...]
 
 For the seeds' models at real width, build first with bench/realsize.py (``--genie
 --device-only``, ``--layers N`` for a cut), e.g. the Qwen3.5-4B text decoder cut to 4 layers:
@@ -68,6 +68,9 @@ def main() -> None:
     ap.add_argument("--audio", type=Path, default=None, help="or about this recording")
     ap.add_argument("--prefill-mode", choices=("chunked", "decode"), default="chunked",
                     help="decode: the AR-1 graphs alone, through both")
+    ap.add_argument("--gaps-of", default=None, metavar="ID,ID,...",
+                    help="no generation: where these tokens (an earlier run's libGenie side) "
+                         "rank in qnn-sim's logits, each on its own prefix")
     ap.add_argument("--genie-only", action="store_true", help=argparse.SUPPRESS)  # the child
     a = ap.parse_args()
 
@@ -90,6 +93,15 @@ def main() -> None:
 
     import hexforge
 
+    if a.gaps_of:  # a run cut short after both sides ended: its gaps alone (the AR-1 steps)
+        from hexforge.runtime.compare import pick_gaps
+
+        model = hexforge.load(a.bundle, backend="qnn-sim", prefill_mode=a.prefill_mode)
+        tokens = [int(t) for t in a.gaps_of.split(",")]
+        gaps = pick_gaps(model, prompt, tokens)
+        print(json.dumps({"bundle": str(a.bundle), "tokens": tokens, "gap_rank_fp16_step": [
+            [round(g, 5), r, round(step, 5)] for g, r, step in gaps]}, indent=1))
+        return
     # libGenie in a child process beside qnn-sim in this one: each simulator takes a core
     child = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--genie-only"],
                              stdout=subprocess.PIPE, text=True)
