@@ -218,11 +218,10 @@ def disk_need(fam, hf, targets: list[Target], opts, tower_params: int = 0,
     sources = quant if recipe.quantized else full  # what the compiles are given
     genie = 0
     if opts.genie:
-        # its splits: the target's with the head on the last one (plan_genie), at most
-        # one split more; the fp32 export of the largest split with the head
         decoder = full - 4 * tower_params
-        split = side_files + fam.head_weight_bytes(hf, 4.0)  # the largest split's fp32 export
-        # its AR-1 graph exported while the AR-N one's weights are there: twice, that once
+        # the largest split's fp32 export (Genie's last split holds the head: plan_genie), its
+        # AR-1 graph exported while the AR-N one's weights are there: twice, that once
+        split = side_files + fam.head_weight_bytes(hf, 4.0)
         exports = quant + 2 * split if recipe.quantized else decoder + split
         compiled = quant if recipe.quantized else decoder // 2
         # unshared: an AR-N and an AR-1 binary a split; shared: one, and the oracle's twins

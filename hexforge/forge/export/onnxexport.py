@@ -395,7 +395,6 @@ def share_weights(graph_files: list[Path], weights_name: str,
     wpath = folder / weights_name
     offsets: dict[str, tuple[int, int]] = {}
     if extend and wpath.exists():
-        written = 0
         with open(wpath, "r+b") as f:
             f.seek(0, os.SEEK_END)
             start = f.tell()

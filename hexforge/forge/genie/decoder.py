@@ -213,6 +213,7 @@ def build_genie_bundles(ctx: StageContext, targets, manifest, residual_scale: fl
         (work / LUT_INPUT).write_text(json.dumps([lut.scale, lut.zero_point]))
     # graphs that gather input_ids hold the token table, fp16 (genieio.TokenGather)
     gather = 0 if spec.lut else 2 * args.vocab_size * args.hidden_size
+
     def finish(split: list[Path], s: int, n: int) -> list[Path]:
         if lut is not None:  # Genie copies the LUT's 16-bit rows as they are
             for p in split:
